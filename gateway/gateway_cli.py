@@ -1,0 +1,26 @@
+"""Flags of `warmroute gateway` (DESIGN.md "Operating it"); the service is built in gateway.server."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML config file (environment overrides apply)")
+    p.add_argument("--check-config", metavar="FILE", help="validate FILE and exit (0 valid, 2 invalid)")
+    p.add_argument("--host", default=None, help="listen address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=None, help="OpenAI API port (default 8080)")
+    p.add_argument("--admin-port", type=int, default=None, help="admin port: /metrics /healthz /readyz /debug (default 8081)")
+    p.add_argument("--replica", action="append", default=[], metavar="ID=URL", help="a replica (repeatable)")
+    p.add_argument("--feed", default=None, metavar="URL", help="memory:// or redis://HOST:PORT/DB")
+    p.add_argument("--policy", default=None, help="routing policy (default cache_aware)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="HF tokenizer directory (default: built-in Qwen/ChatML)")
+    p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default 16)")
+    p.add_argument("--api-keys", default=None, metavar="FILE", help="YAML: tenant id -> list of keys (plain or sha256:HEX)")
+    p.add_argument("--no-auth", action="store_true", help="single-tenant mode: no authentication")
+    p.add_argument("--salt-secret-file", default=None, metavar="FILE", help="file holding the cache-salt HMAC secret")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gateway.server import main_from_args
+
+    return main_from_args(args)

@@ -1,0 +1,10 @@
+"""Pure hashing: token ids -> block keys. No I/O, no asyncio, no sockets.
+
+- `hashing.keys`: warmroute's own chained block keys (the DESIGN contract), computed identically
+  by the gateway (from a request's tokens) and by the replica agent (from engine events).
+- `hashing.vllm_hash`: vLLM's engine-exact prefix-cache hashes (sha256, sha256_cbor), used by the
+  simulator to emit the same hashes a real engine would and by checks.
+"""
+from hashing.keys import BlockKey, EngineHash, KeyChain, block_extras, chain_keys, root_key
+
+__all__ = ["BlockKey", "EngineHash", "KeyChain", "block_extras", "chain_keys", "root_key"]

@@ -1,0 +1,16 @@
+"""`warmroute demo`: an embedded, self-contained run (sims, agents, gateway in one process)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=120)
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from loadtests.demo import main_from_args
+
+    return main_from_args(args)

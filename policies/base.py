@@ -1,0 +1,95 @@
+"""The policy interface: one small Protocol, plain frozen records in and out, no I/O.
+
+A policy ranks the candidate replicas for one request. Input: a `RequestView` (the request's block
+keys and token counts) and one `ReplicaView` per replica (match length per medium, load, rates,
+health), all plain data assembled by the gateway or the virtual-time simulator. Output: a
+`Decision` whose `ranked` tuple lists every *eligible* replica best-first, each `Candidate`
+carrying the terms of its score so a trace or the debug route can explain the choice.
+
+Rules every policy keeps (tests/test_policies_conformance.py checks them for all policies):
+- an unhealthy replica is never ranked; with no healthy replica `ranked` is empty (the caller
+  answers 503), never an exception;
+- ranking is deterministic for a given `rng` state;
+- `rank` has no side effects on its inputs; a policy may keep its own small state (round-robin's
+  cursor) and may learn in the `observe` hook, which defaults to doing nothing.
+Units live in names: `*_tokens`, `*_blocks`, `*_s`, `*_reqs`.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import ClassVar, Mapping, Protocol, Sequence, runtime_checkable
+
+__all__ = ["RequestView", "ReplicaView", "Candidate", "Decision", "Policy", "PolicyBase"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """One request's routing inputs."""
+
+    prompt_tokens: int  # tokens of the prompt as the engine will count them
+    block_size: int  # tokens per KV block (only full blocks are keyed/cached)
+    keys: tuple[int, ...] = ()  # warmroute block keys of the prompt's full blocks, block 0 first
+    max_output_tokens: int = 0  # the request's max_tokens (0: unknown)
+    tenant_hash: str = ""  # hashed tenant id ("" when auth is off); never the raw id
+    request_id: str = ""  # for logs/traces only
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """What the gateway knows of one replica at decision time (read-only)."""
+
+    replica_id: str
+    healthy: bool = True  # passes probes and is not ejected
+    matched_blocks_gpu: int = 0  # leading run of the request's keys held in GPU KV
+    matched_blocks_cpu: int = 0  # leading run counting GPU *or* CPU-offload blocks (>= gpu run)
+    index_live: bool = True  # the replica's feed is current; when False its matches are ignored
+    running_reqs: int = 0  # engine-reported running requests (agent's last scrape)
+    waiting_reqs: int = 0  # engine-reported waiting requests
+    inflight_reqs: int = 0  # requests gateways sent it that have not yet produced a first token
+    inflight_prefill_tokens: int = 0  # uncached prompt tokens of those in-flight requests
+    kv_usage: float = 0.0  # engine-reported KV cache usage, 0..1
+    prefill_s_per_token: float = 5e-5  # calibrated (or prior) prefill seconds per uncached token
+    decode_step_s: float = 0.02  # calibrated (or prior) seconds per decode step
+    extra: Mapping[str, float] = field(default_factory=dict)  # optional signals for custom terms
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One ranked replica with its score and the terms that make it up."""
+
+    replica_id: str
+    score: float  # higher is better
+    terms: Mapping[str, float]  # e.g. matched_tokens, cache_benefit_s, queue_penalty_s
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    policy: str
+    ranked: tuple[Candidate, ...]  # eligible replicas, best first; empty when none is eligible
+
+    @property
+    def winner(self) -> str | None:
+        return self.ranked[0].replica_id if self.ranked else None
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: ClassVar[str]
+
+    def rank(self, request: RequestView, replicas: Sequence[ReplicaView], rng: random.Random) -> Decision:
+        """Rank the healthy replicas for `request`; see the module rules."""
+        ...
+
+    def observe(self, replica_id: str, ttft_s: float, uncached_tokens: int) -> None:
+        """Lifecycle hook: the outcome of a request routed by this policy (default: ignore)."""
+        ...
+
+
+class PolicyBase:
+    """Convenience base with the no-op hooks."""
+
+    name: ClassVar[str] = "base"
+
+    def observe(self, replica_id: str, ttft_s: float, uncached_tokens: int) -> None:
+        return None

@@ -1,0 +1,99 @@
+"""Shared fixtures. Tests mark what they need (redis, vllm, slow); nothing skips silently:
+a missing redis-server or vLLM makes the test fail with the reason."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+FIXTURE_EVENTS = SHARED / "fixtures" / "vllm-0.32-cpu-kv-events.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    """The built-in Qwen/ChatML tokenizer directory (built offline on first use)."""
+    from gateway.default_tokenizer import default_tokenizer_dir
+
+    return default_tokenizer_dir()
+
+
+@pytest.fixture(scope="session")
+def vllm_fixture() -> dict:
+    """Traffic captured from a real vLLM 0.32 CPU build (shared/fixtures/README.md)."""
+    import json
+
+    path = Path(os.environ.get("WARMROUTE_FIXTURES", FIXTURE_EVENTS))
+    if not path.exists():
+        pytest.fail(f"captured vLLM fixture missing at {path}: set WARMROUTE_FIXTURES or provide ../shared/fixtures")
+    return json.loads(path.read_text())
+
+
+class RedisServer:
+    """A private redis-server on a free port; can be stopped and restarted on the same port."""
+
+    def __init__(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server not found: install it (apt-get install redis-server); .ci/run does")
+        self.exe = exe
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="wr-redis-")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", self.dir],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        pytest.fail(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server():
+    """A fresh private redis-server per test (real Redis, not a mock)."""
+    srv = RedisServer()
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        shutil.rmtree(srv.dir, ignore_errors=True)
