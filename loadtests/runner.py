@@ -1,0 +1,215 @@
+"""The wall-clock load runner: sends a prepared request stream to an OpenAI-compatible endpoint
+and measures what a client sees.
+
+Input: `BenchRequest`s (arrival offset, route, JSON body, API key). Open loop (`arrival_s` from a
+Poisson process) or closed loop (`concurrency` clients, arrivals ignored). Every request streams
+with `stream_options.include_usage` so the engine's `cached_tokens` comes back. Output: one
+`Sample` per request (TTFT, inter-token gaps, end-to-end, tokens, cached tokens, replica if the
+gateway names it, error) and `summarize()` turns samples into the report DESIGN.md "Measuring"
+asks for. The machine's CPU share during the run is recorded with the result: a run taken while
+the CPU was saturated measures the CPU, not the router.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import aiohttp
+
+__all__ = ["BenchRequest", "Sample", "run_load", "summarize", "percentiles", "CpuMeter"]
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    arrival_s: float  # offset from the run's start (open loop)
+    route: str  # "/v1/chat/completions" or "/v1/completions"
+    body: dict  # OpenAI request body (stream is forced on)
+    api_key: str | None = None  # bearer credential (the tenant), None when auth is off
+    tag: str = ""  # workload label, e.g. document id
+
+
+@dataclass(slots=True)
+class Sample:
+    tag: str
+    ok: bool = False
+    status: int = 0
+    error: str = ""
+    start_s: float = 0.0
+    ttft_s: float = float("nan")
+    e2e_s: float = float("nan")
+    itl_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    replica: str = ""
+
+
+class CpuMeter:
+    """Whole-machine CPU share over an interval, from /proc/stat (Linux)."""
+
+    def __init__(self) -> None:
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                parts = [int(x) for x in f.readline().split()[1:]]
+        except OSError:
+            return None
+        idle = parts[3] + (parts[4] if len(parts) > 4 else 0)
+        return sum(parts), idle
+
+    def share(self) -> float:
+        end = self._read()
+        if self._start is None or end is None:
+            return float("nan")
+        total, idle = end[0] - self._start[0], end[1] - self._start[1]
+        return 1.0 - idle / total if total > 0 else float("nan")
+
+
+async def _one(session: aiohttp.ClientSession, base_url: str, req: BenchRequest, t0: float, timeout_s: float) -> Sample:
+    body = dict(req.body)
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
+    headers = {"Content-Type": "application/json"}
+    if req.api_key:
+        headers["Authorization"] = f"Bearer {req.api_key}"
+    s = Sample(tag=req.tag)
+    start = time.perf_counter()
+    s.start_s = start - t0
+    last = None
+    try:
+        async with session.post(base_url + req.route, data=json.dumps(body), headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            s.status = resp.status
+            s.replica = resp.headers.get("x-warmroute-replica", "")
+            if resp.status != 200:
+                s.error = (await resp.text())[:300]
+                return s
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    line = event.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        continue
+                    msg = json.loads(data)
+                    if "error" in msg:
+                        s.error = json.dumps(msg["error"])[:300]
+                        return s
+                    now = time.perf_counter()
+                    if msg.get("choices"):
+                        ch = msg["choices"][0]
+                        text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+                        if text:
+                            if last is None:
+                                s.ttft_s = now - start
+                            else:
+                                s.itl_s.append(now - last)
+                            last = now
+                    usage = msg.get("usage")
+                    if usage:
+                        s.prompt_tokens = usage.get("prompt_tokens", 0) or 0
+                        s.output_tokens = usage.get("completion_tokens", 0) or 0
+                        details = usage.get("prompt_tokens_details") or {}
+                        s.cached_tokens = details.get("cached_tokens", 0) or 0
+            s.e2e_s = time.perf_counter() - start
+            s.ok = last is not None
+            if not s.ok:
+                s.error = "stream ended without a token"
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+        s.error = f"{type(exc).__name__}: {exc}"[:300]
+    return s
+
+
+async def run_load(
+    base_url: str,
+    requests: Sequence[BenchRequest],
+    *,
+    concurrency: int | None = None,
+    timeout_s: float = 120.0,
+    fresh_connections: bool = False,
+) -> tuple[list[Sample], float]:
+    """Send `requests`; return (samples in request order, wall seconds). Open loop unless
+    `concurrency` is given."""
+    connector = aiohttp.TCPConnector(limit=0, force_close=fresh_connections)
+    samples: list[Sample | None] = [None] * len(requests)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        t0 = time.perf_counter()
+        if concurrency:
+            it = iter(enumerate(requests))
+
+            async def worker() -> None:
+                for i, r in it:
+                    samples[i] = await _one(session, base_url, r, t0, timeout_s)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        else:
+            async def timed(i: int, r: BenchRequest) -> None:
+                delay = r.arrival_s - (time.perf_counter() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                samples[i] = await _one(session, base_url, r, t0, timeout_s)
+
+            await asyncio.gather(*(timed(i, r) for i, r in enumerate(requests)))
+        wall = time.perf_counter() - t0
+    return [s for s in samples if s is not None], wall
+
+
+def percentiles(values: Iterable[float], ps: Sequence[float] = (50, 90, 95, 99)) -> dict[str, float]:
+    vals = sorted(v for v in values if v == v)
+    out: dict[str, float] = {}
+    if not vals:
+        return {**{f"p{int(p)}": float("nan") for p in ps}, "max": float("nan"), "mean": float("nan")}
+    for p in ps:
+        k = (len(vals) - 1) * p / 100.0
+        lo = int(k)
+        hi = min(lo + 1, len(vals) - 1)
+        out[f"p{int(p)}"] = vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
+    out["max"] = vals[-1]
+    out["mean"] = sum(vals) / len(vals)
+    return out
+
+
+def _ms(d: dict[str, float]) -> dict[str, float]:
+    return {k: round(v * 1000.0, 2) for k, v in d.items()}
+
+
+def summarize(samples: Sequence[Sample], wall_s: float, **params) -> dict:
+    """The report of one policy/target: DESIGN.md "Measuring" and the bench JSON contract."""
+    ok = [s for s in samples if s.ok]
+    prompt = sum(s.prompt_tokens for s in ok)
+    cached = sum(s.cached_tokens for s in ok)
+    out_tokens = sum(s.output_tokens for s in ok)
+    per_replica: dict[str, int] = {}
+    for s in ok:
+        if s.replica:
+            per_replica[s.replica] = per_replica.get(s.replica, 0) + 1
+    errors = [s.error for s in samples if not s.ok]
+    return {
+        "requests": len(samples),
+        "errors": len(errors),
+        "error_examples": errors[:3],
+        "duration_s": round(wall_s, 3),
+        "throughput_rps": round(len(ok) / wall_s, 3) if wall_s > 0 else 0.0,
+        "output_tokens_per_s": round(out_tokens / wall_s, 2) if wall_s > 0 else 0.0,
+        "ttft_ms": _ms(percentiles(s.ttft_s for s in ok)),
+        "itl_ms": _ms(percentiles(x for s in ok for x in s.itl_s)),
+        "e2e_ms": _ms(percentiles(s.e2e_s for s in ok)),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "output_tokens": out_tokens,
+        "hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
+        "per_replica_requests": dict(sorted(per_replica.items())),
+        "params": params,
+        "cpu_count": os.cpu_count(),
+    }
