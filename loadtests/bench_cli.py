@@ -16,6 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="write the JSON report here")
     p.add_argument("--plot", default=None, metavar="FILE", help="write a PNG plot here")
     p.add_argument("--target", action="append", default=[], metavar="URL", help="measure an OpenAI-compatible endpoint instead")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="override a workload parameter (repeatable)")
+    p.add_argument("--num-blocks", type=int, default=256, help="KV capacity per simulated replica, in blocks")
+    p.add_argument("--model", default="warmroute-sim", help="model name sent in requests")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,167 @@
+"""An embedded warmroute system in one process: N simulated vLLM replicas, one sidecar agent per
+replica publishing to a feed, and a gateway consuming it. Used by `warmroute demo`, `warmroute
+bench` (self-contained mode) and end-to-end tests.
+
+Wiring, as in a real deployment: each sim's ZMQ PUB connects to its agent's bound SUB on
+127.0.0.1 (vLLM's rule for a non-wildcard endpoint), the replay socket is the sim's ROUTER, the
+agent scrapes the sim's `/metrics`, and the gateway reaches the sims over HTTP. The feed is the
+in-process one by default (`memory://<unique name>`) or Redis when `feed_url` says so.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import secrets
+import socket
+import tempfile
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import aiohttp
+
+__all__ = ["SystemSpec", "EmbeddedSystem", "api_key_for"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def api_key_for(tenant: str) -> str:
+    """The bench's API key of a tenant (deterministic, test-only credentials)."""
+    return f"sk-bench-{tenant}"
+
+
+@dataclass
+class SystemSpec:
+    replicas: int = 3
+    policy: str = "cache_aware"
+    policy_params: dict = field(default_factory=dict)
+    model: str = "warmroute-sim"
+    block_size: int = 16
+    num_blocks: int | None = 256  # per replica KV capacity (blocks)
+    time_profile: str = "wallclock"  # "wallclock" (slowed ~20x for this machine) or "gpu"
+    max_num_seqs: int = 64
+    tenants: tuple[str, ...] = ("t0",)
+    auth: bool = True
+    feed_url: str | None = None  # None: a private in-process feed
+    agent_load_interval_s: float = 0.25
+
+
+class EmbeddedSystem:
+    """`async with EmbeddedSystem(spec) as sys:` -> sys.url (gateway), sys.sims, sys.api_keys."""
+
+    def __init__(self, spec: SystemSpec) -> None:
+        self.spec = spec
+        self.sims: list = []
+        self.agents: list = []
+        self.gateway = None
+        self.feed = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="warmroute-embedded-")
+        self.api_keys = {t: api_key_for(t) for t in spec.tenants}
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+    @property
+    def admin_url(self) -> str:
+        return self.gateway.admin_url
+
+    async def __aenter__(self) -> "EmbeddedSystem":
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        from gateway.config import GatewayConfig, ReplicaSpec
+        from gateway.server import start_gateway
+        from loadtests.sim.scheduler import TimeModel
+        from loadtests.sim.server import SimConfig, start_sim_server
+        from replica_agent.agent import AgentConfig, start_agent
+        from replica_agent.feed import open_feed
+
+        spec = self.spec
+        self.feed = open_feed(spec.feed_url or f"memory://embedded-{uuid.uuid4().hex[:8]}")
+        tm = TimeModel.wallclock() if spec.time_profile == "wallclock" else TimeModel()
+        ids = [f"r{i}" for i in range(spec.replicas)]
+        endpoints = {rid: (f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}") for rid in ids}
+        sims = {}
+        for rid in ids:
+            ev, rp = endpoints[rid]
+            cfg = SimConfig(model=spec.model, block_size=spec.block_size, num_blocks=spec.num_blocks,
+                            max_num_seqs=spec.max_num_seqs, time=replace(tm), kv_events_endpoint=ev,
+                            max_model_len=min(32768, spec.num_blocks * spec.block_size) if spec.num_blocks else 32768,
+                            replay_endpoint=rp, engine_label=rid)
+            sims[rid] = await start_sim_server(cfg)
+            self.sims.append(sims[rid])
+        for rid in ids:
+            ev, rp = endpoints[rid]
+            acfg = AgentConfig(replica_id=rid, kv_events_endpoint=ev, engine_url=sims[rid].url, replay_endpoint=rp,
+                               bind=True, model=spec.model, block_size=spec.block_size,
+                               load_interval_s=spec.agent_load_interval_s)
+            self.agents.append(await start_agent(acfg, self.feed))
+        secret_file = Path(self._tmp.name) / "salt-secret"
+        secret_file.write_text(secrets.token_urlsafe(32))
+        cfg = GatewayConfig()
+        cfg.server.host, cfg.server.port, cfg.server.admin_port = "127.0.0.1", 0, 0
+        cfg.model.name, cfg.model.block_size = spec.model, spec.block_size
+        cfg.membership.replicas = [ReplicaSpec(id=rid, url=sims[rid].url) for rid in ids]
+        cfg.membership.health_interval_s = 0.5
+        cfg.feed.url = self.feed.url if hasattr(self.feed, "url") else (spec.feed_url or "memory://")
+        cfg.policy.name, cfg.policy.params = spec.policy, dict(spec.policy_params)
+        if spec.time_profile == "wallclock":
+            cfg.policy.prior_prefill_s_per_token = tm.prefill_s_per_token
+            cfg.policy.prior_decode_step_s = tm.step_overhead_s
+        cfg.salt.secret_file = str(secret_file)
+        if spec.auth:
+            cfg.auth.api_keys = {t: ["sha256:" + hashlib.sha256(k.encode()).hexdigest()] for t, k in self.api_keys.items()}
+        else:
+            cfg.auth.enabled = False
+        self.gateway = await start_gateway(cfg, feed=self.feed)
+        await self._wait_ready()
+
+    async def _wait_ready(self, timeout_s: float = 30.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        last = ""
+        async with aiohttp.ClientSession() as s:
+            while loop.time() < deadline:
+                try:
+                    async with s.get(self.admin_url + "/readyz") as r:
+                        last = await r.text()
+                        if r.status == 200:
+                            return
+                except aiohttp.ClientError as exc:
+                    last = str(exc)
+                await asyncio.sleep(0.1)
+        raise RuntimeError(f"embedded gateway not ready after {timeout_s}s: {last[:300]}")
+
+    def sim_stats(self) -> dict[str, dict]:
+        return {s.server.cfg.engine_label: s.server.stats() for s in self.sims}
+
+    async def close(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.close()
+            self.gateway = None
+        for a in self.agents:
+            await a.close()
+        self.agents.clear()
+        for s in self.sims:
+            await s.close()
+        self.sims.clear()
+        if self.feed is not None and hasattr(self.feed, "close"):
+            res = self.feed.close()
+            if asyncio.iscoroutine(res):
+                await res
+            self.feed = None
+        self._tmp.cleanup()
