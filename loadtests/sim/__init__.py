@@ -1,0 +1,12 @@
+"""The vLLM replica simulator (DESIGN.md "The replica simulator").
+
+- `blockpool`, `scheduler`: the pure engine core (paged KV pool with prefix caching, continuous
+  batching, time model), drivable in virtual time.
+- `kv_events`: vLLM's ZMQ KV-event wire format and PUB/ROUTER-replay transport.
+- `tokenize`: the engine's tokenization (chat template, special-token defaults).
+- `server`: the aiohttp replica (`start_sim_server`, `warmroute sim`).
+"""
+from loadtests.sim.blockpool import BlockPool, ModelShape
+from loadtests.sim.scheduler import EngineConfig, SimEngine, SimRequest, StepOutcome, TimeModel
+
+__all__ = ["BlockPool", "ModelShape", "EngineConfig", "SimEngine", "SimRequest", "StepOutcome", "TimeModel"]

@@ -1,0 +1,927 @@
+"""The simulated vLLM replica's HTTP server (aiohttp): vLLM's OpenAI routes around a SimEngine.
+
+What it owns: request validation with vLLM's error shape, tokenization, SSE framing, the engine
+loop task, metrics, KV-event publishing, faults. The engine core (scheduler.py, blockpool.py) is
+pure and knows nothing of this file.
+
+Engine loop (one task per server): while there is work, run `engine.step()`, sleep until
+`t_start + modelled duration` (an absolute deadline, so CPU spent in the step counts against the
+modelled time), then publish the step's KV events and wake the streams whose requests got tokens.
+`lateness_s = t_end - deadline` measures how far the real clock fell behind the model (timer
+slack, a CPU-saturated process); `/sim/stats` and `/metrics` expose it.
+
+Routes: POST /v1/completions, /v1/chat/completions (stream or not), /tokenize, /detokenize,
+/v1/completions/render, /v1/chat/completions/render, /reset_prefix_cache; GET /health,
+/v1/models, /metrics, /kv_event_sources, /version; admin POST /sim/fault, GET /sim/stats. Anything
+else is a 404, as on vLLM.
+
+Faults (POST /sim/fault {"kind": ...}, or CLI flags): "crash" (/health 503, every other route 500,
+live streams cut; with "refuse": true the listening socket closes: connections refused),
+"stall" {"duration_s"} (no steps for that long), "drop_events" {"fraction"} (PUB batches skipped,
+their seq consumed: a gap), "restart" (all requests dropped, empty cache, events seq back to 0 and
+replay emptied, like a new process), "slow" {"factor"} (step times x factor), "recover" (restart
+after a crash), "clear" (drop and slow factors back to normal).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import signal
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from loadtests.sim.blockpool import DEFAULT_KV_BUDGET_BYTES, LLAMA3_8B, ModelShape
+from loadtests.sim.kv_events import KVEventPublisher
+from loadtests.sim.scheduler import EngineConfig, SimEngine, SimRequest, TimeModel
+from loadtests.sim.tokenize import SimTokenizer
+
+__all__ = ["SimConfig", "SimServer", "RunningSim", "start_sim_server", "main_from_args", "config_from_args"]
+
+log = logging.getLogger("warmroute.sim")
+_json = msgspec.json.Encoder()
+_FILLER_TEXT = " the quick brown fox jumps over the lazy dog"
+# vLLM's TTFT histogram buckets (vllm/v1/metrics/loggers.py)
+_TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_INLINE_TOKENIZE_CHARS = 16384  # longer texts are tokenized in a worker thread, off the event loop
+
+
+@dataclass
+class SimConfig:
+    model: str = "warmroute-sim"  # served model name
+    tokenizer: str | None = None  # HF tokenizer dir; None: gateway.default_tokenizer
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # KV capacity; None: from model_shape and kv_budget_bytes
+    model_shape: ModelShape = LLAMA3_8B  # for capacity when num_blocks is None
+    kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES  # for capacity when num_blocks is None
+    max_model_len: int = 32768  # prompt + output tokens per request at most (clamped to KV capacity)
+    max_num_seqs: int = 256  # running sequences at most
+    max_num_batched_tokens: int = 8192  # per-step token budget (chunked prefill)
+    hash_algo: str = "sha256_cbor"  # prefix-caching hash algo (engine-exact)
+    enable_prefix_caching: bool = True  # vLLM's --enable-prefix-caching
+    time: TimeModel = field(default_factory=TimeModel)  # step-time model (GPU profile by default)
+    default_max_tokens: int = 16  # when a request gives no max_tokens
+    kv_events_endpoint: str | None = None  # ZMQ PUB endpoint; None: no events
+    replay_endpoint: str | None = None  # ZMQ ROUTER replay endpoint; None: no replay
+    kv_events_topic: str = "kv-events"  # ZMQ topic frame
+    kv_events_buffer_steps: int = 10000  # batches kept for replay
+    events_format: str = "map"  # "map" (current vLLM) or "array" (older positional)
+    engine_label: str = "0"  # Prometheus label `engine`
+    data_parallel_rank: int = 0  # in event payloads and /kv_event_sources
+    drop_events_fraction: float = 0.0  # fault at start: share of event batches dropped
+    slow_factor: float = 1.0  # fault at start: step times multiplied
+    crash_after_s: float | None = None  # fault: crash this long after start
+    stall_after_s: float | None = None  # fault: stall this long after start ...
+    stall_s: float = 0.0  # ... for this long
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            model_shape=self.model_shape,
+            kv_budget_bytes=self.kv_budget_bytes,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            hash_algo=self.hash_algo,
+            enable_prefix_caching=self.enable_prefix_caching,
+            time=replace(self.time),
+        )
+
+
+class BadRequest(Exception):
+    """A client error, reported as vLLM does: HTTP 400 with an OpenAI-style body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, err_type: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.err_type = message, param, status, err_type
+
+
+def _error_response(message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
+
+
+def _json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(obj), status=status, content_type="application/json")
+
+
+class _Stream:
+    """Connects an engine request to its HTTP handler."""
+
+    __slots__ = ("event", "done", "aborted", "t_arrival", "t_first", "n_delivered")
+
+    def __init__(self, t_arrival: float) -> None:
+        self.event = asyncio.Event()
+        # output tokens whose modelled time has come; the engine's own count runs a step ahead
+        self.n_delivered = 0
+        self.done = False  # the engine finished the request
+        self.aborted: str | None = None  # why the engine dropped it (crash, restart)
+        self.t_arrival = t_arrival
+        self.t_first: float | None = None
+
+
+@dataclass
+class _Parsed:
+    prompt_ids: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    cache_salt: str | None
+    report_full: bool
+
+
+def _check_type(body: dict, key: str, types: tuple, what: str) -> Any:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) and bool not in types:
+        raise BadRequest(f"'{key}' must be {what}, got {type(v).__name__}", key)
+    if not isinstance(v, types):
+        raise BadRequest(f"'{key}' must be {what}, got {type(v).__name__}", key)
+    return v
+
+
+def validate_cache_salt(salt: Any) -> str | None:
+    """vLLM's rule: a non-empty string of at most 128 characters without @ / \\ or NUL."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        raise BadRequest("Parameter 'cache_salt' must be a string.", "cache_salt")
+    if not salt:
+        raise BadRequest("Parameter 'cache_salt' must be a non-empty string.", "cache_salt")
+    if len(salt) > 128:
+        raise BadRequest("Parameter 'cache_salt' must be at most 128 characters.", "cache_salt")
+    if any(c in salt for c in "@/\\\x00"):
+        raise BadRequest("Parameter 'cache_salt' must not contain '@', '/', '\\' or NUL characters.", "cache_salt")
+    return salt
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise BadRequest("Field required: 'messages'", "messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string 'role'", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: text parts joined as vLLM's "string" format does
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+                texts.append(part["text"])
+            m = {**m, "content": "\n".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of parts", "messages")
+        elif content is None:
+            m = {**m, "content": ""}
+        out.append(m)
+    return out
+
+
+class SimServer:
+    """One simulated replica: engine, tokenizer, publisher, HTTP app."""
+
+    def __init__(self, cfg: SimConfig, tokenizer: SimTokenizer | None = None) -> None:
+        self.cfg = cfg
+        if tokenizer is None:
+            tok_dir = cfg.tokenizer
+            if tok_dir is None:
+                from gateway.default_tokenizer import default_tokenizer_dir
+
+                tok_dir = str(default_tokenizer_dir())
+            tokenizer = SimTokenizer(tok_dir)
+        self.tokenizer = tokenizer
+        self._filler_ids = tuple(tokenizer.encode(_FILLER_TEXT, add_special_tokens=False))
+        self._filler_text = [tokenizer.decode_one(t) for t in self._filler_ids]
+        self.engine = self._new_engine()
+        capacity_tokens = self.engine.pool.num_blocks * cfg.block_size
+        if cfg.max_model_len > capacity_tokens:
+            log.warning("max_model_len %d exceeds KV capacity %d tokens; clamping (vLLM would refuse to start)", cfg.max_model_len, capacity_tokens)
+        self.max_model_len = min(cfg.max_model_len, capacity_tokens)
+        self.publisher: KVEventPublisher | None = None
+        self.host = "127.0.0.1"
+        self.port = 0
+        self.crashed = False
+        self._refusing = False  # crash with "refuse": the listening socket is closed
+        self._stall_until = 0.0
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._timers: list[asyncio.TimerHandle] = []
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._created = int(time.time())
+        self._req_counter = 0
+        # time-model fidelity
+        self.steps = 0
+        self.modelled_s_total = 0.0
+        self.actual_s_total = 0.0
+        self.lateness_max_s = 0.0
+        self.recent_lateness_s: deque[float] = deque(maxlen=20000)
+        self.recent_steps: deque[tuple[float, float, int, int]] = deque(maxlen=20000)  # (modelled_s, actual_s, prefill tokens, decode seqs)
+        # request metrics
+        self.ttft_bucket_counts = [0] * (len(_TTFT_BUCKETS_S) + 1)
+        self.ttft_sum_s = 0.0
+        self.ttft_count = 0
+        self.num_aborted_total = 0
+        self.app = self._build_app()
+
+    def _new_engine(self) -> SimEngine:
+        ecfg = self.cfg.engine_config()
+        ecfg.filler_token_ids = self._filler_ids
+        eng = SimEngine(ecfg)
+        eng.slow_factor = self.cfg.slow_factor
+        return eng
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        cfg = self.cfg
+        self.host = host
+        self._wake = asyncio.Event()
+        if cfg.kv_events_endpoint:
+            self.publisher = KVEventPublisher(
+                cfg.kv_events_endpoint,
+                cfg.replay_endpoint,
+                topic=cfg.kv_events_topic,
+                buffer_steps=cfg.kv_events_buffer_steps,
+                events_format=cfg.events_format,
+                data_parallel_rank=cfg.data_parallel_rank,
+            )
+            self.publisher.drop_fraction = cfg.drop_events_fraction
+            self.publisher.start()
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, host, port)
+        await self._site.start()
+        self.port = self._runner.addresses[0][1]
+        self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop())
+        loop = asyncio.get_running_loop()
+        if cfg.crash_after_s is not None:
+            self._timers.append(loop.call_later(cfg.crash_after_s, lambda: self.apply_fault({"kind": "crash"})))
+        if cfg.stall_after_s is not None:
+            self._timers.append(loop.call_later(cfg.stall_after_s, lambda: self.apply_fault({"kind": "stall", "duration_s": cfg.stall_s})))
+
+    async def close(self) -> None:
+        for t in self._timers:
+            t.cancel()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        self._drop_all("server shutting down")
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    # -- engine loop ---------------------------------------------------------------------------
+    def _notify(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _engine_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        wake = self._wake
+        assert wake is not None
+        while True:
+            if self.crashed or not self.engine.has_work:
+                wake.clear()
+                await wake.wait()
+                continue
+            now = loop.time()
+            if self._stall_until > now:
+                await asyncio.sleep(self._stall_until - now)
+                continue
+            engine = self.engine
+            t0 = loop.time()
+            out = engine.step()
+            events = engine.take_events()
+            modelled = out.duration_s
+            deadline = t0 + modelled
+            delay = deadline - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                await asyncio.sleep(0)  # let handlers run even when the model is behind
+            t1 = loop.time()
+            if engine is not self.engine or self.crashed:  # restarted or crashed during the step
+                continue
+            lateness = t1 - deadline
+            self.steps += 1
+            self.modelled_s_total += modelled
+            self.actual_s_total += t1 - t0
+            if lateness > self.lateness_max_s:
+                self.lateness_max_s = lateness
+            self.recent_lateness_s.append(lateness)
+            self.recent_steps.append((modelled, t1 - t0, out.num_prefill_tokens, out.num_decode_seqs))
+            if events and self.publisher is not None:
+                self.publisher.publish(events)
+            for r in out.tokens:
+                st: _Stream | None = r.user  # type: ignore[assignment]
+                if st is None:
+                    continue
+                if st.t_first is None:
+                    st.t_first = t1
+                    self._observe_ttft(t1 - st.t_arrival)
+                st.n_delivered = r.num_output_tokens
+                st.event.set()
+            for r in out.finished:
+                st = r.user  # type: ignore[assignment]
+                if st is not None:
+                    st.done = True
+                    st.event.set()
+            if not out.tokens and out.num_prefill_tokens == 0 and out.num_decode_seqs == 0:
+                await asyncio.sleep(0.001)  # nothing schedulable: do not spin
+
+    def _observe_ttft(self, ttft_s: float) -> None:
+        self.ttft_sum_s += ttft_s
+        self.ttft_count += 1
+        for i, b in enumerate(_TTFT_BUCKETS_S):
+            if ttft_s <= b:
+                self.ttft_bucket_counts[i] += 1
+                return
+        self.ttft_bucket_counts[-1] += 1
+
+    def _drop_all(self, reason: str) -> None:
+        for r in self.engine.abort_all():
+            st = r.user
+            if isinstance(st, _Stream):
+                st.aborted = reason
+                st.event.set()
+
+    # -- faults --------------------------------------------------------------------------------
+    def apply_fault(self, spec: dict) -> dict:
+        kind = spec.get("kind")
+        if kind == "crash":
+            self.crashed = True
+            self._drop_all("engine dead")
+            if spec.get("refuse") and self._site is not None:
+                asyncio.get_running_loop().create_task(self._refuse())
+        elif kind in ("recover", "restart"):
+            self._drop_all("engine restarted")
+            self.engine = self._new_engine()
+            if self.publisher is not None:
+                self.publisher.reset()
+            self._stall_until = 0.0
+            was_refusing = self._refusing
+            self._refusing = False
+            self.crashed = False
+            if was_refusing:
+                asyncio.get_running_loop().create_task(self._restart_site())
+        elif kind == "stall":
+            duration = float(spec.get("duration_s", 5.0))
+            self._stall_until = asyncio.get_running_loop().time() + duration
+        elif kind == "drop_events":
+            fraction = float(spec.get("fraction", 0.5))
+            if not 0.0 <= fraction <= 1.0:
+                raise BadRequest("'fraction' must be within 0..1", "fraction")
+            if self.publisher is not None:
+                self.publisher.drop_fraction = fraction
+        elif kind == "slow":
+            factor = float(spec.get("factor", 2.0))
+            if factor <= 0:
+                raise BadRequest("'factor' must be positive", "factor")
+            self.engine.slow_factor = factor
+            self.cfg.slow_factor = factor
+        elif kind == "clear":
+            self.engine.slow_factor = self.cfg.slow_factor = 1.0
+            self._stall_until = 0.0
+            if self.publisher is not None:
+                self.publisher.drop_fraction = 0.0
+        else:
+            raise BadRequest(f"unknown fault kind {kind!r}; one of crash, stall, drop_events, restart, slow, recover, clear", "kind")
+        self._notify()
+        return {"ok": True, "kind": kind}
+
+    async def _refuse(self) -> None:
+        """A dead process: the listening socket closes and open connections drop."""
+        self._refusing = True
+        if self._site is not None:
+            await self._site.stop()
+        await asyncio.sleep(0.01)  # let the /sim/fault reply go out first
+        server = self._runner.server if self._runner is not None else None
+        for conn in list(getattr(server, "connections", []) or []):
+            conn.force_close()
+
+    async def _restart_site(self) -> None:
+        assert self._runner is not None
+        self._site = web.TCPSite(self._runner, self.host, self.port)
+        await self._site.start()
+
+    # -- app -----------------------------------------------------------------------------------
+    def _build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=64 * 1024**2)
+        r = app.router
+        r.add_post("/v1/completions", self.h_completions)
+        r.add_post("/v1/chat/completions", self.h_chat)
+        r.add_post("/tokenize", self.h_tokenize)
+        r.add_post("/detokenize", self.h_detokenize)
+        r.add_post("/v1/completions/render", self.h_render_completions)
+        r.add_post("/v1/chat/completions/render", self.h_render_chat)
+        r.add_post("/reset_prefix_cache", self.h_reset_prefix_cache)
+        r.add_get("/health", self.h_health)
+        r.add_get("/v1/models", self.h_models)
+        r.add_get("/metrics", self.h_metrics)
+        r.add_get("/kv_event_sources", self.h_kv_event_sources)
+        r.add_get("/version", self.h_version)
+        r.add_post("/sim/fault", self.h_fault)
+        r.add_get("/sim/stats", self.h_stats)
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        if self.crashed and request.path not in ("/health", "/sim/fault", "/sim/stats"):
+            return _error_response("EngineCore encountered an issue (simulated crash).", 500, "InternalServerError")
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return _error_response(e.message, e.status, e.err_type, e.param)
+        except web.HTTPNotFound:
+            return web.Response(body=b'{"detail":"Not Found"}', status=404, content_type="application/json")
+        except web.HTTPMethodNotAllowed:
+            return web.Response(body=b'{"detail":"Method Not Allowed"}', status=405, content_type="application/json")
+
+    async def _body(self, request: web.Request) -> dict:
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw else None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"Invalid JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("The request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.cfg.model:
+            raise BadRequest(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
+        return body
+
+    async def _encode(self, fn, *args) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    async def _prompt_ids(self, body: dict, chat: bool, add_special_default: bool) -> list[int]:
+        tok = self.tokenizer
+        if chat:
+            msgs = _messages(body)
+            agp = _check_type(body, "add_generation_prompt", (bool,), "a boolean")
+            ast = _check_type(body, "add_special_tokens", (bool,), "a boolean")
+            ctk = _check_type(body, "chat_template_kwargs", (dict,), "an object")
+            args = (msgs, True if agp is None else agp, add_special_default if ast is None else ast, ctk)
+            size = sum(len(m.get("content") or "") for m in msgs)
+            try:
+                if size > _INLINE_TOKENIZE_CHARS:
+                    return await self._encode(tok.encode_chat, *args)
+                return tok.encode_chat(*args)
+            except Exception as e:  # template errors are the client's
+                raise BadRequest(f"Failed to apply the chat template: {e}", "messages") from None
+        if "prompt" not in body or body["prompt"] is None:
+            raise BadRequest("Field required: 'prompt'", "prompt")
+        prompt = body["prompt"]
+        ast = _check_type(body, "add_special_tokens", (bool,), "a boolean")
+        add_special = add_special_default if ast is None else ast
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if len(prompt) > _INLINE_TOKENIZE_CHARS:
+                return await self._encode(tok.encode, prompt, add_special)
+            return tok.encode(prompt, add_special)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, list) and len(prompt) > 1:
+            raise BadRequest("the simulator serves one prompt per request; send a batch as separate requests", "prompt")
+        raise BadRequest("'prompt' must be a string, a list of token ids, or a list with one of those", "prompt")
+
+    async def _parse(self, body: dict, chat: bool) -> _Parsed:
+        for key, types, what in (
+            ("stream", (bool,), "a boolean"),
+            ("ignore_eos", (bool,), "a boolean"),
+            ("temperature", (int, float), "a number"),
+            ("top_p", (int, float), "a number"),
+            ("top_k", (int,), "an integer"),
+            ("seed", (int,), "an integer"),
+            ("n", (int,), "an integer"),
+            ("stop", (str, list), "a string or a list of strings"),
+            ("stream_options", (dict,), "an object"),
+            ("vllm_xargs", (dict,), "an object"),
+            ("user", (str,), "a string"),
+        ):
+            _check_type(body, key, types, what)
+        n = body.get("n")
+        if n is not None and n != 1:
+            raise BadRequest("the simulator supports n=1 only", "n")
+        max_tokens = _check_type(body, "max_tokens", (int,), "an integer")
+        if chat:
+            mct = _check_type(body, "max_completion_tokens", (int,), "an integer")
+            if mct is not None:
+                max_tokens = mct
+        if max_tokens is not None and max_tokens < 1:
+            raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+        salt = validate_cache_salt(body.get("cache_salt"))
+        stream = bool(body.get("stream") or False)
+        so = body.get("stream_options") or {}
+        if so and not stream:
+            raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
+        xargs = body.get("vllm_xargs") or {}
+        ids = await self._prompt_ids(body, chat, add_special_default=not chat)
+        n_prompt = len(ids)
+        if n_prompt == 0:
+            raise BadRequest("The prompt cannot be empty.", "prompt")
+        mml = self.max_model_len
+        if max_tokens is None:
+            max_tokens = max(1, min(self.cfg.default_max_tokens, mml - n_prompt))
+        if n_prompt + max_tokens > mml or n_prompt >= mml:
+            where = "messages" if chat else "prompt"
+            raise BadRequest(
+                f"This model's maximum context length is {mml} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the {where}, {max_tokens} in the completion). "
+                f"Please reduce the length of the {where} or completion.",
+                "max_tokens" if n_prompt < mml else where,
+            )
+        return _Parsed(
+            ids, max_tokens, stream, bool(so.get("include_usage")), bool(so.get("continuous_usage_stats")), salt,
+            xargs.get("kv_cache_report_mode") == "full",
+        )
+
+    # -- generation ----------------------------------------------------------------------------
+    async def h_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def h_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    def _usage(self, req: SimRequest, chat: bool) -> dict:
+        return {
+            "prompt_tokens": req.num_prompt_tokens,
+            "total_tokens": req.num_prompt_tokens + req.num_output_tokens,
+            "completion_tokens": req.num_output_tokens,
+            "prompt_tokens_details": {
+                "cached_tokens": max(req.num_cached_tokens, 0),
+                "created_cache_tokens": req.num_created_cache_tokens if chat else None,
+                "multimodal_tokens": None,
+            },
+            "completion_tokens_details": None,
+        }
+
+    def _text(self, start: int, end: int) -> str:
+        ft = self._filler_text
+        n = len(ft)
+        return "".join(ft[k % n] for k in range(start, end))
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await self._body(request)
+        p = await self._parse(body, chat)
+        loop = asyncio.get_running_loop()
+        self._req_counter += 1
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        st = _Stream(loop.time())
+        req = SimRequest(rid, p.prompt_ids, p.max_tokens, cache_salt=p.cache_salt, report_full_hits=p.report_full, arrival_s=st.t_arrival, user=st)
+        engine = self.engine
+        try:
+            engine.add_request(req)
+        except ValueError as e:
+            raise BadRequest(str(e), "max_tokens") from None
+        self._notify()
+        created = int(time.time())
+        model = self.cfg.model
+        resp: web.StreamResponse | None = None
+        try:
+            if not p.stream:
+                while not st.done:
+                    await st.event.wait()
+                    st.event.clear()
+                    if st.aborted:
+                        return _error_response(f"request aborted: {st.aborted}", 500, "InternalServerError")
+                text = self._text(0, st.n_delivered)
+                if chat:
+                    choice = {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
+                                    "function_call": None, "tool_calls": [], "reasoning_content": None},
+                        "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                    }
+                    obj = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
+                           "service_tier": None, "system_fingerprint": None, "usage": self._usage(req, chat),
+                           "prompt_logprobs": None, "kv_transfer_params": None}
+                else:
+                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None, "prompt_logprobs": None}
+                    obj = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
+                           "usage": self._usage(req, chat), "kv_transfer_params": None}
+                return _json_response(obj)
+
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            obj_name = "chat.completion.chunk" if chat else "text_completion"
+            sent = 0
+            while True:
+                await st.event.wait()
+                st.event.clear()
+                if st.aborted:
+                    # the engine died mid-stream: vLLM ends the stream with an error event
+                    err = {"error": {"message": f"request aborted: {st.aborted}", "type": "InternalServerError", "param": None, "code": 500}}
+                    await resp.write(b"data: " + _json.encode(err) + b"\n\n")
+                    return resp
+                n_out = st.n_delivered
+                parts: list[bytes] = []
+                if sent == 0 and n_out > 0 and chat:
+                    first = {"id": rid, "object": obj_name, "created": created, "model": model,
+                             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+                    if p.include_usage and p.continuous_usage:
+                        first["usage"] = {"prompt_tokens": req.num_prompt_tokens, "total_tokens": req.num_prompt_tokens, "completion_tokens": 0}
+                    parts.append(b"data: " + _json.encode(first) + b"\n\n")
+                if n_out > sent:
+                    last = st.done and n_out >= req.max_tokens
+                    text = self._text(sent, n_out)
+                    if chat:
+                        ch: dict = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": "length" if last else None}
+                    else:
+                        ch = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length" if last else None}
+                    if last:
+                        ch["stop_reason"] = None
+                    chunk: dict = {"id": rid, "object": obj_name, "created": created, "model": model, "choices": [ch]}
+                    if p.include_usage and p.continuous_usage:
+                        chunk["usage"] = {"prompt_tokens": req.num_prompt_tokens, "total_tokens": req.num_prompt_tokens + n_out,
+                                          "completion_tokens": n_out}
+                    parts.append(b"data: " + _json.encode(chunk) + b"\n\n")
+                    sent = n_out
+                if st.done:
+                    if p.include_usage:
+                        fin = {"id": rid, "object": obj_name, "created": created, "model": model, "choices": [], "usage": self._usage(req, chat)}
+                        parts.append(b"data: " + _json.encode(fin) + b"\n\n")
+                    parts.append(b"data: [DONE]\n\n")
+                    await resp.write(b"".join(parts))
+                    await resp.write_eof()
+                    return resp
+                if parts:
+                    await resp.write(b"".join(parts))
+        finally:
+            if not st.done and not st.aborted:
+                # client went away (handler cancelled or write failed): free its blocks
+                if engine.abort(rid):
+                    self.num_aborted_total += 1
+
+    # -- tokenization routes -------------------------------------------------------------------
+    async def _tokens_for(self, body: dict) -> list[int]:
+        if "messages" in body:
+            return await self._prompt_ids(body, chat=True, add_special_default=False)
+        return await self._prompt_ids(body, chat=False, add_special_default=True)
+
+    async def h_tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        ids = await self._tokens_for(body)
+        rts = _check_type(body, "return_token_strs", (bool,), "a boolean")
+        return _json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                               "token_strs": self.tokenizer.token_strs(ids) if rts else None})
+
+    async def h_detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        toks = body.get("tokens")
+        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+            raise BadRequest("'tokens' must be a list of token ids", "tokens")
+        return _json_response({"prompt": self.tokenizer.hf.decode(toks)})
+
+    async def h_render_completions(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        return _json_response({"token_ids": await self._prompt_ids(body, chat=False, add_special_default=True)})
+
+    async def h_render_chat(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        return _json_response({"token_ids": await self._prompt_ids(body, chat=True, add_special_default=False)})
+
+    async def h_reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.engine.reset_prefix_cache()
+        # vLLM drains events with the next step; publish now if nothing will step soon
+        if not self.engine.has_work and self.publisher is not None:
+            self.publisher.publish(self.engine.take_events())
+        return web.Response(status=200)
+
+    # -- info routes ---------------------------------------------------------------------------
+    async def h_health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.crashed else 200)
+
+    async def h_version(self, request: web.Request) -> web.Response:
+        return _json_response({"version": "0.33.0+warmroute.sim"})
+
+    async def h_models(self, request: web.Request) -> web.Response:
+        m = self.cfg.model
+        return _json_response({"object": "list", "data": [{
+            "id": m, "object": "model", "created": self._created, "owned_by": "vllm", "root": m, "parent": None,
+            "max_model_len": self.max_model_len,
+            "permission": [{"id": f"modelperm-{m}", "object": "model_permission", "created": self._created, "allow_create_engine": False,
+                            "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                            "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}],
+        }]})
+
+    def kv_event_sources(self) -> list[dict]:
+        cfg = self.cfg
+        if not cfg.kv_events_endpoint:
+            return []
+        host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+
+        def resolve(ep: str | None) -> str | None:
+            if ep is None:
+                return None
+            return ep.replace("*", host) if ep.startswith("tcp://") else ep
+
+        return [{"data_parallel_rank": cfg.data_parallel_rank, "endpoint": resolve(cfg.kv_events_endpoint),
+                 "replay_endpoint": resolve(cfg.replay_endpoint), "topic": cfg.kv_events_topic}]
+
+    async def h_kv_event_sources(self, request: web.Request) -> web.Response:
+        return _json_response(self.kv_event_sources())
+
+    def stats(self) -> dict:
+        lat = sorted(self.recent_lateness_s)
+
+        def pct(q: float) -> float:
+            return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0
+
+        eng = self.engine
+        return {
+            "steps": self.steps,
+            "modelled_s_total": self.modelled_s_total,
+            "actual_s_total": self.actual_s_total,
+            "lateness_s": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": self.lateness_max_s},
+            "num_running": eng.num_running,
+            "num_waiting": eng.num_waiting,
+            "kv_cache_usage": eng.pool.usage,
+            "num_blocks": eng.pool.num_blocks,
+            "num_preemptions": eng.num_preemptions_total,
+            "prefix_cache_queries_tokens": eng.prefix_cache_queries_tokens_total,
+            "prefix_cache_hits_tokens": eng.prefix_cache_hits_tokens_total,
+            "num_aborted": self.num_aborted_total,
+            "crashed": self.crashed,
+            "slow_factor": eng.slow_factor,
+            "events_seq": self.publisher.seq if self.publisher else None,
+            "events_dropped": self.publisher.num_dropped if self.publisher else None,
+        }
+
+    async def h_stats(self, request: web.Request) -> web.Response:
+        return _json_response(self.stats())
+
+    async def h_fault(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        try:
+            spec = json.loads(raw)
+        except ValueError as e:
+            raise BadRequest(f"Invalid JSON body: {e}") from None
+        if not isinstance(spec, dict):
+            raise BadRequest("The request body must be a JSON object")
+        try:
+            return _json_response(self.apply_fault(spec))
+        except (TypeError, ValueError) as e:
+            raise BadRequest(str(e)) from None
+
+    def metrics_text(self) -> str:
+        eng = self.engine
+        cfg = self.cfg
+        lbl = f'engine="{cfg.engine_label}",model_name="{cfg.model}"'
+        out: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, value: float) -> None:
+            out.append(f"# HELP {name} {help_}\n# TYPE {name} {kind}\n{name}{{{lbl}}} {float(value)}\n")
+
+        metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", eng.num_running)
+        metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", eng.num_waiting)
+        metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", eng.pool.usage)
+        metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", eng.prefix_cache_queries_tokens_total)
+        metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", eng.prefix_cache_hits_tokens_total)
+        metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", eng.num_preemptions_total)
+        metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", eng.num_prompt_tokens_total)
+        metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", eng.num_generation_tokens_total)
+        info = (f'block_size="{cfg.block_size}",cache_dtype="auto",enable_prefix_caching="{cfg.enable_prefix_caching}",'
+                f'engine="{cfg.engine_label}",gpu_memory_utilization="0.9",model_name="{cfg.model}",'
+                f'num_cpu_blocks="None",num_gpu_blocks="{eng.pool.num_blocks}",prefix_caching_hash_algo="{cfg.hash_algo}"')
+        out.append(f"# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{{info}}} 1.0\n")
+        name = "vllm:time_to_first_token_seconds"
+        lines = [f"# HELP {name} Histogram of time to first token in seconds.\n# TYPE {name} histogram\n"]
+        cum = 0
+        for b, c in zip(_TTFT_BUCKETS_S, self.ttft_bucket_counts):
+            cum += c
+            lines.append(f'{name}_bucket{{{lbl},le="{b}"}} {float(cum)}\n')
+        cum += self.ttft_bucket_counts[-1]
+        lines.append(f'{name}_bucket{{{lbl},le="+Inf"}} {float(cum)}\n{name}_count{{{lbl}}} {float(cum)}\n{name}_sum{{{lbl}}} {self.ttft_sum_s}\n')
+        out.append("".join(lines))
+        # the simulator's own fidelity figures (not vLLM metrics)
+        metric("warmroute_sim_steps_total", "counter", "Engine steps run.", self.steps)
+        metric("warmroute_sim_step_modelled_seconds_total", "counter", "Sum of modelled step durations.", self.modelled_s_total)
+        metric("warmroute_sim_step_actual_seconds_total", "counter", "Sum of measured step durations.", self.actual_s_total)
+        metric("warmroute_sim_step_lateness_max_seconds", "gauge", "Largest timer lateness of a step.", self.lateness_max_s)
+        return "".join(out)
+
+    async def h_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics_text(), content_type="text/plain", charset="utf-8")
+
+
+@dataclass
+class RunningSim:
+    """A simulator serving in this process (from `start_sim_server`)."""
+
+    server: SimServer
+    url: str
+    port: int
+
+    @property
+    def engine(self) -> SimEngine:
+        return self.server.engine
+
+    async def close(self) -> None:
+        await self.server.close()
+
+
+_TOKENIZERS: dict[str, SimTokenizer] = {}
+
+
+def _shared_tokenizer(path: str | None) -> SimTokenizer:
+    """One tokenizer per directory per process (several in-process sims share it)."""
+    if path is None:
+        from gateway.default_tokenizer import default_tokenizer_dir
+
+        path = str(default_tokenizer_dir())
+    key = str(Path(path).resolve())
+    tok = _TOKENIZERS.get(key)
+    if tok is None:
+        tok = _TOKENIZERS[key] = SimTokenizer(key)
+    return tok
+
+
+async def start_sim_server(cfg: SimConfig, host: str = "127.0.0.1", port: int = 0) -> RunningSim:
+    """Start a simulated replica on the running loop; `await sim.close()` stops it."""
+    server = SimServer(cfg, _shared_tokenizer(cfg.tokenizer))
+    await server.start(host, port)
+    return RunningSim(server, f"http://{host}:{server.port}", server.port)
+
+
+def config_from_args(args: Any) -> SimConfig:
+    g = lambda name, default=None: getattr(args, name, default)  # noqa: E731 - tolerate older arg sets
+    profile = g("time_profile", "gpu")
+    tm = TimeModel.wallclock() if profile == "wallclock" else TimeModel()
+    if g("step_overhead_ms") is not None:
+        tm.step_overhead_s = g("step_overhead_ms") / 1000.0
+    if g("prefill_ms_per_token") is not None:
+        tm.prefill_s_per_token = g("prefill_ms_per_token") / 1000.0
+    if g("decode_ms_per_seq") is not None:
+        tm.decode_s_per_seq = g("decode_ms_per_seq") / 1000.0
+    tm.time_scale = g("time_scale", 1.0) or 1.0
+    return SimConfig(
+        model=g("model", "warmroute-sim"),
+        tokenizer=g("tokenizer"),
+        block_size=g("block_size", 16),
+        num_blocks=g("num_blocks"),
+        kv_budget_bytes=int((g("kv_budget_gib") or DEFAULT_KV_BUDGET_BYTES / 1024**3) * 1024**3),
+        max_model_len=g("max_model_len", 32768),
+        max_num_seqs=g("max_num_seqs", 256) or 256,
+        max_num_batched_tokens=g("max_num_batched_tokens", 8192) or 8192,
+        hash_algo=g("hash_algo", "sha256_cbor"),
+        time=tm,
+        default_max_tokens=g("default_max_tokens", 16) or 16,
+        kv_events_endpoint=g("kv_events_endpoint"),
+        replay_endpoint=g("replay_endpoint"),
+        kv_events_topic=g("kv_events_topic", "kv-events") or "",
+        events_format=g("events_format", "map") or "map",
+        drop_events_fraction=g("fault_drop_events", 0.0) or 0.0,
+        slow_factor=g("fault_slow", 1.0) or 1.0,
+        crash_after_s=g("fault_crash_after_s"),
+        stall_after_s=g("fault_stall_after_s"),
+        stall_s=g("fault_stall_s", 0.0) or 0.0,
+    )
+
+
+def main_from_args(args: Any) -> int:
+    """`warmroute sim ...`: serve until SIGINT/SIGTERM."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config_from_args(args)
+
+    async def run() -> None:
+        sim = await start_sim_server(cfg, getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000))
+        eng = sim.engine
+        log.info("warmroute sim %s on %s: %d blocks of %d tokens, events %s", cfg.model, sim.url, eng.pool.num_blocks, cfg.block_size, cfg.kv_events_endpoint or "off")
+        print(f"warmroute sim listening on {sim.url}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except NotImplementedError:  # pragma: no cover
+                pass
+        await stop.wait()
+        await sim.close()
+
+    try:
+        import uvloop  # type: ignore
+
+        uvloop.run(run())
+    except ImportError:
+        asyncio.run(run())
+    return 0

@@ -1,0 +1,247 @@
+"""The simulator over real HTTP: the official openai SDK, cached tokens and salts, tokenization
+parity with the real engine's /tokenize (captured fixture), vLLM's 400s, metrics, faults."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from loadtests.sim.scheduler import TimeModel
+from loadtests.sim.server import SimConfig, start_sim_server
+
+# wall-clock profile, small enough to keep tests fast but with visible prefill cost (0.2 ms/token)
+FAST = TimeModel(step_overhead_s=0.002, prefill_s_per_token=2e-4, decode_s_per_seq=1e-5)
+
+
+@pytest.fixture
+async def sim(tokenizer_dir):
+    s = await start_sim_server(SimConfig(model="sim-model", tokenizer=str(tokenizer_dir), num_blocks=2048, time=FAST, max_model_len=8192))
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+LONG_DOC = " ".join(f"word{i % 97} fact {i}" for i in range(900))
+
+
+async def _stream_chat(client: openai.AsyncOpenAI, content: str, salt: str | None = None) -> tuple[float, str, object]:
+    t0 = time.perf_counter()
+    extra = {"cache_salt": salt} if salt else None
+    stream = await client.chat.completions.create(
+        model="sim-model",
+        messages=[{"role": "system", "content": LONG_DOC}, {"role": "user", "content": content}],
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
+    ttft = None
+    text = ""
+    usage = None
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert ttft is not None
+    return ttft, text, usage
+
+
+async def test_openai_sdk_streams_and_reports_cached_tokens(sim) -> None:
+    client = openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0)
+    try:
+        ttft_cold, text, usage = await _stream_chat(client, "first question?")
+        assert text == " the quick brown fox jumps over"
+        assert usage.completion_tokens == 6 and usage.prompt_tokens > 1000
+        assert usage.prompt_tokens_details.cached_tokens == 0
+        ttft_warm, _, usage2 = await _stream_chat(client, "another question?")
+        cached = usage2.prompt_tokens_details.cached_tokens
+        assert cached > 1000 and cached % 16 == 0 and cached < usage2.prompt_tokens
+        assert ttft_warm < ttft_cold * 0.7, (ttft_warm, ttft_cold)
+        _, _, usage3 = await _stream_chat(client, "another question?", salt="tenant-b")
+        assert usage3.prompt_tokens_details.cached_tokens == 0
+        # non-streaming completion through the SDK
+        comp = await client.completions.create(model="sim-model", prompt="hello world", max_tokens=3)
+        assert comp.choices[0].text == " the quick brown" and comp.choices[0].finish_reason == "length"
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["sim-model"]
+    finally:
+        await client.close()
+
+
+async def test_sse_wire_format(sim) -> None:
+    async with aiohttp.ClientSession() as s:
+        body = {"model": "sim-model", "prompt": "hi there", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+        async with s.post(sim.url + "/v1/completions", json=body) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            raw = (await r.read()).decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == " the quick brown"
+
+
+async def test_tokenize_parity_with_real_engine(sim, vllm_fixture) -> None:
+    checked = 0
+    async with aiohttp.ClientSession() as s:
+        for entry in vllm_fixture["requests"]:
+            req = entry.get("request")
+            if not req:
+                continue
+            body = {"messages": req["messages"]} if "messages" in req else {"prompt": req["prompt"]}
+            async with s.post(sim.url + "/tokenize", json=body) as r:
+                got = await r.json()
+            assert got["tokens"] == entry["tokenize"]
+            assert got["count"] == len(entry["tokenize"]) == entry["usage"]["prompt_tokens"]
+            assert got["max_model_len"] == 8192
+            checked += 1
+            # render routes agree with /tokenize
+            route = "/v1/chat/completions/render" if "messages" in req else "/v1/completions/render"
+            async with s.post(sim.url + route, json=body) as r:
+                assert (await r.json())["token_ids"] == entry["tokenize"]
+        async with s.post(sim.url + "/tokenize", json={"prompt": "hello world", "return_token_strs": True}) as r:
+            got = await r.json()
+        assert got["token_strs"] == ["hello", "Ġworld"]
+    assert checked == 10
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", b"{not json", None),
+        ("/v1/completions", b"[1, 2]", None),
+        ("/v1/completions", {"model": "sim-model"}, "prompt"),
+        ("/v1/chat/completions", {"model": "sim-model"}, "messages"),
+        ("/v1/chat/completions", {"messages": "hello"}, "messages"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": "hi " * 9000}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 8192}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "cache_salt": ""}, "cache_salt"),
+        ("/v1/completions", {"prompt": "hi", "cache_salt": "x" * 129}, "cache_salt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "cache_salt": "a@b"}, "cache_salt"),
+        ("/v1/completions", {"prompt": "hi", "cache_salt": "a/b"}, "cache_salt"),
+        ("/v1/completions", {"prompt": "hi", "cache_salt": "a\\b"}, "cache_salt"),
+        ("/v1/completions", {"prompt": "hi", "cache_salt": "a\x00b"}, "cache_salt"),
+        ("/v1/completions", {"prompt": "hi", "cache_salt": 5}, "cache_salt"),
+        ("/tokenize", {"nothing": 1}, "prompt"),
+    ],
+)
+async def test_bad_input_gets_vllm_400(sim, path, body, param) -> None:
+    async with aiohttp.ClientSession() as s:
+        kw = {"data": body} if isinstance(body, bytes) else {"json": body}
+        async with s.post(sim.url + path, headers={"Content-Type": "application/json"}, **kw) as r:
+            assert r.status == 400
+            err = (await r.json())["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400 and err["message"]
+    assert err["param"] == param
+    # and the server is still fine
+    async with aiohttp.ClientSession() as s:
+        async with s.get(sim.url + "/health") as r:
+            assert r.status == 200
+
+
+async def test_routes_metrics_and_unknown_paths(sim) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(sim.url + "/server_info") as r:
+            assert r.status == 404
+        async with s.post(sim.url + "/v1/completions", json={"model": "other", "prompt": "x"}) as r:
+            assert r.status == 404 and (await r.json())["error"]["type"] == "NotFoundError"
+        async with s.get(sim.url + "/kv_event_sources") as r:
+            assert await r.json() == []  # no events configured
+        async with s.post(sim.url + "/v1/completions", json={"prompt": LONG_DOC, "max_tokens": 2}) as r:
+            assert r.status == 200
+        async with s.post(sim.url + "/v1/completions", json={"prompt": LONG_DOC, "max_tokens": 2}) as r:
+            hit = (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+        async with s.get(sim.url + "/metrics") as r:
+            text = await r.text()
+    lines = {ln.split(" ")[0]: float(ln.split(" ")[-1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+    lbl = '{engine="0",model_name="sim-model"}'
+    assert lines["vllm:prefix_cache_hits_total" + lbl] == hit > 0
+    assert lines["vllm:prefix_cache_queries_total" + lbl] > 2 * hit
+    assert lines["vllm:num_requests_running" + lbl] == 0
+    assert 0 < lines["vllm:kv_cache_usage_perc" + lbl] or lines["vllm:kv_cache_usage_perc" + lbl] == 0
+    assert "vllm:num_preemptions_total" + lbl in lines
+    info = [ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{")][0]
+    for part in ('block_size="16"', 'num_gpu_blocks="2048"', 'enable_prefix_caching="True"', 'prefix_caching_hash_algo="sha256_cbor"'):
+        assert part in info
+    assert lines['vllm:time_to_first_token_seconds_count' + lbl] == 2
+
+
+async def test_client_disconnect_aborts_and_frees_blocks(sim) -> None:
+    eng = sim.engine
+    async with aiohttp.ClientSession() as s:
+        body = {"prompt": LONG_DOC, "max_tokens": 1000, "stream": True}
+        async with s.post(sim.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            await r.content.readline()  # first chunk arrived: it is running
+            assert eng.num_running == 1 and eng.pool.num_used_blocks > 0
+    for _ in range(100):
+        if eng.num_running == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert eng.num_running == 0 and eng.pool.num_used_blocks == 0
+    assert sim.server.num_aborted_total == 1
+
+
+async def test_faults_crash_stall_slow_restart(sim) -> None:
+    async with aiohttp.ClientSession() as s:
+        async def fault(spec):
+            async with s.post(sim.url + "/sim/fault", json=spec) as r:
+                assert r.status == 200, await r.text()
+
+        async def complete(max_tokens=2):
+            t0 = time.perf_counter()
+            async with s.post(sim.url + "/v1/completions", json={"prompt": "x y z", "max_tokens": max_tokens}) as r:
+                return r.status, time.perf_counter() - t0
+
+        assert (await complete())[0] == 200
+        await fault({"kind": "stall", "duration_s": 0.5})
+        status, dt = await complete()
+        assert status == 200 and dt >= 0.45
+        await fault({"kind": "slow", "factor": 20})
+        status, dt_slow = await complete(max_tokens=20)
+        await fault({"kind": "clear"})
+        status, dt_fast = await complete(max_tokens=20)
+        assert dt_slow > 5 * dt_fast
+        await fault({"kind": "crash"})
+        async with s.get(sim.url + "/health") as r:
+            assert r.status == 503
+        assert (await complete())[0] == 500
+        await fault({"kind": "recover"})
+        async with s.get(sim.url + "/health") as r:
+            assert r.status == 200
+        assert (await complete())[0] == 200
+        await fault({"kind": "crash", "refuse": True})
+        await asyncio.sleep(0.05)
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await complete()
+        await fault_after_refuse(sim)
+        assert (await complete())[0] == 200
+        async with s.post(sim.url + "/sim/fault", json={"kind": "bogus"}) as r:
+            assert r.status == 400
+
+
+async def fault_after_refuse(sim) -> None:
+    # the HTTP port is closed: recover through the in-process handle, as an orchestrator restarting the pod would
+    sim.server.apply_fault({"kind": "recover"})
+    for _ in range(50):
+        try:
+            async with aiohttp.ClientSession() as s, s.get(sim.url + "/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientConnectionError:
+            await asyncio.sleep(0.02)
+    raise AssertionError("sim did not come back after recover")
