@@ -1,0 +1,692 @@
+"""Virtual-time simulator: the real policy code against modelled vLLM replicas, no wall clock.
+
+Rule: a discrete-event simulation, deterministic for a seed, that drives `policies` exactly as the
+gateway does (same `RequestView`/`ReplicaView`, same `Calibrator`) against a lean model of a vLLM
+replica. Nothing sleeps and nothing does I/O; 100k requests on 4-256 replicas run in minutes.
+(loadtests/sim/ did not exist when this was written, so the replica model below is our own; it
+hashes blocks with `hashing.keys.chain_keys` (xxh3, memoised per shared segment prefix).)
+
+Replica model (per replica; defaults are GPU-like, one H100-class replica of an 8B model)
+- KV: `num_blocks` paged blocks of `block_size` tokens with prefix caching: a cached block is
+  keyed by its chained block key; blocks of running requests are referenced; a request's blocks
+  are released tail first into an LRU of free cached blocks, evicted oldest first when a new
+  allocation needs room (BlockRemoved events). Reservation: at admission a request reserves
+  ceil((prompt + max_output) / block_size) - hit blocks at once (no preemption is modelled).
+  Prompt blocks become cached (BlockStored) in the step that completes them; generated blocks of
+  requests whose output a later prompt quotes (multi-turn answers) become cached at finish.
+- Engine hits: the leading run of the prompt's keys in the cache, at most (prompt - 1) //
+  block_size blocks (the last token is always recomputed) = the `cached_tokens` the engine reports.
+- Scheduler (vLLM v1-like continuous batching): each step every decoding request gets 1 token,
+  prefilling requests (oldest first) get chunks from the remaining `max_batched_tokens`, and
+  waiting requests are admitted FCFS while budget, `max_num_seqs` and free blocks allow.
+- Time model: step_s = step_overhead_s + prefill_tokens x prefill_s_per_token
+  + decoding_seqs x decode_s_per_seq. Defaults 4 ms, 5e-5 s/token (20k tokens/s), 0.2 ms/seq (a
+  64-sequence decode step takes ~17 ms). First token at the end of the step that finishes the
+  prefill; then one token per step.
+
+Router model (what the gateway would see)
+- load: every `report_interval_s` each replica's (running, waiting, kv usage) is copied into the
+  router's view (the agent's scrape), so it is up to one interval stale;
+- in-flight: the router's own count of requests without a first token and their predicted
+  uncached tokens, exact and immediate;
+- index: from the replicas' stored/removed events, delivered after `event_delay_s` (0: at once),
+  plus speculative insertion of the routed request's keys on the chosen replica for `spec_ttl_s`;
+- rates: a `policies.calibration.Calibrator` fed with each request's TTFT (with the backlog at
+  dispatch) and mean inter-token interval; `extra["mean_uncached_prefill_tokens"]` is an EWMA of
+  the predicted uncached tokens of requests sent to the replica.
+
+API: `simulate(workload, policy_name, n_replicas, params=SimParams(), policy_params={}, seed=0,
+keys=None) -> SimResult`; `prepare_keys(workload, block_size)` computes every request's keys once
+so several policies can share them. `SimResult.summary()` is a flat dict for reports.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hashing.keys import block_extras, chain_keys, root_key
+from loadtests.workloads import ROLE_HEADER_TOKENS, Workload, WorkloadRequest, _ROLE_IDS, segment_token_ids
+from policies.base import ReplicaView, RequestView
+from policies.cache_aware import MEAN_UNCACHED_EXTRA
+from policies.calibration import Calibrator
+from policies.registry import get_policy
+
+__all__ = ["SimParams", "SimResult", "simulate", "prepare_keys", "RequestKeys"]
+
+
+@dataclass(frozen=True, slots=True)
+class SimParams:
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int = 8192  # KV blocks per replica
+    max_num_seqs: int = 256  # running requests per replica
+    max_batched_tokens: int = 8192  # token budget per step (chunked prefill)
+    step_overhead_s: float = 0.004  # fixed cost of one engine step
+    prefill_s_per_token: float = 5e-5  # cost of one prefilled token (20k tokens/s)
+    decode_s_per_seq: float = 2e-4  # cost of one decoding sequence in a step
+    report_interval_s: float = 0.1  # agent load scrape period (router's view staleness)
+    event_delay_s: float = 0.005  # KV event delivery delay to the router
+    spec_ttl_s: float = 5.0  # lifetime of speculative index entries
+    prior_prefill_s_per_token: float = 5e-5  # calibration prior
+    prior_decode_step_s: float = 0.02  # calibration prior
+    uncached_ewma_alpha: float = 0.1  # smoothing of mean_uncached_prefill_tokens per replica
+    model: str = "vtime-model"  # root of the key chain
+
+
+@dataclass(slots=True)
+class RequestKeys:
+    prompt: list  # keys of the prompt's full blocks
+    output: list | None  # keys continuing the chain over the generated answer (multi-turn), else None
+
+
+# ------------------------------------------------------------------------------------------ keys
+
+
+class _KeyMemo:
+    """Chained keys per request, memoised per (salt, piece prefix): exact, and fast when shared."""
+
+    def __init__(self, model: str, block_size: int, max_entries: int = 50000) -> None:
+        self.root = root_key(model)
+        self.bs = block_size
+        self.memo: OrderedDict = OrderedDict()  # prefix id -> (keys tuple, leftover token list)
+        self.max_entries = max_entries
+
+    def _extend(self, keys: tuple, leftover: list, toks, salt: str) -> tuple[tuple, list]:
+        buf = leftover + list(toks)
+        n_full = len(buf) // self.bs
+        if n_full == 0:
+            return keys, buf
+        first, rest = block_extras(salt or None)
+        parent = keys[-1] if keys else self.root
+        new = chain_keys(parent, buf[: n_full * self.bs], self.bs, first if not keys else rest, rest)
+        return keys + tuple(new), buf[n_full * self.bs :]
+
+    def keys(self, req: WorkloadRequest) -> RequestKeys:
+        pieces: list = []
+        prev_role = None
+        for s in req.segments:
+            if s.role != prev_role:
+                pieces.append(("h", s.role))
+                prev_role = s.role
+            pieces.append(("s", s.seg_id, s.n_tokens))
+        pieces.append(("h", "assistant"))
+        state: tuple = ((), [])
+        pid: tuple = (req.salt,)
+        # longest memoised prefix (all but the last two pieces are worth memoising)
+        start = 0
+        for i in range(len(pieces) - 1, 0, -1):
+            hit = self.memo.get((req.salt, tuple(pieces[:i])))
+            if hit is not None:
+                state, start = hit, i
+                self.memo.move_to_end((req.salt, tuple(pieces[:i])))
+                break
+        keys, left = state
+        for i in range(start, len(pieces)):
+            p = pieces[i]
+            toks = _ROLE_IDS[p[1]] if p[0] == "h" else segment_token_ids_by_id(p[1], p[2])
+            keys, left = self._extend(keys, left, toks, req.salt)
+            if i < len(pieces) - 2:
+                mk = (req.salt, tuple(pieces[: i + 1]))
+                if mk not in self.memo:
+                    self.memo[mk] = (keys, left)
+                    if len(self.memo) > self.max_entries:
+                        self.memo.popitem(last=False)
+        out = None
+        if req.output is not None:
+            okeys, oleft = self._extend(keys, left, segment_token_ids(req.output), req.salt)
+            out = list(okeys[len(keys) :])
+            # the next turn continues from here: memoise prompt+answer as a prefix
+            self.memo[(req.salt, tuple(pieces[:-1]) + (("h", "assistant"), ("s", req.output.seg_id, req.output.n_tokens)))] = (okeys, oleft)
+        return RequestKeys(list(keys), out)
+
+
+def segment_token_ids_by_id(seg_id: str, n_tokens: int):
+    from loadtests.workloads import _segment_ids_cached
+
+    return _segment_ids_cached(seg_id, n_tokens)
+
+
+def prepare_keys(workload: Workload, block_size: int = 16, model: str = "vtime-model") -> list[RequestKeys]:
+    """Every request's prompt (and quoted-output) keys, in workload order."""
+    memo = _KeyMemo(model, block_size)
+    return [memo.keys(r) for r in workload.requests]
+
+
+# -------------------------------------------------------------------------------- replica model
+
+
+class _Req:
+    __slots__ = (
+        "i", "wr", "keys", "out_keys", "prompt", "max_out", "arrival", "rep", "cached", "computed",
+        "held", "anon", "registered", "first_s", "finish_s", "pred_uncached", "backlog", "running_at",
+        "chunk",
+    )
+
+    def __init__(self, i: int, wr: WorkloadRequest, rk: RequestKeys, arrival: float) -> None:
+        self.i = i
+        self.wr = wr
+        self.keys = rk.prompt
+        self.out_keys = rk.output
+        self.prompt = wr.prompt_tokens
+        self.max_out = max(1, wr.max_output_tokens)
+        self.arrival = arrival
+        self.rep = -1
+        self.cached = 0
+        self.computed = 0
+        self.held: list = []
+        self.anon = 0
+        self.registered = 0
+        self.first_s = -1.0
+        self.finish_s = -1.0
+        self.pred_uncached = 0
+        self.backlog = 0.0
+        self.running_at = 0
+        self.chunk = 0
+
+
+class _Replica:
+    __slots__ = (
+        "idx", "rid", "p", "ref", "lru", "free_anon", "waiting", "prefilling", "decode_heap", "n_decoding",
+        "step_no", "stepping", "stored", "removed", "n_requests", "busy_s", "prefill_tokens", "seq",
+    )
+
+    def __init__(self, idx: int, p: SimParams) -> None:
+        self.idx = idx
+        self.rid = f"r{idx}"
+        self.p = p
+        self.ref: dict = {}  # cached key -> reference count (0: free, in lru)
+        self.lru: OrderedDict = OrderedDict()  # free cached keys, oldest first
+        self.free_anon = p.num_blocks  # free blocks holding nothing reusable
+        self.waiting: deque = deque()
+        self.prefilling: list = []
+        self.decode_heap: list = []  # (finish step, seq, req)
+        self.n_decoding = 0
+        self.step_no = 0
+        self.stepping = False
+        self.stored: list = []
+        self.removed: list = []
+        self.n_requests = 0
+        self.busy_s = 0.0
+        self.prefill_tokens = 0
+        self.seq = 0
+
+    @property
+    def running(self) -> int:
+        return len(self.prefilling) + self.n_decoding
+
+    def kv_usage(self) -> float:
+        return 1.0 - (self.free_anon + len(self.lru)) / self.p.num_blocks
+
+    def _try_admit(self, r: _Req) -> bool:
+        bs = self.p.block_size
+        ref = self.ref
+        cap = (r.prompt - 1) // bs
+        m = 0
+        in_lru = 0
+        keys = r.keys
+        lim = min(cap, len(keys))
+        while m < lim:
+            c = ref.get(keys[m])
+            if c is None:
+                break
+            if c == 0:
+                in_lru += 1
+            m += 1
+        need = -(-(r.prompt + r.max_out) // bs) - m
+        if self.free_anon + len(self.lru) - in_lru < need:
+            return False
+        lru = self.lru
+        for k in keys[:m]:
+            c = ref[k]
+            if c == 0:
+                del lru[k]
+            ref[k] = c + 1
+        r.held = list(keys[:m])
+        take = min(need, self.free_anon)
+        self.free_anon -= take
+        for _ in range(need - take):
+            k, _ = lru.popitem(last=False)
+            del ref[k]
+            self.removed.append(k)
+        r.anon = need
+        r.cached = m * bs
+        r.computed = m * bs
+        r.registered = m
+        return True
+
+    def _register(self, r: _Req, upto: int) -> None:
+        ref = self.ref
+        keys = r.keys
+        for j in range(r.registered, min(upto, len(keys))):
+            k = keys[j]
+            if k not in ref:
+                ref[k] = 1
+                r.held.append(k)
+                r.anon -= 1
+                self.stored.append(k)
+        r.registered = max(r.registered, upto)
+
+    def _release(self, r: _Req) -> None:
+        ref, lru = self.ref, self.lru
+        if r.out_keys:
+            for k in r.out_keys:
+                if k not in ref and r.anon > 0:
+                    ref[k] = 1
+                    r.held.append(k)
+                    r.anon -= 1
+                    self.stored.append(k)
+        for k in reversed(r.held):  # tail first: evicted before the prefix it extends
+            c = ref[k] - 1
+            ref[k] = c
+            if c == 0:
+                lru[k] = None
+        self.free_anon += r.anon
+        r.held = []
+        r.anon = 0
+
+    def start_step(self) -> float | None:
+        """Schedule one step; return its duration or None when idle."""
+        p = self.p
+        budget = p.max_batched_tokens - self.n_decoding
+        prefill = 0
+        for r in self.prefilling:
+            c = min(r.prompt - r.computed, budget)
+            r.chunk = c
+            budget -= c
+            prefill += c
+        while self.waiting and budget > 0 and self.running < p.max_num_seqs:
+            r = self.waiting[0]
+            if not self._try_admit(r):
+                if self.running == 0:
+                    raise ValueError(f"request {r.wr.request_id} needs more KV blocks than a replica has ({p.num_blocks}); raise num_blocks")
+                break
+            self.waiting.popleft()
+            c = min(r.prompt - r.computed, budget)
+            r.chunk = c
+            budget -= c
+            prefill += c
+            self.prefilling.append(r)
+        if prefill == 0 and self.n_decoding == 0:
+            return None
+        self.prefill_tokens += prefill
+        return p.step_overhead_s + prefill * p.prefill_s_per_token + self.n_decoding * p.decode_s_per_seq
+
+    def end_step(self, t: float, first_tokens: list, finished: list) -> None:
+        bs = self.p.block_size
+        self.step_no += 1
+        heap = self.decode_heap
+        while heap and heap[0][0] <= self.step_no:
+            r = heapq.heappop(heap)[2]
+            self.n_decoding -= 1
+            r.finish_s = t
+            self._release(r)
+            finished.append(r)
+        still = []
+        for r in self.prefilling:
+            if r.chunk:
+                r.computed += r.chunk
+                r.chunk = 0
+                self._register(r, r.computed // bs)
+            if r.computed >= r.prompt:
+                r.first_s = t
+                first_tokens.append(r)
+                rem = r.max_out - 1
+                if rem <= 0:
+                    r.finish_s = t
+                    self._release(r)
+                    finished.append(r)
+                else:
+                    self.seq += 1
+                    heapq.heappush(heap, (self.step_no + rem, self.seq, r))
+                    self.n_decoding += 1
+            else:
+                still.append(r)
+        self.prefilling = still
+
+
+# ------------------------------------------------------------------------------------ the router
+
+
+class _Router:
+    def __init__(self, n: int, p: SimParams, policy, rng: random.Random) -> None:
+        self.n = n
+        self.p = p
+        self.policy = policy
+        self.rng = rng
+        self.rids = [f"r{i}" for i in range(n)]
+        self.real: dict = {}  # key -> bitmask of replicas (from events)
+        self.spec: dict = {}  # key -> bitmask (speculative)
+        self.spec_exp: dict = {}  # (key, replica) -> expiry
+        self.spec_q: deque = deque()  # (expiry, replica, keys)
+        self.rep_running = [0] * n
+        self.rep_waiting = [0] * n
+        self.rep_kv = [0.0] * n
+        self.inflight = [0] * n
+        self.inflight_tok = [0] * n
+        self.mean_uncached = [None] * n
+        self.cal = Calibrator(prior_prefill_s_per_token=p.prior_prefill_s_per_token, prior_decode_step_s=p.prior_decode_step_s)
+        self.views: list = [None] * n  # cached zero-match views
+
+    def apply_events(self, ri: int, stored: list, removed: list) -> None:
+        bit = 1 << ri
+        real = self.real
+        for k in stored:
+            real[k] = real.get(k, 0) | bit
+        nb = ~bit
+        for k in removed:
+            m = real.get(k, 0) & nb
+            if m:
+                real[k] = m
+            else:
+                real.pop(k, None)
+
+    def _expire_spec(self, now: float) -> None:
+        q = self.spec_q
+        while q and q[0][0] <= now:
+            exp, ri, keys = q.popleft()
+            nb = ~(1 << ri)
+            for k in keys:
+                if self.spec_exp.get((k, ri)) == exp:
+                    del self.spec_exp[(k, ri)]
+                    m = self.spec.get(k, 0) & nb
+                    if m:
+                        self.spec[k] = m
+                    else:
+                        self.spec.pop(k, None)
+
+    def matches(self, keys: list) -> dict:
+        """replica index -> leading run of `keys` it holds (real or speculative); absent = 0."""
+        real, spec = self.real, self.spec
+        cur = (1 << self.n) - 1
+        runs: dict = {}
+        i = 0
+        for k in keys:
+            h = (real.get(k, 0) | spec.get(k, 0)) & cur
+            if h != cur:
+                if i:
+                    d = cur & ~h
+                    while d:
+                        low = d & -d
+                        runs[low.bit_length() - 1] = i
+                        d ^= low
+                cur = h
+                if not cur:
+                    break
+            i += 1
+        else:
+            while cur:
+                low = cur & -cur
+                runs[low.bit_length() - 1] = i
+                cur ^= low
+        return runs
+
+    def view(self, ri: int, matched: int) -> ReplicaView:
+        if matched == 0 and self.views[ri] is not None:
+            return self.views[ri]
+        mu = self.mean_uncached[ri]
+        v = ReplicaView(
+            self.rids[ri],
+            True,
+            matched,
+            matched,
+            True,
+            self.rep_running[ri],
+            self.rep_waiting[ri],
+            self.inflight[ri],
+            self.inflight_tok[ri],
+            self.rep_kv[ri],
+            self.cal.prefill_s_per_token(self.rids[ri]),
+            self.cal.decode_step_s(self.rids[ri]),
+            {MEAN_UNCACHED_EXTRA: mu} if mu is not None else _EMPTY,
+        )
+        if matched == 0:
+            self.views[ri] = v
+        return v
+
+    def route(self, now: float, r: _Req) -> int:
+        self._expire_spec(now)
+        keys = r.keys
+        runs = self.matches(keys)  # every policy's in-flight estimate needs the predicted hit
+        views = [self.view(i, runs.get(i, 0)) for i in range(self.n)]
+        rq = RequestView(r.prompt, self.p.block_size, tuple(keys), r.max_out, "", r.wr.request_id)
+        d = self.policy.rank(rq, views, self.rng)
+        ri = int(d.ranked[0].replica_id[1:])
+        bs = self.p.block_size
+        m = min(runs.get(ri, 0), max(0, (r.prompt - 1) // bs))
+        unc = r.prompt - m * bs
+        v = views[ri]
+        per_req = v.extra.get(MEAN_UNCACHED_EXTRA, 512.0) if v.extra else 512.0
+        r.backlog = max(v.waiting_reqs * per_req, float(v.inflight_prefill_tokens))
+        r.running_at = v.running_reqs
+        r.pred_uncached = unc
+        self.inflight[ri] += 1
+        self.inflight_tok[ri] += unc
+        mu = self.mean_uncached[ri]
+        a = self.p.uncached_ewma_alpha
+        self.mean_uncached[ri] = float(unc) if mu is None else mu + a * (unc - mu)
+        self.views[ri] = None
+        # speculative insertion
+        if keys:
+            exp = now + self.p.spec_ttl_s
+            bit = 1 << ri
+            spec, se = self.spec, self.spec_exp
+            for k in keys:
+                spec[k] = spec.get(k, 0) | bit
+                se[(k, ri)] = exp
+            self.spec_q.append((exp, ri, keys))
+        return ri
+
+    def first_token(self, r: _Req) -> None:
+        ri = r.rep
+        self.inflight[ri] -= 1
+        self.inflight_tok[ri] -= r.pred_uncached
+        self.views[ri] = None
+
+    def finished(self, r: _Req) -> None:
+        rid = self.rids[r.rep]
+        self.cal.observe_ttft(rid, r.first_s - r.arrival, r.prompt - r.cached, r.backlog, r.running_at)
+        if r.max_out > 1:
+            self.cal.observe_token_interval(rid, (r.finish_s - r.first_s) / (r.max_out - 1))
+        self.views[r.rep] = None
+
+    def report(self, reps: list) -> None:
+        for i, rep in enumerate(reps):
+            self.rep_running[i] = rep.running
+            self.rep_waiting[i] = len(rep.waiting)
+            self.rep_kv[i] = rep.kv_usage()
+        self.views = [None] * self.n
+
+
+_EMPTY: dict = {}
+
+
+# ------------------------------------------------------------------------------------- results
+
+
+@dataclass
+class SimResult:
+    workload: str
+    policy: str
+    n_replicas: int
+    requests: int
+    completed: int
+    duration_s: float  # virtual: first arrival to last finish
+    ttft_s: np.ndarray  # per completed request
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    per_replica_requests: list
+    per_replica_busy_s: list
+    wall_s: float  # real seconds the simulation took
+    calibration: dict = field(default_factory=dict)
+    policy_params: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        t = self.ttft_s
+        pr = np.asarray(self.per_replica_requests, dtype=float)
+        mean = pr.mean() if len(pr) else 0.0
+        return {
+            "workload": self.workload,
+            "policy": self.policy,
+            "replicas": self.n_replicas,
+            "requests": self.requests,
+            "completed": self.completed,
+            "duration_s": self.duration_s,
+            "throughput_rps": self.completed / self.duration_s if self.duration_s > 0 else 0.0,
+            "output_tok_s": self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0,
+            "ttft_p50_s": float(np.percentile(t, 50)) if len(t) else float("nan"),
+            "ttft_p90_s": float(np.percentile(t, 90)) if len(t) else float("nan"),
+            "ttft_p99_s": float(np.percentile(t, 99)) if len(t) else float("nan"),
+            "ttft_max_s": float(t.max()) if len(t) else float("nan"),
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "hit_ratio": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "load_max_over_mean": float(pr.max() / mean) if mean > 0 else 0.0,
+            "busy_frac_mean": float(np.mean(self.per_replica_busy_s) / self.duration_s) if self.duration_s > 0 else 0.0,
+            "wall_s": self.wall_s,
+        }
+
+
+# ---------------------------------------------------------------------------------- simulation
+
+
+def simulate(
+    workload: Workload,
+    policy_name: str,
+    n_replicas: int,
+    params: SimParams = SimParams(),
+    policy_params: dict | None = None,
+    seed: int = 0,
+    keys: list[RequestKeys] | None = None,
+) -> SimResult:
+    """Run `workload` through `policy_name` on `n_replicas` modelled replicas (module header)."""
+    if n_replicas < 1:
+        raise ValueError("n_replicas must be >= 1")
+    wall0 = time.perf_counter()
+    p = params
+    if keys is None:
+        keys = prepare_keys(workload, p.block_size, p.model)
+    if len(keys) != len(workload.requests):
+        raise ValueError("keys do not belong to this workload (lengths differ)")
+    policy = get_policy(policy_name, **(policy_params or {}))
+    router = _Router(n_replicas, p, policy, random.Random(seed))
+    reps = [_Replica(i, p) for i in range(n_replicas)]
+
+    heap: list = []  # (time, seq, kind, payload)
+    seq = 0
+    STEP, REPORT, EVENTS, ARRIVE = 0, 1, 2, 3
+
+    wreqs = workload.requests
+    closed = workload.concurrency is not None
+    pending = deque(range(len(wreqs)))
+    if closed:
+        for _ in range(min(workload.concurrency, len(wreqs))):
+            i = pending.popleft()
+            heap.append((0.0, seq, ARRIVE, i))
+            seq += 1
+    else:
+        for i in range(len(wreqs)):
+            heap.append((wreqs[i].arrival_s, seq, ARRIVE, i))
+            seq += 1
+    heapq.heapify(heap)
+    heapq.heappush(heap, (0.0, seq, REPORT, None))
+    seq += 1
+
+    step_start = [0.0] * n_replicas
+    done: list = []
+    n_total = len(wreqs)
+    n_done = 0
+    first_arrival = wreqs[0].arrival_s if wreqs and not closed else 0.0
+    last_t = 0.0
+
+    def kick(ri: int, t: float) -> None:
+        nonlocal seq
+        rep = reps[ri]
+        dur = rep.start_step()
+        if dur is None:
+            rep.stepping = False
+            return
+        rep.stepping = True
+        step_start[ri] = t
+        seq += 1
+        heapq.heappush(heap, (t + dur, seq, STEP, ri))
+
+    def flush_events(ri: int, t: float) -> None:
+        nonlocal seq
+        rep = reps[ri]
+        if not rep.stored and not rep.removed:
+            return
+        st, rm = rep.stored, rep.removed
+        rep.stored, rep.removed = [], []
+        if p.event_delay_s <= 0:
+            router.apply_events(ri, st, rm)
+        else:
+            seq += 1
+            heapq.heappush(heap, (t + p.event_delay_s, seq, EVENTS, (ri, st, rm)))
+
+    while heap:
+        t, _, kind, payload = heapq.heappop(heap)
+        last_t = t
+        if kind == ARRIVE:
+            r = _Req(payload, wreqs[payload], keys[payload], t)
+            ri = router.route(t, r)
+            r.rep = ri
+            rep = reps[ri]
+            rep.n_requests += 1
+            rep.waiting.append(r)
+            if not rep.stepping:
+                kick(ri, t)
+        elif kind == STEP:
+            ri = payload
+            rep = reps[ri]
+            rep.busy_s += t - step_start[ri]
+            firsts: list = []
+            fin: list = []
+            rep.end_step(t, firsts, fin)
+            for r in firsts:
+                router.first_token(r)
+            for r in fin:
+                router.finished(r)
+                done.append(r)
+                n_done += 1
+                if closed and pending:
+                    i = pending.popleft()
+                    seq += 1
+                    heapq.heappush(heap, (t, seq, ARRIVE, i))
+            flush_events(ri, t)
+            kick(ri, t)
+            flush_events(ri, t)  # evictions made by admissions in the new step
+        elif kind == EVENTS:
+            ri, st, rm = payload
+            router.apply_events(ri, st, rm)
+        elif kind == REPORT:
+            router.report(reps)
+            if n_done < n_total:
+                seq += 1
+                heapq.heappush(heap, (t + p.report_interval_s, seq, REPORT, None))
+        if n_done >= n_total and kind == STEP:
+            break
+
+    ttft = np.array([r.first_s - r.arrival for r in done], dtype=float)
+    return SimResult(
+        workload=workload.name,
+        policy=policy_name,
+        n_replicas=n_replicas,
+        requests=n_total,
+        completed=n_done,
+        duration_s=max(1e-9, last_t - first_arrival),
+        ttft_s=ttft,
+        prompt_tokens=sum(r.prompt for r in done),
+        cached_tokens=sum(r.cached for r in done),
+        output_tokens=sum(r.max_out for r in done),
+        per_replica_requests=[rep.n_requests for rep in reps],
+        per_replica_busy_s=[rep.busy_s for rep in reps],
+        wall_s=time.perf_counter() - wall0,
+        calibration=router.cal.snapshot(),
+        policy_params=getattr(policy, "params", lambda: {})(),
+    )

@@ -1,0 +1,178 @@
+"""The virtual-time comparison table: every policy on the same workloads, seeds and arrivals.
+
+Rule: for each (workload, replica count) one workload is built (deterministic for --seed), its
+keys and its oracle bound are computed once, its arrival times are scaled so the *offered load*
+is `--util` (default 0.7), and then every policy runs on exactly those requests. Prints a
+markdown table (and writes JSON with --json), headed by the command line that produced it.
+
+Offered load (stated in the output): the work an ideal router would leave per replica-second,
+
+    util = rate_rps x (mean_uncached_tokens_oracle x prefill_s_per_token
+                       + max_output_tokens x (decode_s_per_seq + step_overhead_s / 32)) / replicas
+
+with mean_uncached_tokens_oracle from the pooled-Belady oracle (KV capacity counted), i.e. the
+least prefill any router could do; a router that misses more than the oracle runs hotter.
+Arrival times are multiplied by one factor to reach it (Poisson stays Poisson; multi-turn think
+times scale too).
+
+    python -m loadtests.vtime_report            # full table (4, 16, 64 replicas), ~10 min, 1 core
+    python -m loadtests.vtime_report --quick    # small table, well under a minute
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from loadtests.oracle import infinite_bound, pooled_belady_bound
+from loadtests.vtime import SimParams, prepare_keys, simulate
+from loadtests.workloads import Workload, build_workload
+from policies.registry import POLICY_NAMES
+
+__all__ = ["WORKLOAD_SETUPS", "run_table", "main"]
+
+# per workload: builder kwargs as a function of replicas R, and the KV blocks per replica.
+# KV is chosen so that one replica cannot hold the whole working set, but its share of it can.
+WORKLOAD_SETUPS = {
+    "shared_docs": (lambda R: dict(n_docs=10 * R, doc_tokens=3000, popularity="uniform"), 2500),
+    "shared_docs_zipf": (lambda R: dict(n_docs=10 * R, doc_tokens=3000, popularity="zipf", zipf_s=1.1), 2500),
+    "multi_turn": (lambda R: dict(turns=6, system_tokens=1500, user_tokens=300, answer_tokens=120, think_s=8.0), 6000),
+    "rag": (lambda R: dict(n_topics=10 * R, chunks_per_topic=6, chunks_per_request=4, chunk_tokens=500), 2500),
+    "multi_tenant": (lambda R: dict(n_docs=3 * R, doc_tokens=3000, n_tenants=4), 2500),
+    "hot_prefix": (lambda R: dict(hot_share=0.5, n_docs=10 * R, doc_tokens=3000), 2500),
+    "no_sharing": (lambda R: dict(prompt_tokens=1500), 2500),
+}
+DEFAULT_WORKLOADS = ["shared_docs", "multi_turn", "rag", "hot_prefix", "no_sharing"]
+
+
+def _scaled(w: Workload, factor: float, rate: float) -> Workload:
+    reqs = tuple(dataclasses.replace(r, arrival_s=r.arrival_s * factor) for r in w.requests)
+    return dataclasses.replace(w, requests=reqs, rate_rps=rate)
+
+
+def run_table(workloads, replicas, policies, n_requests_for, util: float, seed: int, progress=None) -> list[dict]:
+    rows = []
+    for wl in workloads:
+        kw_of, num_blocks = WORKLOAD_SETUPS[wl]
+        for R in replicas:
+            n_req = n_requests_for(R)
+            params = SimParams(num_blocks=num_blocks)
+            w = build_workload(wl, n_req, seed=seed, rate_rps=1.0, **kw_of(R))
+            keys = prepare_keys(w, params.block_size, params.model)
+            pt = [r.prompt_tokens for r in w.requests]
+            pk = [k.prompt for k in keys]
+            ok = [k.output for k in keys]
+            inf = infinite_bound(pt, pk, ok, params.block_size)
+            bel = pooled_belady_bound(pt, pk, ok, params.block_size, R * num_blocks)
+            mean_unc = (bel.prompt_tokens - bel.cached_tokens) / len(pt)
+            mean_out = sum(r.max_output_tokens for r in w.requests) / len(pt)
+            per_req_s = mean_unc * params.prefill_s_per_token + mean_out * (params.decode_s_per_seq + params.step_overhead_s / 32)
+            rate = util * R / per_req_s
+            base_rate = len(w.requests) / w.requests[-1].arrival_s  # realised rate at rate_rps=1 (multi-turn differs)
+            w = _scaled(w, base_rate / rate, rate)
+            for pol in policies:
+                res = simulate(w, pol, R, params, seed=seed, keys=keys)
+                s = res.summary()
+                s.update(
+                    rate_rps=rate,
+                    kv_blocks_per_replica=num_blocks,
+                    oracle_hit_ratio=bel.hit_ratio,
+                    oracle_inf_hit_ratio=inf.hit_ratio,
+                    frac_of_oracle=(s["hit_ratio"] / bel.hit_ratio) if bel.hit_ratio > 0 else float("nan"),
+                    policy_params=res.policy_params,
+                )
+                rows.append(s)
+                if progress:
+                    progress(s)
+    return rows
+
+
+def _fmt(x, nd=3):
+    if isinstance(x, float):
+        if x != x:
+            return "-"
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def goals(rows: list[dict]) -> list[str]:
+    """The issue's goals, checked on the table."""
+    out = []
+    by = {(r["workload"], r["replicas"], r["policy"]): r for r in rows}
+    for (wl, R, pol), r in sorted(by.items()):
+        if pol != "cache_aware":
+            continue
+        if wl in ("shared_docs", "shared_docs_zipf", "multi_turn") and (wl, R, "round_robin") in by:
+            rr = by[(wl, R, "round_robin")]
+            ok1 = r["ttft_p99_s"] <= rr["ttft_p99_s"] / 3
+            ok2 = r["frac_of_oracle"] >= 0.9
+            out.append(f"{wl} R={R}: p99 {r['ttft_p99_s']:.3f}s vs round_robin {rr['ttft_p99_s']:.3f}s (<=1/3: {'OK' if ok1 else 'MISS'}); hit {r['frac_of_oracle']:.2f} of oracle (>=0.9: {'OK' if ok2 else 'MISS'})")
+        if wl == "no_sharing" and (wl, R, "least_loaded") in by:
+            ll = by[(wl, R, "least_loaded")]
+            ok = all(r[k] <= ll[k] * 1.05 + 1e-3 for k in ("ttft_p50_s", "ttft_p99_s"))
+            out.append(f"{wl} R={R}: p50/p99 {r['ttft_p50_s']:.3f}/{r['ttft_p99_s']:.3f}s vs least_loaded {ll['ttft_p50_s']:.3f}/{ll['ttft_p99_s']:.3f}s (within 5%: {'OK' if ok else 'MISS'})")
+        if wl == "hot_prefix":
+            ok = r["load_max_over_mean"] <= 1.5
+            out.append(f"{wl} R={R}: max/mean requests per replica {r['load_max_over_mean']:.2f} (<=1.5: {'OK' if ok else 'MISS'})")
+    return out
+
+
+def markdown(rows: list[dict], command: str, util: float) -> str:
+    lines = [
+        f"Command: `{command}`",
+        "",
+        f"Offered load {util:.2f} of capacity under the pooled-Belady oracle's hits (see vtime_report header); "
+        "TTFT in seconds; hit = engine cached / prompt tokens; oracle = pooled-Belady upper bound (KV of all replicas pooled); "
+        "load = max/mean requests per replica.",
+        "",
+        "| workload | R | rate rps | policy | TTFT p50 | p90 | p99 | max | thr rps | hit | oracle | frac | load max/mean | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            "| " + " | ".join([
+                r["workload"], str(r["replicas"]), _fmt(r["rate_rps"], 0), r["policy"],
+                _fmt(r["ttft_p50_s"]), _fmt(r["ttft_p90_s"]), _fmt(r["ttft_p99_s"]), _fmt(r["ttft_max_s"]),
+                _fmt(r["throughput_rps"], 1), _fmt(r["hit_ratio"]), _fmt(r["oracle_hit_ratio"]), _fmt(r["frac_of_oracle"], 2),
+                _fmt(r["load_max_over_mean"], 2), _fmt(r["wall_s"], 1),
+            ]) + " |"
+        )
+    lines += ["", "Goals:", ""] + [f"- {g}" for g in goals(rows)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small table: 4 and 16 replicas, fewer requests")
+    ap.add_argument("--workload", action="append", default=[], choices=sorted(WORKLOAD_SETUPS), help="repeatable (default: the five of the issue)")
+    ap.add_argument("--policy", action="append", default=[], choices=list(POLICY_NAMES), help="repeatable (default: all)")
+    ap.add_argument("--replicas", type=int, action="append", default=[], help="repeatable (default 4 16 64; --quick: 4 16)")
+    ap.add_argument("--requests-per-replica", type=int, default=None, help="requests per replica (default 125, at least 4000 in all; --quick: 100, at least 1500)")
+    ap.add_argument("--util", type=float, default=0.7, help="offered load, 0..1 (default 0.7)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, metavar="FILE")
+    args = ap.parse_args(argv)
+    wls = args.workload or DEFAULT_WORKLOADS
+    pols = args.policy or list(POLICY_NAMES)
+    reps = args.replicas or ([4, 16] if args.quick else [4, 16, 64])
+    per = args.requests_per_replica or (100 if args.quick else 125)
+    floor = 1500 if args.quick else 4000
+    t0 = time.perf_counter()
+
+    def progress(s):
+        print(f"  {s['workload']:>14} R={s['replicas']:<3} {s['policy']:>12}: p99 {s['ttft_p99_s']:.3f}s hit {s['hit_ratio']:.3f} ({s['wall_s']:.1f}s)", file=sys.stderr, flush=True)
+
+    rows = run_table(wls, reps, pols, lambda R: max(floor, per * R), args.util, args.seed, progress)
+    command = "python -m loadtests.vtime_report " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(markdown(rows, command.strip(), args.util))
+    print(f"\n(total wall time {time.perf_counter() - t0:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""loadtests/workloads.py: deterministic, shared segments share leading blocks, both renderings."""
+from __future__ import annotations
+
+import pytest
+
+from hashing import KeyChain
+from loadtests.workloads import WORKLOADS, build_workload, output_token_ids, render_messages, render_token_ids
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_deterministic_and_consistent(name):
+    a = build_workload(name, 60, seed=3, rate_rps=5.0)
+    b = build_workload(name, 60, seed=3, rate_rps=5.0)
+    assert a == b and len(a.requests) == 60
+    assert [r.arrival_s for r in a.requests] == sorted(r.arrival_s for r in a.requests)
+    assert len({r.request_id for r in a.requests}) == 60
+    for r in a.requests[:10]:
+        toks = render_token_ids(r)
+        assert len(toks) == r.prompt_tokens
+        assert render_token_ids(r) == toks
+        msgs = render_messages(r)
+        assert msgs and all(m["role"] in ("system", "user", "assistant") and m["content"] for m in msgs)
+        words = sum(len(m["content"].split()) for m in msgs)
+        assert abs(words - sum(s.n_tokens for s in r.segments)) == 0  # one pseudo-word per token
+        assert r.salt
+    c = build_workload(name, 60, seed=4, rate_rps=5.0)
+    assert c != a
+
+
+def test_shared_document_shares_leading_blocks_and_salt_separates_tenants():
+    w = build_workload("multi_tenant", 200, seed=0, rate_rps=5.0, n_docs=2, n_tenants=2)
+    chain = KeyChain("m", 16)
+    by = {}
+    for r in w.requests:
+        by.setdefault((r.segments[1].seg_id, r.tenant), []).append(r)
+    (doc, tenant), same = next((k, v) for k, v in by.items() if len(v) >= 2)
+    k1 = chain.request_keys(render_token_ids(same[0]), salt=same[0].salt)
+    k2 = chain.request_keys(render_token_ids(same[1]), salt=same[1].salt)
+    doc_blocks = (same[0].segments[0].n_tokens + same[0].segments[1].n_tokens) // 16
+    assert k1[:doc_blocks] == k2[:doc_blocks]
+    other = next(v[0] for (d, t), v in by.items() if d == doc and t != tenant)
+    k3 = chain.request_keys(render_token_ids(other), salt=other.salt)
+    assert k3[0] != k1[0]  # same document, other tenant: nothing shared
+
+
+def test_multi_turn_history_grows_and_quotes_the_answer():
+    w = build_workload("multi_turn", 30, seed=1, rate_rps=2.0, turns=3)
+    conv = sorted((r for r in w.requests if r.conversation == "c0"), key=lambda r: r.turn)
+    assert [r.turn for r in conv] == [0, 1, 2]
+    t0, t1 = render_token_ids(conv[0]), render_token_ids(conv[1])
+    assert t1[: len(t0)] == t0
+    assert t1[len(t0) : len(t0) + conv[0].max_output_tokens] == output_token_ids(conv[0])
+    assert conv[1].arrival_s > conv[0].arrival_s
+
+
+def test_zipf_is_skewed_and_hot_prefix_is_hot():
+    w = build_workload("shared_docs_zipf", 2000, seed=0, rate_rps=10.0, n_docs=40)
+    counts = {}
+    for r in w.requests:
+        counts[r.segments[1].seg_id] = counts.get(r.segments[1].seg_id, 0) + 1
+    assert max(counts.values()) > 5 * (2000 / 40)
+    h = build_workload("hot_prefix", 2000, seed=0, rate_rps=10.0, hot_share=0.5)
+    hot = sum(r.segments[1].seg_id == "doc/0" for r in h.requests)
+    assert 900 < hot < 1100
+
+
+def test_closed_loop_and_bad_arguments():
+    w = build_workload("no_sharing", 10, seed=0, rate_rps=None, concurrency=4)
+    assert w.concurrency == 4 and all(r.arrival_s == 0 for r in w.requests)
+    with pytest.raises(ValueError):
+        build_workload("no_sharing", 10, rate_rps=None)
+    with pytest.raises(ValueError, match="shared_docs"):
+        build_workload("nope", 10)
