@@ -1,0 +1,191 @@
+"""IndexSync: the consumer task that keeps a KVIndex current from a feed (the I/O edge of the index).
+
+Rule: per replica, start from the feed's snapshot (`load_snapshot`), then apply records with
+offset == position + 1, in order. Anything else triggers a rebuild from the snapshot:
+  - a skip in offsets (the bounded stream was trimmed: this consumer fell behind);
+  - the feed's last offset below our position (the feed was wiped: Redis restarted empty);
+  - a replica seen for the first time (started late).
+If the snapshot cannot close the gap (it is older than the oldest retained record) the gap is
+accepted, counted in `stats["unclosable_gaps"]`, and the next snapshot fixes it. A replica with no
+snapshot yet is read from the start of its stream (the agent writes one on its first publish). Records at or below
+the position are duplicates and skipped. A record that fails to apply is counted and skipped; a feed
+outage is retried with backoff, after which every followed replica is re-checked. `run()` never
+returns except by cancellation. Started by the gateway service (or a test), never by a constructor.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable, Iterable
+
+from replica_agent.feed.base import Feed, FeedUnavailable
+from replica_agent.feed.records import INVALID_KIND, FeedEvent
+
+from .index import KVIndex
+
+__all__ = ["IndexSync"]
+
+log = logging.getLogger("warmroute.index_sync")
+
+
+class IndexSync:
+    def __init__(self, feed: Feed, index: KVIndex, *, replicas: Iterable[str] | None = None,
+                 discover_every_s: float = 2.0, check_every_s: float = 5.0, block_s: float = 0.5,
+                 batch_records: int = 2000, wall_clock: Callable[[], float] = time.time) -> None:
+        self.feed = feed
+        self.index = index
+        self._only: set[str] | None = set(replicas) if replicas is not None else None
+        self.discover_every_s = discover_every_s
+        self.check_every_s = check_every_s
+        self.block_s = block_s
+        self.batch_records = batch_records
+        self._wall = wall_clock
+        self._positions: dict[str, int] = {}  # replica -> last applied offset
+        self._rebuild: set[str] = set()  # replicas to rebuild from the snapshot before reading on
+        self._snapshot_offset: dict[str, int] = {}  # replica -> offset of the last snapshot loaded
+        self._lag_s: dict[str, float] = {}
+        self._next_discover = 0.0
+        self._next_check = 0.0
+        self.stats: dict[str, int] = {"records": 0, "bad_records": 0, "gaps": 0, "rebuilds": 0,
+                                      "unclosable_gaps": 0, "wiped": 0, "feed_errors": 0, "duplicates": 0}
+
+    # -------------------------------------------------------------- control (gateway side)
+    def follow(self, replica_id: str) -> None:
+        """Start following a replica (it is rebuilt from its snapshot first)."""
+        if self._only is not None:
+            self._only.add(replica_id)
+        if replica_id not in self._positions:
+            self._positions[replica_id] = 0
+            self._rebuild.add(replica_id)
+
+    def forget(self, replica_id: str) -> None:
+        """Stop following a replica and purge it from the index (removed from the pool)."""
+        if self._only is not None:
+            self._only.discard(replica_id)
+        self._positions.pop(replica_id, None)
+        self._rebuild.discard(replica_id)
+        self._lag_s.pop(replica_id, None)
+        self.index.purge(replica_id)
+
+    def lag_s(self, replica_id: str) -> float:
+        """Publish-to-apply delay of the replica's last applied record (s); 0.0 when none yet."""
+        return self._lag_s.get(replica_id, 0.0)
+
+    def position(self, replica_id: str) -> int:
+        return self._positions.get(replica_id, 0)
+
+    # -------------------------------------------------------------- the task
+    async def run(self) -> None:
+        backoff_s = 0.1
+        while True:
+            try:
+                await self.step()
+                backoff_s = 0.1
+            except asyncio.CancelledError:
+                raise
+            except FeedUnavailable as exc:
+                self.stats["feed_errors"] += 1
+                log.warning("feed unavailable (%s); retrying in %.1fs", exc, backoff_s)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 2.0)
+                self._next_check = 0.0  # after an outage: re-check every replica for a wiped feed
+                self._next_discover = 0.0
+            except Exception:  # never die: log, count, go on
+                self.stats["feed_errors"] += 1
+                log.exception("index sync step failed")
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 2.0)
+
+    async def step(self) -> int:
+        """One round: discover, check, rebuild what needs it, read and apply one batch."""
+        now = time.monotonic()
+        if now >= self._next_discover:
+            await self._discover()
+            self._next_discover = now + self.discover_every_s
+        if now >= self._next_check:
+            await self._check_wiped()
+            self._next_check = now + self.check_every_s
+        for rid in list(self._rebuild):
+            await self._rebuild_from_snapshot(rid)
+        if not self._positions:
+            await asyncio.sleep(self.block_s)
+            return 0
+        events = await self.feed.read(dict(self._positions), block_s=self.block_s, count=self.batch_records)
+        for ev in events:
+            self._handle(ev)
+        if not events:
+            self.index.maintain(50_000)  # idle: finish sweeping cleared replicas' old entries
+        return len(events)
+
+    async def _discover(self) -> None:
+        for rid in await self.feed.replicas():
+            if self._only is not None and rid not in self._only:
+                continue
+            if rid not in self._positions:
+                self._positions[rid] = 0
+                self._rebuild.add(rid)
+        if self._only:
+            for rid in self._only:
+                if rid not in self._positions:
+                    self._positions[rid] = 0
+                    self._rebuild.add(rid)
+
+    async def _check_wiped(self) -> None:
+        for rid, pos in list(self._positions.items()):
+            if pos and await self.feed.last_offset(rid) < pos:
+                self.stats["wiped"] += 1
+                log.warning("feed for %s was wiped (last offset below %d): rebuilding", rid, pos)
+                self._positions[rid] = 0
+                self._snapshot_offset.pop(rid, None)
+                self._rebuild.add(rid)
+
+    async def _rebuild_from_snapshot(self, rid: str) -> None:
+        snap = await self.feed.read_snapshot(rid)
+        self._rebuild.discard(rid)
+        if rid not in self._positions:
+            return  # forgotten meanwhile
+        self.stats["rebuilds"] += 1
+        if snap is None:
+            # nothing to rebuild from: read the stream from its start (the publisher writes a
+            # snapshot on its first publish and on every resync, so this is a young feed)
+            self._positions[rid] = 0
+            return
+        self.index.load_snapshot(rid, snap)
+        self._positions[rid] = snap.offset
+        self._snapshot_offset[rid] = snap.offset
+
+    def _handle(self, ev: FeedEvent) -> None:
+        rid = ev.replica_id
+        pos = self._positions.get(rid)
+        if pos is None or rid in self._rebuild:
+            return  # forgotten, or waiting for a rebuild: the snapshot covers it
+        if ev.offset <= pos:
+            self.stats["duplicates"] += 1
+            return
+        if ev.offset != pos + 1 and pos != 0:
+            if self._snapshot_offset.get(rid) == pos:
+                # just rebuilt and still a gap: the snapshot is older than the retained stream
+                self.stats["unclosable_gaps"] += 1
+                log.warning("gap %s: %d -> %d not closable by snapshot; applying on", rid, pos, ev.offset)
+            else:
+                self.stats["gaps"] += 1
+                self._rebuild.add(rid)
+                return
+        self._positions[rid] = ev.offset
+        self._snapshot_offset.pop(rid, None)
+        if ev.kind == INVALID_KIND:
+            self.stats["bad_records"] += 1
+            log.warning("undecodable feed record %s@%d: skipped", rid, ev.offset)
+            return
+        try:
+            self.index.apply(ev)
+        except Exception:
+            self.stats["bad_records"] += 1
+            log.exception("bad feed record %s@%d (%s): skipped", rid, ev.offset, ev.kind)
+            return
+        self.stats["records"] += 1
+        if ev.ts:
+            lag = max(0.0, self._wall() - ev.ts)
+            self._lag_s[rid] = lag
+            self.index.set_feed_lag(rid, lag)

@@ -1,0 +1,163 @@
+"""In-process feed (`memory://[name]`): the embedded default, no Redis.
+
+Rule: one hub per name per process (`memory://` is the name ""), shared by every `MemoryFeed` opened
+with that URL, so agents and the gateway in one process see the same streams. Streams are bounded
+deques (`maxlen` records per replica); readers in any event loop of the process are woken on
+publish. Records are stored as the immutable FeedEvents themselves (no copies, no encoding).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+from typing import Mapping, Sequence
+
+from .records import FeedEvent, Inflight, LoadReport, Snapshot, fresh_stream_base
+
+__all__ = ["MemoryFeed", "reset_memory_feeds"]
+
+
+class _Hub:
+    def __init__(self, maxlen: int) -> None:
+        self.maxlen = maxlen
+        self.lock = threading.Lock()
+        self.streams: dict[str, deque[FeedEvent]] = {}
+        self.last: dict[str, int] = {}
+        self.snapshots: dict[str, Snapshot] = {}
+        self.live: dict[str, tuple[float, LoadReport | None]] = {}  # replica -> (expires monotonic, load)
+        self.inflight: dict[str, list[int]] = {}
+        self.waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+
+    def wake(self) -> None:
+        for loop, ev in list(self.waiters):
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:  # loop closed
+                self.waiters.discard((loop, ev))
+
+
+_HUBS: dict[str, _Hub] = {}
+_HUBS_LOCK = threading.Lock()
+
+
+def _hub(name: str, maxlen: int) -> _Hub:
+    with _HUBS_LOCK:
+        hub = _HUBS.get(name)
+        if hub is None:
+            hub = _HUBS[name] = _Hub(maxlen)
+        return hub
+
+
+def reset_memory_feeds() -> None:
+    """Drop every in-process hub (tests)."""
+    with _HUBS_LOCK:
+        _HUBS.clear()
+
+
+class MemoryFeed:
+    def __init__(self, url: str = "memory://", *, maxlen: int = 100_000, **_ignored) -> None:
+        self.url = url
+        self.name = url.split("://", 1)[1] if "://" in url else ""
+        self._hub = _hub(self.name, maxlen)
+
+    async def publish(self, replica_id: str, drafts: Sequence[FeedEvent]) -> list[FeedEvent]:
+        hub = self._hub
+        out: list[FeedEvent] = []
+        now = time.time()
+        with hub.lock:
+            stream = hub.streams.get(replica_id)
+            if stream is None:
+                stream = hub.streams[replica_id] = deque(maxlen=hub.maxlen)
+            off = hub.last.get(replica_id) or fresh_stream_base()
+            for d in drafts:
+                off += 1
+                ev = replace(d, replica_id=replica_id, offset=off, ts=d.ts or now)
+                stream.append(ev)
+                out.append(ev)
+            hub.last[replica_id] = off
+        if out:
+            hub.wake()
+        return out
+
+    async def write_snapshot(self, snapshot: Snapshot) -> None:
+        with self._hub.lock:
+            self._hub.snapshots[snapshot.replica_id] = snapshot
+
+    async def read_snapshot(self, replica_id: str) -> Snapshot | None:
+        return self._hub.snapshots.get(replica_id)
+
+    async def last_offset(self, replica_id: str) -> int:
+        return self._hub.last.get(replica_id, 0)
+
+    async def replicas(self) -> list[str]:
+        hub = self._hub
+        with hub.lock:
+            return sorted(set(hub.streams) | set(hub.snapshots) | set(hub.live))
+
+    def _collect(self, positions: Mapping[str, int], count: int) -> list[FeedEvent]:
+        hub = self._hub
+        out: list[FeedEvent] = []
+        with hub.lock:
+            for rid, pos in positions.items():
+                stream = hub.streams.get(rid)
+                if not stream or stream[-1].offset <= pos:
+                    continue
+                first = stream[0].offset
+                start = max(0, pos + 1 - first)  # dense offsets: index arithmetic
+                for i in range(start, min(len(stream), start + count)):
+                    out.append(stream[i])
+        return out
+
+    async def read(self, positions: Mapping[str, int], *, block_s: float = 1.0, count: int = 1000) -> list[FeedEvent]:
+        out = self._collect(positions, count)
+        if out or block_s <= 0:
+            return out
+        loop = asyncio.get_running_loop()
+        ev = asyncio.Event()
+        key = (loop, ev)
+        self._hub.waiters.add(key)
+        try:
+            out = self._collect(positions, count)  # published between the check and the wait
+            if out:
+                return out
+            try:
+                await asyncio.wait_for(ev.wait(), block_s)
+            except asyncio.TimeoutError:
+                return []
+            return self._collect(positions, count)
+        finally:
+            self._hub.waiters.discard(key)
+
+    async def set_live(self, replica_id: str, load: LoadReport | None, ttl_s: float) -> None:
+        with self._hub.lock:
+            self._hub.live[replica_id] = (time.monotonic() + ttl_s, load)
+
+    async def live(self) -> dict[str, LoadReport | None]:
+        now = time.monotonic()
+        with self._hub.lock:
+            return {r: load for r, (until, load) in self._hub.live.items() if until > now}
+
+    async def incr_inflight(self, replica_id: str, reqs: int, tokens: int) -> None:
+        with self._hub.lock:
+            c = self._hub.inflight.setdefault(replica_id, [0, 0])
+            c[0] += reqs
+            c[1] += tokens
+
+    async def inflight(self) -> dict[str, Inflight]:
+        with self._hub.lock:
+            return {r: Inflight(c[0], c[1]) for r, c in self._hub.inflight.items()}
+
+    async def close(self) -> None:
+        return None
+
+    def clear(self) -> None:
+        """Wipe this hub (tests: the in-process analogue of a Redis restart without persistence)."""
+        hub = self._hub
+        with hub.lock:
+            hub.streams.clear()
+            hub.last.clear()
+            hub.snapshots.clear()
+            hub.live.clear()
+            hub.inflight.clear()

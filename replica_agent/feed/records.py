@@ -1,0 +1,166 @@
+"""Feed records (DESIGN.md "The feed", a contract): what flows from a replica agent to every gateway.
+
+Rule: per replica, an ordered stream of `FeedEvent`s whose `offset` grows by exactly 1 per record
+(dense, assigned by the feed on publish, continuing after the feed's last offset for that replica;
+an empty stream starts at `fresh_stream_base()`, a time-derived number, so offsets of a wiped and
+restarted stream never repeat old ones and a consumer sees the wipe as a jump), plus
+a `Snapshot`: the replica's full key set per medium, valid *after* applying every record with
+offset <= `Snapshot.offset`. A consumer rebuilds with `load_snapshot` and then applies records with
+offset > `Snapshot.offset`; a jump in offsets (trimmed stream) or an offset that goes backwards (feed
+wiped) means "rebuild from the snapshot again". Keys are warmroute block keys (hashing/keys.py),
+unsigned 64-bit ints; never engine hashes.
+
+Kinds: "stored" / "removed" (keys on one medium), "cleared" (the replica dropped everything, every
+medium), "load" (a `LoadReport`; without one it is a heartbeat: the agent is alive), "hello" (an
+agent (re)started, or learnt its block size: block size, model, epoch).
+
+This module is pure data plus a compact msgpack codec used by out-of-process transports.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+__all__ = [
+    "KINDS",
+    "INVALID_KIND",
+    "MEDIUM_GPU",
+    "MEDIUM_CPU",
+    "FeedEvent",
+    "Hello",
+    "LoadReport",
+    "Snapshot",
+    "Inflight",
+    "encode_event",
+    "decode_event",
+    "encode_snapshot",
+    "decode_snapshot",
+    "FeedDecodeError",
+    "fresh_stream_base",
+]
+
+KINDS = ("stored", "removed", "cleared", "load", "hello")
+# kind of a record a transport could not decode: it keeps its offset so the stream stays dense;
+# consumers skip it and count it (never produced by publishers)
+INVALID_KIND = "invalid"
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """One scrape of the engine's /metrics, as the agent saw it."""
+
+    running_reqs: int  # vllm:num_requests_running
+    waiting_reqs: int  # vllm:num_requests_waiting
+    kv_usage: float  # vllm:kv_cache_usage_perc, a fraction 0..1
+    prefix_cache_queries_total: float  # vllm:prefix_cache_queries_total (tokens, counter)
+    prefix_cache_hits_total: float  # vllm:prefix_cache_hits_total (tokens, counter)
+    num_gpu_blocks: int  # vllm:cache_config_info{num_gpu_blocks}; 0 when unknown
+    block_size: int  # vllm:cache_config_info{block_size}; 0 when unknown
+    ts: float  # wall-clock time of the scrape (s since the epoch)
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """An agent announcing itself; a new `agent_epoch` means a new agent process."""
+
+    block_size: int  # tokens per block, as the engine reports it
+    model: str  # served model name (the key root is derived from it)
+    agent_epoch: str  # unique per agent process start
+
+
+@dataclass(frozen=True, slots=True)
+class FeedEvent:
+    """One record of a replica's stream."""
+
+    replica_id: str  # the replica, as the gateway names it
+    offset: int  # position in that replica's stream, dense and increasing
+    kind: str  # stored|removed|cleared|load|hello
+    keys: tuple[int, ...] = ()  # warmroute block keys (stored/removed only)
+    medium: str = MEDIUM_GPU  # "GPU" | "CPU" | other engine tiers (stored/removed only)
+    load: LoadReport | None = None  # kind == "load"
+    hello: Hello | None = None  # kind == "hello"
+    ts: float = 0.0  # wall-clock time the agent published it (s since the epoch); 0 = unknown
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The replica's full key set per medium, valid after applying every record <= offset."""
+
+    replica_id: str  # the replica
+    offset: int  # stream offset the set is valid at (0: before any record)
+    keys_by_medium: dict[str, tuple[int, ...]] = field(default_factory=dict)  # medium -> keys
+    ts: float = 0.0  # wall-clock time it was taken (s since the epoch)
+
+
+@dataclass(frozen=True, slots=True)
+class Inflight:
+    """Work that gateways have sent a replica and not yet seen finish (shared across gateways)."""
+
+    reqs: int  # requests in flight
+    prefill_tokens: int  # their uncached prompt tokens
+
+
+def fresh_stream_base() -> int:
+    """First offset minus one for a stream the feed holds nothing of: microseconds since the epoch."""
+    return time.time_ns() // 1000
+
+
+class FeedDecodeError(ValueError):
+    """A stored feed record could not be decoded (the writer's fault, not the reader's)."""
+
+
+# Wire form (msgpack array, compact and versioned by position):
+#   [kind, keys(list[u64]), medium, load(list|nil), hello(list|nil), ts]
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder()
+
+
+def encode_event(ev: FeedEvent) -> bytes:
+    """Bytes of one record without replica_id and offset (the transport stores those)."""
+    load = None
+    if ev.load is not None:
+        lr = ev.load
+        load = [lr.running_reqs, lr.waiting_reqs, lr.kv_usage, lr.prefix_cache_queries_total,
+                lr.prefix_cache_hits_total, lr.num_gpu_blocks, lr.block_size, lr.ts]
+    hello = None if ev.hello is None else [ev.hello.block_size, ev.hello.model, ev.hello.agent_epoch]
+    return _enc.encode([ev.kind, list(ev.keys), ev.medium, load, hello, ev.ts])
+
+
+def decode_event(replica_id: str, offset: int, data: bytes) -> FeedEvent:
+    """Inverse of `encode_event`; raises FeedDecodeError on anything malformed."""
+    try:
+        raw = _dec.decode(data)
+        kind, keys, medium, load, hello, ts = raw[:6]
+        if kind not in KINDS:
+            raise FeedDecodeError(f"unknown feed record kind {kind!r}")
+        return FeedEvent(
+            replica_id=replica_id,
+            offset=int(offset),
+            kind=kind,
+            keys=tuple(keys),
+            medium=str(medium),
+            load=None if load is None else LoadReport(int(load[0]), int(load[1]), float(load[2]), float(load[3]),
+                                                       float(load[4]), int(load[5]), int(load[6]), float(load[7])),
+            hello=None if hello is None else Hello(int(hello[0]), str(hello[1]), str(hello[2])),
+            ts=float(ts),
+        )
+    except FeedDecodeError:
+        raise
+    except Exception as exc:  # malformed bytes, wrong shapes
+        raise FeedDecodeError(f"bad feed record for {replica_id}@{offset}: {exc}") from exc
+
+
+def encode_snapshot(snap: Snapshot) -> bytes:
+    return _enc.encode([snap.replica_id, snap.offset, {m: list(k) for m, k in snap.keys_by_medium.items()}, snap.ts])
+
+
+def decode_snapshot(data: bytes) -> Snapshot:
+    try:
+        rid, offset, kbm, ts = _dec.decode(data)[:4]
+        return Snapshot(str(rid), int(offset), {str(m): tuple(k) for m, k in kbm.items()}, float(ts))
+    except Exception as exc:
+        raise FeedDecodeError(f"bad feed snapshot: {exc}") from exc

@@ -1,0 +1,232 @@
+"""One conformance suite for every feed transport (memory://, and redis:// on a real redis-server)."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from gateway.index import KVIndex, Match
+from gateway.index_sync import IndexSync
+from replica_agent.feed import FeedEvent, FeedUnavailable, LoadReport, Snapshot, open_feed
+
+
+@pytest.fixture(params=["memory", "redis"])
+def make_feed(request):
+    """A factory of feed instances that share one backend (like several processes would)."""
+    if request.param == "memory":
+        url = f"memory://conf-{uuid.uuid4().hex[:8]}"
+        server = None
+    else:
+        request.applymarker(pytest.mark.redis)
+        server = request.getfixturevalue("redis_server")
+        url = server.url
+
+    def make(**opts):
+        return open_feed(url, **opts)
+
+    make.server = server
+    make.kind = request.param
+    return make
+
+
+def drafts(*specs):
+    return [FeedEvent("", 0, kind, tuple(keys)) for kind, keys in specs]
+
+
+LOAD = LoadReport(2, 1, 0.5, 100.0, 40.0, 48, 16, 1.0)
+
+
+async def test_offsets_are_dense_and_reads_ordered(make_feed):
+    feed = make_feed()
+    out = await feed.publish("r1", drafts(("stored", [1, 2]), ("removed", [2]), ("cleared", [])))
+    b = out[0].offset - 1  # an empty stream starts at a time-derived base (never reused after a wipe)
+    assert b > 10**15 and [e.offset for e in out] == [b + 1, b + 2, b + 3]
+    assert all(e.replica_id == "r1" and e.ts > 0 for e in out)
+    (r2,) = await feed.publish("r2", drafts(("stored", [9])))
+    got = await feed.read({"r1": 0, "r2": 0}, block_s=0.1)
+    assert [(e.replica_id, e.offset, e.kind, e.keys) for e in got if e.replica_id == "r1"] == [
+        ("r1", b + 1, "stored", (1, 2)), ("r1", b + 2, "removed", (2,)), ("r1", b + 3, "cleared", ())]
+    assert [e.keys for e in got if e.replica_id == "r2"] == [(9,)]
+    assert await feed.read({"r1": b + 3, "r2": r2.offset}, block_s=0.05) == []
+    assert [e.offset for e in await feed.read({"r1": b + 1}, block_s=0)] == [b + 2, b + 3]
+    assert await feed.last_offset("r1") == b + 3 and await feed.last_offset("nobody") == 0
+    assert {"r1", "r2"} <= set(await feed.replicas())
+    await feed.close()
+
+
+async def test_load_and_hello_roundtrip(make_feed):
+    from replica_agent.feed import Hello
+
+    feed = make_feed()
+    await feed.publish("r", [FeedEvent("", 0, "load", load=LOAD), FeedEvent("", 0, "hello", hello=Hello(16, "m", "ep"))])
+    a, b = await feed.read({"r": 0}, block_s=0.1)
+    assert a.load == LOAD and b.hello == Hello(16, "m", "ep")
+    await feed.close()
+
+
+async def test_blocking_read_wakes_on_publish(make_feed):
+    reader, writer = make_feed(), make_feed()
+    task = asyncio.create_task(reader.read({"r": 0}, block_s=5.0))
+    await asyncio.sleep(0.1)
+    await writer.publish("r", drafts(("stored", [7])))
+    got = await asyncio.wait_for(task, 3.0)
+    assert [e.keys for e in got] == [(7,)]
+    await reader.close()
+    await writer.close()
+
+
+async def test_a_new_publisher_continues_the_sequence(make_feed):
+    a = make_feed()
+    first = await a.publish("r", drafts(("stored", [1]), ("stored", [2])))
+    await a.close()
+    b = make_feed()
+    out = await b.publish("r", drafts(("stored", [3])))
+    assert out[0].offset == first[-1].offset + 1
+    await b.close()
+
+
+async def test_snapshot_roundtrip(make_feed):
+    feed = make_feed()
+    assert await feed.read_snapshot("r") is None
+    snap = Snapshot("r", 12, {"GPU": (1, 2, 2**64 - 1), "CPU": (5,)}, 3.0)
+    await feed.write_snapshot(snap)
+    assert await make_feed().read_snapshot("r") == snap
+    assert "r" in await feed.replicas()
+    await feed.close()
+
+
+async def test_bounded_stream_skips_offsets_for_a_slow_reader(make_feed):
+    feed = make_feed(maxlen=5)
+    for i in range(60):
+        await feed.publish("r", drafts(*[("stored", [i * 10 + j]) for j in range(10)]))
+    got = await feed.read({"r": 0}, block_s=0.1, count=10_000)
+    last = await feed.last_offset("r")
+    offs = [e.offset for e in got]
+    assert offs[-1] == last and len(offs) < 600  # the oldest records are gone
+    assert offs == list(range(offs[0], last + 1))
+    await feed.close()
+
+
+async def test_liveness_expires(make_feed):
+    feed = make_feed()
+    await feed.set_live("r", LOAD, ttl_s=0.3)
+    await feed.set_live("s", None, ttl_s=5)
+    live = await feed.live()
+    assert live["r"] == LOAD and "s" in live and live["s"] is None
+    await asyncio.sleep(0.5)
+    assert "r" not in await feed.live()
+    await feed.close()
+
+
+async def test_inflight_counters_are_shared(make_feed):
+    g1, g2 = make_feed(), make_feed()
+    await g1.incr_inflight("r", 2, 1000)
+    await g2.incr_inflight("r", 1, 500)
+    await g2.incr_inflight("q", 1, 10)
+    seen = await g1.inflight()
+    assert (seen["r"].reqs, seen["r"].prefill_tokens) == (3, 1500) and seen["q"].reqs == 1
+    await g1.incr_inflight("r", -2, -1000)
+    assert (await g2.inflight())["r"].reqs == 1
+    await g1.close()
+    await g2.close()
+
+
+async def _until(pred, timeout_s=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+async def test_late_consumer_rebuilds_from_snapshot(make_feed):
+    pub = make_feed(maxlen=5)
+    await pub.publish("r", drafts(("stored", range(1, 101))))
+    for i in range(30):  # lots of history that a late consumer must not need
+        await pub.publish("r", drafts(("stored", [1000 + i]), ("removed", [1000 + i])))
+    last = await pub.last_offset("r")
+    await pub.write_snapshot(Snapshot("r", last, {"GPU": tuple(range(1, 101))}))
+    await pub.publish("r", drafts(("stored", [101, 102])))
+    index = KVIndex()
+    sync = IndexSync(make_feed(), index, block_s=0.05, discover_every_s=0.1)
+    task = asyncio.create_task(sync.run())
+    try:
+        await _until(lambda: index.match(list(range(1, 103))).get("r") == Match(102, 102))
+        assert sync.stats["rebuilds"] >= 1 and sync.position("r") == last + 1
+        assert 0.0 <= sync.lag_s("r") < 5.0 and index.stats().feed_lag_s_by_replica["r"] == sync.lag_s("r")
+        # falling behind: a gap in offsets makes it rebuild from the (newer) snapshot
+        await pub.publish("r", drafts(("removed", [1])))
+        await _until(lambda: index.match([1, 2]) == {})
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_consumer_rebuilds_when_it_missed_trimmed_records(make_feed):
+    pub = make_feed(maxlen=5)
+    await pub.publish("r", drafts(("stored", [1, 2, 3])))
+    index = KVIndex()
+    sync = IndexSync(make_feed(), index, block_s=0.05, discover_every_s=0.1)
+    await sync.step()
+    await sync.step()
+    assert index.match([1, 2, 3])["r"] == Match(3, 3)
+    # the consumer sleeps while 500 records pass: most are trimmed away
+    for i in range(500):
+        await pub.publish("r", drafts(("stored", [100 + i])))
+    await pub.publish("r", drafts(("removed", [3])))
+    last = await pub.last_offset("r")
+    await pub.write_snapshot(Snapshot("r", last, {"GPU": (1, 2, *range(100, 600))}))
+    for _ in range(5):
+        await sync.step()
+    assert sync.stats["gaps"] >= 1 and sync.stats["rebuilds"] >= 2
+    assert index.match([1, 2, 3])["r"] == Match(2, 2)
+    assert index.match(list(range(100, 600)))["r"] == Match(500, 500)
+
+
+async def test_wiped_feed_detected_and_consumer_survives(make_feed):
+    pub = make_feed()
+    await pub.publish("r", drafts(("stored", [1, 2])))
+    index = KVIndex()
+    sync = IndexSync(make_feed(), index, block_s=0.05, discover_every_s=0.1, check_every_s=0.1)
+    task = asyncio.create_task(sync.run())
+    try:
+        await _until(lambda: "r" in index.match([1, 2]))
+        if make_feed.kind == "redis":
+            make_feed.server.stop()
+            with pytest.raises(FeedUnavailable):
+                await pub.publish("r", drafts(("stored", [3])))
+            await asyncio.sleep(0.3)
+            make_feed.server.start()
+        else:
+            pub.clear()
+        # a new publisher (the agent restarted too) starts over at offset 1 with a full state
+        fresh = make_feed()
+        out = await fresh.publish("r", drafts(("cleared", []), ("stored", [5, 6])))
+        await fresh.write_snapshot(Snapshot("r", out[-1].offset, {"GPU": (5, 6)}))
+        await _until(lambda: index.match([5, 6]).get("r") == Match(2, 2) and index.match([1]) == {}, 10)
+        assert sync.stats["wiped"] + sync.stats["rebuilds"] >= 2
+        assert not task.done()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_consumer_survives_bad_records(make_feed):
+    pub = make_feed()
+    await pub.publish("r", drafts(("stored", [1])))
+    await pub.publish("r", [FeedEvent("", 0, "bogus-kind", (9,))])  # a newer writer's kind, or corruption
+    if make_feed.kind == "redis":
+        import redis.asyncio as aioredis
+
+        raw = aioredis.from_url(make_feed.server.url)
+        last = await pub.last_offset("r")
+        await raw.xadd("wr:r:events", {"d": b"\xc1 not msgpack"}, id=f"{last + 1}-0")
+        await raw.aclose()
+    await pub.publish("r", drafts(("stored", [2])))  # the publisher steps over the foreign entry
+    index = KVIndex()
+    sync = IndexSync(make_feed(), index, block_s=0.05)
+    for _ in range(4):
+        await sync.step()
+    assert index.match([1, 2])["r"] == Match(2, 2)
+    assert sync.stats["bad_records"] == (2 if make_feed.kind == "redis" else 1)
