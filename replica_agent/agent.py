@@ -66,7 +66,8 @@ class AgentStats:
     records_published: int = 0
     feed_errors: int = 0
     feed_republishes: int = 0  # full republishes after feed loss
-    engine_resyncs: int = 0  # resyncs asked by the sequencer
+    engine_resyncs: int = 0  # resyncs asked by the sequencer (or by a /metrics counter reset)
+    metrics_restarts: int = 0  # engine restarts seen as /metrics counters going backwards
     snapshots: int = 0
     load_scrapes: int = 0
     load_errors: int = 0
@@ -100,6 +101,7 @@ class RunningAgent:
         self._records_since_snapshot = 0
         self._last_snapshot_at = 0.0
         self._tasks: list[asyncio.Task] = []
+        self._restarts_at_scrape = 0  # sequencer restarts seen as of the last successful scrape
         self._runner = None
         self._closed = False
 
@@ -303,6 +305,24 @@ class RunningAgent:
                 self.translator.block_size = load.block_size
         return load
 
+    async def _metrics_reset_locked(self, prev: LoadReport, load: LoadReport) -> None:
+        """The engine's counters went backwards: it restarted (empty cache). The KV-event stream
+        only shows that with the new engine's first batch (seq back to 0), which may come much
+        later: until then gateways would keep trusting the old engine's blocks. Drop them now,
+        unless the stream already saw the restart since the previous scrape (then the new
+        engine's blocks may already be in the translator, and the sequencer's resync handled it)."""
+        if self.stream.seq.stats.restarts != self._restarts_at_scrape:
+            return
+        reason = (f"engine restarted (/metrics prefix_cache_queries_total {prev.prefix_cache_queries_total:.0f} "
+                  f"-> {load.prefix_cache_queries_total:.0f})")
+        log.warning("resync %s: %s", self.cfg.replica_id, reason)
+        self.stats.metrics_restarts += 1
+        self.stats.engine_resyncs += 1
+        self.stats.last_resync_reason = reason
+        self.translator.reset()
+        await self._publish([FeedEvent(self.cfg.replica_id, 0, "cleared")])
+        await self._snapshot_locked()
+
     async def _load_task(self) -> None:
         rid = self.cfg.replica_id
         while True:
@@ -315,6 +335,7 @@ class RunningAgent:
                 except FeedUnavailable:
                     pass
                 continue
+            prev = self.last_load
             try:
                 load = await self._scrape_once()
             except Exception as exc:
@@ -322,6 +343,9 @@ class RunningAgent:
                 log.info("load scrape failed: %s", exc)
                 continue
             async with self._lock:
+                if prev is not None and load.prefix_cache_queries_total < prev.prefix_cache_queries_total:
+                    await self._metrics_reset_locked(prev, load)
+                self._restarts_at_scrape = self.stream.seq.stats.restarts
                 await self._publish([FeedEvent(rid, 0, "load", load=load)])
             try:
                 await self.feed.set_live(rid, load, self.cfg.live_ttl_s)
@@ -360,6 +384,7 @@ class RunningAgent:
                 yield c("warmroute_agent_replayed_batches", "batches recovered by replay", seq.replayed)
                 yield c("warmroute_agent_resyncs", "resynchronisations (state dropped)", seq.resyncs)
                 yield c("warmroute_agent_engine_restarts", "engine restarts seen (seq reset)", seq.restarts)
+                yield c("warmroute_agent_metrics_restarts", "engine restarts seen (/metrics counters reset)", s.metrics_restarts)
                 yield c("warmroute_agent_feed_errors", "feed publish failures", s.feed_errors)
                 yield c("warmroute_agent_feed_republishes", "full republishes after feed loss", s.feed_republishes)
                 yield c("warmroute_agent_records_published", "feed records published", s.records_published)

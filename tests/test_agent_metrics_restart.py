@@ -1,0 +1,83 @@
+"""The agent notices an engine restart from its /metrics counters going backwards, before the new
+engine emits any KV event (seen against real vLLM: without this the gateways kept trusting a
+restarted, empty engine's old blocks until its first batch; tests/real_vllm/test_vllm_e2e.py)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+import zmq
+from aiohttp import web
+
+from replica_agent.agent import AgentConfig, start_agent
+from replica_agent.feed import open_feed
+
+METRICS = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} 0.0
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {q}
+"""
+
+
+def _batch(block_hash: int, tokens: list[int]) -> bytes:
+    ev = {"type": "BlockStored", "block_hashes": [block_hash], "parent_block_hash": None, "token_ids": tokens,
+          "block_size": 32, "lora_id": None, "medium": "GPU", "lora_name": None}
+    return msgspec.msgpack.encode([time.time(), [ev], 0])
+
+
+async def _until(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("event_first", [False, True])
+async def test_metrics_counter_reset_clears_before_first_event(event_first):
+    state = {"q": 100.0}
+
+    async def metrics(_req):
+        return web.Response(text=METRICS.format(q=state["q"]), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    feed = open_feed(f"memory://restart-{event_first}")
+    agent = await start_agent(AgentConfig(replica_id="r0", kv_events_endpoint=f"tcp://127.0.0.1:{port}", engine_url=url,
+                                          model="m", block_size=32, load_interval_s=0.05), feed)
+    try:
+        await asyncio.sleep(0.3)  # subscription propagates
+        pub.send_multipart([b"kv", (0).to_bytes(8, "big"), _batch(11, list(range(32)))])
+        await _until(lambda: sum(len(k) for k in agent.translator.keys_by_medium().values()) == 1)
+        await asyncio.sleep(0.2)  # scrapes see q=100
+        if event_first:
+            # The new engine's first batch (seq 0 again) arrives before the scrape sees the reset:
+            # the sequencer's resync handles it and the scrape must not drop the new block.
+            pub.send_multipart([b"kv", (0).to_bytes(8, "big"), _batch(22, list(range(100, 132)))])
+            await _until(lambda: agent.stream.seq.stats.restarts == 1)
+            state["q"] = 0.0
+            await asyncio.sleep(0.3)
+            assert agent.stats.metrics_restarts == 0
+            assert sum(len(k) for k in agent.translator.keys_by_medium().values()) == 1
+        else:
+            state["q"] = 0.0  # restarted engine, no event yet
+            await _until(lambda: agent.stats.metrics_restarts == 1)
+            assert sum(len(k) for k in agent.translator.keys_by_medium().values()) == 0
+            assert "metrics" in agent.stats.last_resync_reason
+            await asyncio.sleep(0.2)
+            assert agent.stats.metrics_restarts == 1  # once per reset, not per scrape
+    finally:
+        await agent.close()
+        await feed.close()
+        pub.close(0)
+        ctx.term()
+        await runner.cleanup()
