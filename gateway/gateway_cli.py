@@ -1,4 +1,7 @@
-"""Flags of `warmroute gateway` (DESIGN.md "Operating it"); the service is built in gateway.server."""
+"""Flags of `warmroute gateway` (DESIGN.md "Operating it"); the service is built in gateway.server.
+
+Flags override the YAML config (--config) and its WARMROUTE_<SECTION>__<FIELD> environment
+overrides; see gateway/config.py for every field."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +21,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys", default=None, metavar="FILE", help="YAML: tenant id -> list of keys (plain or sha256:HEX)")
     p.add_argument("--no-auth", action="store_true", help="single-tenant mode: no authentication")
     p.add_argument("--salt-secret-file", default=None, metavar="FILE", help="file holding the cache-salt HMAC secret")
+    p.add_argument("--workers", type=int, default=None, help="worker processes sharing the ports (SO_REUSEPORT; default 1)")
+    p.add_argument("--model", default=None, help="served model name (default: discovered from the replicas' /v1/models)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: from the replicas)")
+    p.add_argument("--dns-service", default=None, metavar="NAME",
+                   help="Kubernetes headless Service to resolve for replicas (instead of --replica)")
+    p.add_argument("--dns-port", type=int, default=None, help="engine port behind --dns-service (default 8000)")
+    p.add_argument("--load-only", action="store_true", help="no feed: route by load only (explicit mode)")
+    p.add_argument("--access-log", action="store_true", help="one JSON log line per request (costs CPU)")
 
 
 def run(args: argparse.Namespace) -> int:

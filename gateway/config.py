@@ -1,0 +1,491 @@
+"""Gateway configuration: one dataclass tree, loaded from YAML, then environment overrides, then
+command-line flags, then validated with errors that name the field (`ConfigError("proxy.
+connect_timeout_s: must be > 0")`).
+
+Precedence (later wins): defaults < YAML file < `WARMROUTE_<SECTION>__<FIELD>` environment
+variables (values parsed as YAML scalars, e.g. `WARMROUTE_PROXY__MAX_ATTEMPTS=3`,
+`WARMROUTE_POLICY__PARAMS__W_CACHE=1.5`) < flags. Secrets never live here: the salt secret,
+the JWT HS256 secret and API keys are referenced by file path (mounted Kubernetes Secrets) or
+environment variable name; inline API keys must be `sha256:HEX`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+__all__ = [
+    "ConfigError", "GatewayConfig", "ServerConfig", "ModelConfig", "ReplicaSpec", "MembershipConfig",
+    "FeedConfig", "PolicyConfig", "AuthConfig", "JwtConfig", "TenantConfig", "SaltConfig", "ProxyConfig",
+    "TelemetryConfig", "load_config", "config_from_dict", "apply_args", "validate", "ENV_PREFIX",
+]
+
+ENV_PREFIX = "WARMROUTE_"
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message starts with the dotted field name."""
+
+
+@dataclass
+class ServerConfig:
+    host: str = "0.0.0.0"  # listen address of the API and admin ports
+    port: int = 8080  # OpenAI API port (0: ephemeral, single worker only)
+    admin_port: int = 8081  # /metrics /healthz /readyz /debug (0: ephemeral)
+    workers: int = 1  # worker processes sharing the port (SO_REUSEPORT)
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    shutdown_grace_s: float = 30.0  # SIGTERM: stop accepting, drain streams for this long
+
+
+@dataclass
+class ModelConfig:
+    name: str | None = None  # served model name (None: discovered from the replicas' /v1/models)
+    tokenizer_dir: str | None = None  # HF tokenizer directory (None: built-in Qwen/ChatML)
+    block_size: int = 16  # KV block size in tokens (must equal the engines')
+    max_model_len: int | None = None  # context limit (None: replicas' /v1/models, else tokenizer)
+    tokenizer_workers: int = 1  # threads for tokenization off the event loop
+    inline_tokenize_max_chars: int = 8192  # inputs up to this many characters tokenize on the loop (a thread hop costs more)
+    aliases: list[str] = field(default_factory=list)  # other model names accepted for this model
+
+
+@dataclass
+class ReplicaSpec:
+    id: str  # replica id (as the agent reports it)
+    url: str  # base URL, e.g. http://10.0.0.7:8000
+
+
+@dataclass
+class MembershipConfig:
+    replicas: list[ReplicaSpec] = field(default_factory=list)  # static list
+    dns_service: str | None = None  # headless Service name, e.g. vllm.llm.svc.cluster.local
+    dns_port: int = 8000  # engine port behind the headless Service
+    dns_refresh_s: float = 10.0  # re-resolve period
+    health_path: str = "/health"  # active probe path
+    health_interval_s: float = 2.0  # active probe period
+    health_timeout_s: float = 1.0  # active probe timeout
+    eject_base_s: float = 1.0  # first passive ejection; doubles per consecutive failure
+    eject_max_s: float = 30.0  # cap of the ejection backoff
+
+
+@dataclass
+class FeedConfig:
+    url: str = "memory://"  # memory:// or redis://HOST:PORT/DB
+    load_only: bool = False  # no feed: route by load only (explicit mode; /readyz does not wait for a feed)
+    index_max_entries: int = 2_000_000  # bound of the KV index (entries)
+    stale_after_s: float = 10.0  # a replica whose agent is silent this long is routed by load only
+    inflight_poll_s: float = 0.1  # how often other gateways' in-flight counters are read
+    speculative_ttl_s: float = 2.0  # TTL of the chosen replica's speculatively inserted keys
+
+
+@dataclass
+class PolicyConfig:
+    name: str = "cache_aware"  # see policies.registry.POLICY_NAMES
+    params: dict[str, Any] = field(default_factory=dict)  # policy weights, e.g. w_cache, w_queue
+    prior_prefill_s_per_token: float = 5e-5  # calibration prior
+    prior_decode_step_s: float = 0.02  # calibration prior
+    seed: int | None = None  # tie-break RNG seed (None: random)
+
+
+@dataclass
+class JwtConfig:
+    hs256_secret_file: str | None = None  # file holding the shared HS256 secret
+    hs256_secret_env: str | None = None  # or an environment variable holding it
+    rs256_public_key_file: str | None = None  # PEM RSA public key
+    jwks_file: str | None = None  # JWKS JSON file (RSA -> RS256, EC P-256 -> ES256)
+    issuer: str | None = None  # required `iss` when set
+    audience: str | None = None  # required `aud` when set
+    tenant_claim: str = "tenant"  # claim holding the tenant id
+    user_claim: str | None = "sub"  # claim holding the user id (None: no user)
+    leeway_s: float = 0.0  # clock skew allowed on exp/nbf
+
+    def enabled(self) -> bool:
+        return bool(self.hs256_secret_file or self.hs256_secret_env or self.rs256_public_key_file or self.jwks_file)
+
+
+@dataclass
+class TenantConfig:
+    models: list[str] | None = None  # allowed models (None: all)
+    max_concurrent_reqs: int | None = None  # 429 beyond this many concurrent requests
+    max_rps: float | None = None  # 429 beyond this request rate
+
+
+@dataclass
+class AuthConfig:
+    enabled: bool = True  # False only explicitly (--no-auth): single tenant
+    api_keys_file: str | None = None  # YAML tenant -> [key (plain or sha256:HEX)]
+    api_keys: dict[str, list[str]] = field(default_factory=dict)  # inline, sha256:HEX only
+    api_keys_reload_s: float = 5.0  # re-read the keys file when it changed (rotation)
+    jwt: JwtConfig = field(default_factory=JwtConfig)
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)  # per-tenant models and limits
+
+
+@dataclass
+class SaltConfig:
+    secret_file: str | None = None  # file with the HMAC secret (else env WARMROUTE_SALT_SECRET)
+    scope: str = "tenant"  # "tenant" or "user"
+
+
+@dataclass
+class ProxyConfig:
+    connect_timeout_s: float = 2.0  # TCP connect to a replica
+    first_byte_timeout_s: float = 300.0  # request sent -> first event of a stream; a non-streamed answer comes whole, so this bounds its generation
+    idle_timeout_s: float = 120.0  # longest silence between two upstream chunks
+    max_attempts: int = 2  # replicas tried before the first byte (1: no retry)
+    pool_limit: int = 4096  # upstream connections kept (all replicas)
+    kv_cache_report_mode: str | None = None  # set vllm_xargs.kv_cache_report_mode (e.g. "full")
+    force_include_usage: bool = True  # ask for usage upstream when streaming (stripped if unasked)
+
+
+@dataclass
+class TelemetryConfig:
+    access_log: bool = False  # one JSON line per request at INFO (off: logging costs CPU)
+    log_level: str = "INFO"
+    service_name: str = "warmroute-gateway"  # OTEL service.name unless OTEL_SERVICE_NAME is set
+
+
+@dataclass
+class GatewayConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+    feed: FeedConfig = field(default_factory=FeedConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    salt: SaltConfig = field(default_factory=SaltConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# dict -> dataclass tree, with field-naming errors
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>") or type(tp).__name__ == "UnionType":
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, path)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, path)
+    if tp is Any:
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
+        return [_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return {str(k): _convert(args[1], v, f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{path}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            try:
+                if isinstance(value, str):
+                    return int(value)
+            except ValueError:
+                pass
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            try:
+                if isinstance(value, str):
+                    return float(value)
+            except ValueError:
+                pass
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"{where}{unknown[0]}: unknown field (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _convert(hints[f.name], data[f.name], f"{path}.{f.name}" if path else f.name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:  # type: ignore[misc]
+            raise ConfigError(f"{path}.{f.name}: required")
+    return cls(**kwargs)
+
+
+def _deep_merge(base: dict, over: Mapping) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def env_overrides(env: Mapping[str, str]) -> dict:
+    """`WARMROUTE_A__B__C=v` -> {"a": {"b": {"c": yaml(v)}}}; variables without `__` are ignored."""
+    out: dict = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
+        if not parts:
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        cur = out
+        for p in parts[:-1]:
+            cur = cur.setdefault(p, {})
+        cur[parts[-1]] = value
+    return out
+
+
+def config_from_dict(data: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> GatewayConfig:
+    merged = dict(data or {})
+    if env:
+        merged = _deep_merge(merged, env_overrides(env))
+    # `membership.replicas` also accepts "ID=URL" strings and {id: url} mappings.
+    mem = merged.get("membership")
+    if isinstance(mem, Mapping) and "replicas" in mem:
+        merged["membership"] = dict(mem, replicas=_normalise_replicas(mem["replicas"], "membership.replicas"))
+    cfg = _build(GatewayConfig, merged, "")
+    validate(cfg)
+    return cfg
+
+
+def _normalise_replicas(value: Any, path: str) -> list:
+    if isinstance(value, Mapping):
+        return [{"id": str(k), "url": v} for k, v in value.items()]
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v.strip()]
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: expected a list of {{id, url}} or 'ID=URL' strings")
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            out.append(parse_replica_arg(item, f"{path}[{i}]"))
+        else:
+            out.append(item)
+    return out
+
+
+def parse_replica_arg(text: str, path: str = "--replica") -> dict:
+    rid, sep, url = text.strip().partition("=")
+    if not sep or not rid or not url:
+        raise ConfigError(f"{path}: expected ID=URL, got {text!r}")
+    return {"id": rid, "url": url}
+
+
+def load_config(path: str | None, env: Mapping[str, str] | None = None) -> GatewayConfig:
+    data: Any = {}
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path}: invalid YAML: {exc}") from None
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config file {path}: the top level must be a mapping")
+    return config_from_dict(data, dict(os.environ) if env is None else env)
+
+
+def apply_args(cfg: GatewayConfig, args: Any) -> GatewayConfig:
+    """Flags of `warmroute gateway` over a config; re-validates."""
+    def has(name: str) -> bool:
+        return getattr(args, name, None) not in (None, [], False)
+
+    if has("host"):
+        cfg.server.host = args.host
+    if getattr(args, "port", None) is not None:
+        cfg.server.port = args.port
+    if getattr(args, "admin_port", None) is not None:
+        cfg.server.admin_port = args.admin_port
+    if getattr(args, "workers", None) is not None:
+        cfg.server.workers = args.workers
+    if has("replica"):
+        cfg.membership.replicas = [ReplicaSpec(**parse_replica_arg(r)) for r in args.replica]
+    if has("dns_service"):
+        cfg.membership.dns_service = args.dns_service
+    if getattr(args, "dns_port", None) is not None:
+        cfg.membership.dns_port = args.dns_port
+    if has("feed"):
+        cfg.feed.url = args.feed
+    if has("load_only"):
+        cfg.feed.load_only = True
+    if has("policy"):
+        cfg.policy.name = args.policy
+    if has("tokenizer"):
+        cfg.model.tokenizer_dir = args.tokenizer
+    if getattr(args, "block_size", None) is not None:
+        cfg.model.block_size = args.block_size
+    if has("model"):
+        cfg.model.name = args.model
+    if getattr(args, "max_model_len", None) is not None:
+        cfg.model.max_model_len = args.max_model_len
+    if has("api_keys"):
+        cfg.auth.api_keys_file = args.api_keys
+    if has("no_auth"):
+        cfg.auth.enabled = False
+    if has("salt_secret_file"):
+        cfg.salt.secret_file = args.salt_secret_file
+    if has("access_log"):
+        cfg.telemetry.access_log = True
+    validate(cfg)
+    return cfg
+
+
+def _err(path: str, msg: str) -> ConfigError:
+    return ConfigError(f"{path}: {msg}")
+
+
+def validate(cfg: GatewayConfig) -> None:
+    """Checks that types alone do not catch. Raises ConfigError naming the field."""
+    s = cfg.server
+    for name in ("port", "admin_port"):
+        v = getattr(s, name)
+        if not 0 <= v <= 65535:
+            raise _err(f"server.{name}", f"must be 0..65535, got {v}")
+    if s.workers < 1:
+        raise _err("server.workers", f"must be >= 1, got {s.workers}")
+    if s.workers > 1 and (s.port == 0 or s.admin_port == 0):
+        raise _err("server.workers", "several workers need fixed (non-zero) ports to share")
+    if s.max_body_bytes < 1024:
+        raise _err("server.max_body_bytes", "must be >= 1024")
+    if s.shutdown_grace_s < 0:
+        raise _err("server.shutdown_grace_s", "must be >= 0")
+    m = cfg.model
+    if m.block_size <= 0:
+        raise _err("model.block_size", f"must be > 0, got {m.block_size}")
+    if m.max_model_len is not None and m.max_model_len <= 0:
+        raise _err("model.max_model_len", "must be > 0")
+    if m.tokenizer_workers < 1:
+        raise _err("model.tokenizer_workers", "must be >= 1")
+    mem = cfg.membership
+    seen = set()
+    for i, r in enumerate(mem.replicas):
+        if not r.id:
+            raise _err(f"membership.replicas[{i}].id", "must not be empty")
+        if r.id in seen:
+            raise _err(f"membership.replicas[{i}].id", f"duplicate replica id {r.id!r}")
+        seen.add(r.id)
+        if not (r.url.startswith("http://") or r.url.startswith("https://")):
+            raise _err(f"membership.replicas[{i}].url", f"must start with http:// or https://, got {r.url!r}")
+    if mem.replicas and mem.dns_service:
+        raise _err("membership.dns_service", "set either a static replica list or a DNS service, not both")
+    if not 0 < mem.dns_port <= 65535:
+        raise _err("membership.dns_port", "must be 1..65535")
+    for name in ("dns_refresh_s", "health_interval_s", "health_timeout_s", "eject_base_s", "eject_max_s"):
+        if getattr(mem, name) <= 0:
+            raise _err(f"membership.{name}", "must be > 0")
+    if mem.eject_max_s < mem.eject_base_s:
+        raise _err("membership.eject_max_s", "must be >= eject_base_s")
+    f = cfg.feed
+    if not (f.url.startswith("memory://") or f.url.startswith("redis://") or f.url.startswith("rediss://")):
+        raise _err("feed.url", f"must be memory:// or redis://HOST:PORT/DB, got {f.url!r}")
+    if f.index_max_entries < 1:
+        raise _err("feed.index_max_entries", "must be >= 1")
+    for name in ("stale_after_s", "inflight_poll_s", "speculative_ttl_s"):
+        if getattr(f, name) <= 0:
+            raise _err(f"feed.{name}", "must be > 0")
+    p = cfg.policy
+    if not p.name:
+        raise _err("policy.name", "must not be empty")
+    try:
+        from policies.registry import POLICY_NAMES  # type: ignore
+    except ImportError:  # registry not installed: checked when the policy is built
+        POLICY_NAMES = None
+    if POLICY_NAMES is not None and p.name not in POLICY_NAMES:
+        raise _err("policy.name", f"unknown policy {p.name!r} (known: {', '.join(sorted(POLICY_NAMES))})")
+    for k, v in p.params.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            raise _err(f"policy.params.{k}", f"must be a number or string, got {v!r}")
+    if POLICY_NAMES is not None:
+        from policies.registry import get_policy
+
+        try:
+            get_policy(p.name, **p.params)  # policies are pure: building one checks its parameters
+        except (TypeError, ValueError) as exc:
+            raise _err("policy.params", str(exc)) from None
+    if p.prior_prefill_s_per_token <= 0:
+        raise _err("policy.prior_prefill_s_per_token", "must be > 0")
+    if p.prior_decode_step_s <= 0:
+        raise _err("policy.prior_decode_step_s", "must be > 0")
+    a = cfg.auth
+    for tenant, keys in a.api_keys.items():
+        for i, k in enumerate(keys):
+            from gateway.auth import parse_key_entry
+
+            try:
+                parse_key_entry(k, allow_plain=False, where=f"auth.api_keys.{tenant}[{i}]")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+    if a.api_keys_reload_s <= 0:
+        raise _err("auth.api_keys_reload_s", "must be > 0")
+    if a.jwt.leeway_s < 0:
+        raise _err("auth.jwt.leeway_s", "must be >= 0")
+    if a.jwt.hs256_secret_file and a.jwt.hs256_secret_env:
+        raise _err("auth.jwt.hs256_secret_env", "set hs256_secret_file or hs256_secret_env, not both")
+    for tenant, t in a.tenants.items():
+        if t.max_concurrent_reqs is not None and t.max_concurrent_reqs < 1:
+            raise _err(f"auth.tenants.{tenant}.max_concurrent_reqs", "must be >= 1")
+        if t.max_rps is not None and t.max_rps <= 0:
+            raise _err(f"auth.tenants.{tenant}.max_rps", "must be > 0")
+    if cfg.salt.scope not in ("tenant", "user"):
+        raise _err("salt.scope", f"must be 'tenant' or 'user', got {cfg.salt.scope!r}")
+    px = cfg.proxy
+    for name in ("connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s"):
+        if getattr(px, name) <= 0:
+            raise _err(f"proxy.{name}", "must be > 0")
+    if px.max_attempts < 1:
+        raise _err("proxy.max_attempts", "must be >= 1")
+    if px.pool_limit < 1:
+        raise _err("proxy.pool_limit", "must be >= 1")
+    if cfg.telemetry.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise _err("telemetry.log_level", f"unknown level {cfg.telemetry.log_level!r}")
+
+
+def check_files(cfg: GatewayConfig) -> None:
+    """Checks that need the filesystem (referenced files exist); run at start and by --check-config."""
+    refs = [
+        ("auth.api_keys_file", cfg.auth.api_keys_file),
+        ("auth.jwt.hs256_secret_file", cfg.auth.jwt.hs256_secret_file),
+        ("auth.jwt.rs256_public_key_file", cfg.auth.jwt.rs256_public_key_file),
+        ("auth.jwt.jwks_file", cfg.auth.jwt.jwks_file),
+        ("salt.secret_file", cfg.salt.secret_file),
+        ("model.tokenizer_dir", cfg.model.tokenizer_dir),
+    ]
+    for path, value in refs:
+        if value and not Path(value).exists():
+            raise _err(path, f"file not found: {value}")
+    if cfg.auth.enabled and not (cfg.auth.api_keys_file or cfg.auth.api_keys or cfg.auth.jwt.enabled()):
+        raise _err("auth", "authentication is on but no credentials are configured: set auth.api_keys_file "
+                           "(--api-keys), auth.api_keys or auth.jwt, or switch auth off explicitly (--no-auth)")

@@ -1,0 +1,135 @@
+"""In-flight work per replica, as this gateway and the others see it (pure, no I/O).
+
+Rule: a request counts as *in flight* on a replica from dispatch until its first token (or its
+failure), with its uncached prompt tokens (prompt tokens minus the predicted cached ones); from
+the first token until the end it counts as *active* (this gateway only: a running request the
+agent's next scrape will show). Other gateways' in-flight work comes from the feed's shared
+counters, which include this gateway's own increments. Our changes are batched (`take_pending`,
+flushed by the server's poll loop every `inflight_poll_s`, so no feed call sits on the request
+path); `others = shared - own_flushed`, and the view is `others + own_now`: always fresh for our
+own work and at most one poll stale for theirs.
+
+Per replica it also keeps a moving mean of the uncached prefill tokens of requests sent there
+(`mean_uncached_tokens`), which the cache-aware policy uses to price a waiting request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__ = ["LoadTracker", "ReplicaLoad", "Flight"]
+
+_EWMA_ALPHA = 0.1  # weight of a new request in the mean uncached tokens
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    inflight_reqs: int = 0  # this gateway: dispatched, no first token yet
+    inflight_tokens: int = 0  # their uncached prompt tokens
+    active_reqs: int = 0  # this gateway: first token seen, not finished
+    others_reqs: int = 0  # other gateways' in-flight requests (last poll)
+    others_tokens: int = 0  # other gateways' in-flight uncached tokens (last poll)
+    mean_uncached_tokens: float = -1.0  # moving mean; -1 until the first request
+
+
+class Flight:
+    """One dispatched request; `first_token()` and `finish()` are idempotent."""
+
+    __slots__ = ("tracker", "replica_id", "tokens", "pending", "done")
+
+    def __init__(self, tracker: "LoadTracker", replica_id: str, tokens: int) -> None:
+        self.tracker = tracker
+        self.replica_id = replica_id  # replica the request went to
+        self.tokens = tokens  # uncached prompt tokens
+        self.pending = True  # no first token yet
+        self.done = False
+
+    def first_token(self) -> None:
+        if self.pending and not self.done:
+            self.pending = False
+            self.tracker._move_to_active(self)
+
+    def finish(self) -> None:
+        if not self.done:
+            self.done = True
+            self.tracker._finish(self)
+
+
+class LoadTracker:
+    def __init__(self) -> None:
+        self._loads: dict[str, ReplicaLoad] = {}
+        self._pending: dict[str, list[int]] = {}  # replica -> [reqs, tokens] not yet flushed to the feed
+        self._flushed: dict[str, list[int]] = {}  # replica -> [reqs, tokens] flushed so far (net)
+
+    def _shared_delta(self, rid: str, reqs: int, tokens: int) -> None:
+        p = self._pending.get(rid)
+        if p is None:
+            self._pending[rid] = [reqs, tokens]
+        else:
+            p[0] += reqs
+            p[1] += tokens
+
+    def take_pending(self) -> dict[str, tuple[int, int]]:
+        """Net changes since the last call (to add to the feed's shared counters); marks them flushed."""
+        out = {}
+        for rid, (r, t) in self._pending.items():
+            if r or t:
+                out[rid] = (r, t)
+                f = self._flushed.setdefault(rid, [0, 0])
+                f[0] += r
+                f[1] += t
+        self._pending = {}
+        return out
+
+    def _get(self, rid: str) -> ReplicaLoad:
+        ld = self._loads.get(rid)
+        if ld is None:
+            ld = self._loads[rid] = ReplicaLoad()
+        return ld
+
+    def dispatch(self, replica_id: str, uncached_tokens: int) -> Flight:
+        ld = self._get(replica_id)
+        ld.inflight_reqs += 1
+        ld.inflight_tokens += uncached_tokens
+        m = ld.mean_uncached_tokens
+        ld.mean_uncached_tokens = float(uncached_tokens) if m < 0 else m + _EWMA_ALPHA * (uncached_tokens - m)
+        self._shared_delta(replica_id, 1, uncached_tokens)
+        return Flight(self, replica_id, uncached_tokens)
+
+    def _move_to_active(self, f: Flight) -> None:
+        ld = self._get(f.replica_id)
+        ld.inflight_reqs = max(0, ld.inflight_reqs - 1)
+        ld.inflight_tokens = max(0, ld.inflight_tokens - f.tokens)
+        ld.active_reqs += 1
+        self._shared_delta(f.replica_id, -1, -f.tokens)
+
+    def _finish(self, f: Flight) -> None:
+        ld = self._get(f.replica_id)
+        if f.pending:
+            ld.inflight_reqs = max(0, ld.inflight_reqs - 1)
+            ld.inflight_tokens = max(0, ld.inflight_tokens - f.tokens)
+            self._shared_delta(f.replica_id, -1, -f.tokens)
+        else:
+            ld.active_reqs = max(0, ld.active_reqs - 1)
+
+    def set_shared(self, shared: Mapping[str, tuple[int, int]]) -> None:
+        """The feed's counters (replica -> (reqs, tokens), all gateways including this one)."""
+        for rid, ld in self._loads.items():
+            if rid not in shared:
+                ld.others_reqs = ld.others_tokens = 0
+        for rid, (reqs, tokens) in shared.items():
+            ld = self._get(rid)
+            mine = self._flushed.get(rid, (0, 0))
+            ld.others_reqs = max(0, int(reqs) - mine[0])
+            ld.others_tokens = max(0, int(tokens) - mine[1])
+
+    def get(self, replica_id: str) -> ReplicaLoad:
+        return self._loads.get(replica_id) or ReplicaLoad()
+
+    def forget(self, replica_id: str) -> None:
+        self._loads.pop(replica_id, None)
+        self._pending.pop(replica_id, None)
+        self._flushed.pop(replica_id, None)
+
+    def snapshot(self) -> dict[str, ReplicaLoad]:
+        return dict(self._loads)

@@ -1,0 +1,213 @@
+"""Upstream calls and the SSE relay.
+
+Rules:
+- One aiohttp ClientSession with a pooled connector serves every replica; connections are reused
+  (keep-alive) and aiohttp sets TCP_NODELAY on them (base_protocol.connection_made), as it does on
+  accepted sockets.
+- `attempt()` sends one request to one replica and returns once the *first byte the client would
+  see* is in hand: for a stream, status 200 plus the first complete SSE event; otherwise the whole
+  body. Anything that goes wrong before that (connect refused or timed out, 5xx, no first event
+  within `first_byte_timeout_s`, connection lost) raises `UpstreamFailure`, and the caller may
+  try the next-ranked replica: the client has seen nothing yet. A 4xx is the engine's verdict on
+  the request and is passed through, not retried.
+- After the first byte, `SseRelay` forwards events as they complete (never buffering a whole
+  response); the server's relay loop allows at most `idle_timeout_s` between upstream chunks (one
+  lazily re-armed watchdog per stream, not a timer per chunk), and a failure then ends the
+  client's stream with an OpenAI-style error event. The relay notes the first event's time, counts content events for the
+  decode rate, and takes `usage` from the chunk that carries it, dropping that chunk when the
+  client did not ask for usage (the gateway asks for it upstream for its own accounting).
+`SseRelay` is pure (bytes in, bytes out); the I/O lives in `attempt()` and the server's loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+
+__all__ = ["UpstreamFailure", "Attempt", "SseRelay", "attempt", "make_session"]
+
+_json_decode = msgspec.json.decode
+_SEP = b"\n\n"
+_DONE = b"data: [DONE]"
+
+
+class UpstreamFailure(Exception):
+    """A replica failed before the first byte; `reason` is short and safe to log."""
+
+    def __init__(self, phase: str, reason: str, status: int | None = None) -> None:
+        super().__init__(f"{phase}: {reason}")
+        self.phase = phase  # "connect" | "status" | "first_byte"
+        self.reason = reason  # e.g. "connection refused", "status 503", "timeout"
+        self.status = status
+
+
+@dataclass(slots=True)
+class Attempt:
+    status: int  # upstream HTTP status
+    content_type: str  # upstream content type
+    resp: aiohttp.ClientResponse | None  # open response of a stream (None when body is complete)
+    body: bytes  # whole body (non-stream) or the first event(s) of a stream, already relayed-filtered
+    relay: "SseRelay | None"  # the stream's relay state
+    t_sent: float  # perf_counter when the request was sent
+    t_first: float  # perf_counter when the first byte the client sees was ready
+
+
+def make_session(pool_limit: int, connect_timeout_s: float) -> aiohttp.ClientSession:
+    conn = aiohttp.TCPConnector(limit=pool_limit, limit_per_host=0, keepalive_timeout=30.0,
+                                ttl_dns_cache=10, enable_cleanup_closed=False)
+    return aiohttp.ClientSession(
+        connector=conn,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent",),
+    )
+
+
+class SseRelay:
+    """Splits upstream bytes into SSE events and decides what the client gets (pure)."""
+
+    __slots__ = ("client_wants_usage", "_buf", "usage", "content_events", "t_first_event", "t_last_event",
+                 "done", "clock")
+
+    def __init__(self, client_wants_usage: bool, clock=time.perf_counter) -> None:
+        self.client_wants_usage = client_wants_usage  # False: strip the usage-only chunk
+        self._buf = b""
+        self.usage: dict | None = None  # the engine's usage object, when seen
+        self.content_events = 0  # data events other than usage-only and [DONE]
+        self.t_first_event = 0.0  # clock() at the first content event
+        self.t_last_event = 0.0  # clock() at the last content event
+        self.done = False  # saw data: [DONE]
+        self.clock = clock
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Bytes to send to the client for this chunk (complete events only; may be b"")."""
+        buf = self._buf + chunk if self._buf else chunk
+        end = buf.rfind(_SEP)
+        if end < 0:
+            self._buf = buf
+            return b""
+        complete, self._buf = buf[: end + 2], buf[end + 2:]
+        # Fast path: nothing that needs looking at (no usage object, no [DONE]) -> pass through.
+        if b'"prompt_tokens"' not in complete and _DONE not in complete:
+            n = complete.count(_SEP)
+            self._count(n)
+            return complete
+        out = []
+        for ev in complete.split(_SEP):
+            if not ev:
+                continue
+            out.append(self._event(ev))
+        return b"".join(out)
+
+    def _count(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = self.clock()
+        if self.content_events == 0:
+            self.t_first_event = now
+        self.t_last_event = now
+        self.content_events += n
+
+    def _event(self, ev: bytes) -> bytes:
+        if ev.startswith(_DONE):
+            self.done = True
+            return ev + _SEP
+        if b'"prompt_tokens"' in ev and ev.startswith(b"data:"):
+            try:
+                obj = _json_decode(ev[5:].strip())
+            except msgspec.DecodeError:
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                self.usage = obj["usage"]
+                if not obj.get("choices"):  # the usage-only final chunk
+                    return ev + _SEP if self.client_wants_usage else b""
+                if not self.client_wants_usage:  # continuous usage on a content chunk: drop the field
+                    obj.pop("usage", None)
+                    self._count(1)
+                    return b"data: " + msgspec.json.encode(obj) + _SEP
+        self._count(1)
+        return ev + _SEP
+
+    def tail(self) -> bytes:
+        """Whatever incomplete bytes remain at EOF (forwarded as is)."""
+        rest, self._buf = self._buf, b""
+        return rest
+
+
+async def attempt(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str], *,
+                  stream: bool, client_wants_usage: bool, first_byte_timeout_s: float, idle_timeout_s: float) -> Attempt:
+    """One upstream try; see the module rules. Raises UpstreamFailure before the first byte."""
+    t_sent = time.perf_counter()
+    resp: aiohttp.ClientResponse | None = None
+    try:
+        async with asyncio.timeout(first_byte_timeout_s):
+            try:
+                resp = await session.post(url, data=body, headers=headers)
+            except aiohttp.ClientConnectorError as exc:
+                raise UpstreamFailure("connect", _short(exc)) from None
+            status = resp.status
+            ctype = resp.headers.get("Content-Type", "application/json")
+            if status >= 500:
+                try:
+                    await resp.read()
+                except Exception:  # noqa: BLE001
+                    pass
+                resp.release()
+                raise UpstreamFailure("status", f"status {status}", status)
+            if not stream or status != 200 or not ctype.startswith("text/event-stream"):
+                data = await resp.read()
+                resp.release()
+                return Attempt(status, ctype, None, data, None, t_sent, time.perf_counter())
+            relay = SseRelay(client_wants_usage)
+            first = b""
+            while not first:
+                chunk = await resp.content.readany()
+                if not chunk:  # EOF before any event
+                    first = relay.tail()
+                    if not first:
+                        raise UpstreamFailure("first_byte", "stream ended before its first event")
+                    break
+                first = relay.feed(chunk)
+            return Attempt(status, ctype, resp, first, relay, t_sent, time.perf_counter())
+    except UpstreamFailure:
+        if resp is not None:
+            resp.close()
+        raise
+    except (TimeoutError, asyncio.TimeoutError):
+        if resp is not None:
+            resp.close()
+        raise UpstreamFailure("first_byte", "timeout") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        if resp is not None:
+            resp.close()
+        raise UpstreamFailure("first_byte", _short(exc)) from None
+    except BaseException:
+        if resp is not None:
+            resp.close()
+        raise
+
+
+def _short(exc: BaseException) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        err = exc.os_error
+        if isinstance(err, ConnectionRefusedError):
+            return "connection refused"
+        return f"connect error: {type(err).__name__}"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "server disconnected"
+    return type(exc).__name__
+
+
+def usage_numbers(usage: dict[str, Any] | None) -> tuple[int | None, int | None, int | None]:
+    """(prompt_tokens, completion_tokens, cached_tokens) from a usage object; None when absent."""
+    if not isinstance(usage, dict):
+        return None, None, None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return (pt if isinstance(pt, int) else None, ct if isinstance(ct, int) else None,
+            cached if isinstance(cached, int) else None)

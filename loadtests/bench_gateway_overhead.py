@@ -1,0 +1,276 @@
+"""Gateway overhead benchmark (not a test): added TTFT and streamed requests/s per worker process.
+
+Side by side in one run, against the same upstream:
+  direct   client -> upstream
+  gateway  client -> `warmroute gateway` (one worker, uvloop, cache_aware, no auth) -> upstream
+at 1, 64 and 256 concurrent streams of short chat prompts, keep-alive connections; each stream
+is `--tokens` token events `--interval-ms` apart (a decode step), so concurrency means streams
+open at once, as in production, not a closed loop of instant requests. Added TTFT
+is the gateway's TTFT percentile minus the direct one at the same concurrency. Then a saturation
+phase (one-token streams, closed loop) drives the gateway alone to find peak streamed requests/s, and reads the gateway process's
+CPU seconds (from /proc) to give CPU-ms per request and requests/s per core.
+
+Processes: the gateway runs in its own process; with `--gateway-cpu N` it is pinned to CPU N and
+the upstream and this load generator to the other CPU(s), as in PEERS.md's overhead measurements
+(default: no pinning; see the flag's help). The
+upstream is by default a minimal fake replica (answers `/v1/chat/completions` with an immediate
+first event, then a few events, usage and [DONE]) so the figures measure the gateway and not a
+simulated engine; `--upstream sim` uses the replica simulator instead.
+
+Run:  python -m loadtests.bench_gateway_overhead [--levels 1,64,256] [--seconds 6] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+MODEL = "bench-model"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- fake upstream
+def fake_upstream_main(port: int, interval_ms: float) -> None:
+    """A minimal vLLM-shaped streaming replica (runs in its own process): the first event at once,
+    then `max_tokens` token events `interval_ms` apart (a decode step), usage if asked, [DONE]."""
+    import uvloop
+    from aiohttp import web
+
+    head = b'data: {"id":"c","object":"chat.completion.chunk","model":"bench-model","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    tok = b'data: {"id":"c","object":"chat.completion.chunk","model":"bench-model","choices":[{"index":0,"delta":{"content":" tok"}}]}\n\n'
+    done = b"data: [DONE]\n\n"
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        events = int(body.get("max_tokens") or 8)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        await resp.write(head)
+        for _ in range(events):
+            if interval_ms > 0:
+                await asyncio.sleep(interval_ms / 1000)
+            await resp.write(tok)
+        tail = done
+        if (body.get("stream_options") or {}).get("include_usage"):
+            tail = (b'data: {"id":"c","object":"chat.completion.chunk","model":"bench-model","choices":[],"usage":{"prompt_tokens":12,'
+                    b'"completion_tokens":%d,"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":0}}}\n\n' % (events, events + 12)) + done
+        await resp.write(tail)
+        return resp
+
+    async def health(request):
+        return web.Response()
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 4096}]})
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/models", models)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port, backlog=2048).start()
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
+def sim_upstream_main(port: int) -> None:
+    import uvloop
+
+    from loadtests.sim.server import SimConfig, start_sim_server
+
+    async def main():
+        await start_sim_server(SimConfig(model=MODEL, max_model_len=4096), port=port)
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+
+
+# --------------------------------------------------------------------------- load generator
+async def _one(session, url: str, body: bytes, ttfts: list[float], errors: list[int], kinds: dict) -> None:
+    t0 = time.perf_counter()
+    try:
+        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+            if r.status != 200:
+                errors[0] += 1
+                kinds[f"status {r.status}"] = kinds.get(f"status {r.status}", 0) + 1
+                await r.read()
+                return
+            while True:
+                line = await r.content.readline()
+                if not line:
+                    errors[0] += 1
+                    kinds["empty stream"] = kinds.get("empty stream", 0) + 1
+                    return
+                if line.startswith(b"data:"):
+                    ttfts.append(time.perf_counter() - t0)
+                    break
+            rest = await r.read()
+            if b'"error"' in rest:
+                errors[0] += 1
+                kinds["error event"] = kinds.get("error event", 0) + 1
+    except Exception as exc:  # noqa: BLE001
+        errors[0] += 1
+        kinds[type(exc).__name__] = kinds.get(type(exc).__name__, 0) + 1
+
+
+async def run_level(base_url: str, concurrency: int, seconds: float, max_tokens: int, warmup_s: float = 1.0) -> dict:
+    import aiohttp
+
+    url = base_url + "/v1/chat/completions"
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hello in one word."}],
+                       "max_tokens": max_tokens, "stream": True}).encode()
+    conn = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    ttfts: list[float] = []
+    errors = [0]
+    kinds: dict[str, int] = {}
+    done = [0]
+    async with aiohttp.ClientSession(connector=conn) as session:
+        stop_at = time.perf_counter() + warmup_s + seconds
+        measure_from = time.perf_counter() + warmup_s
+
+        async def worker():
+            while time.perf_counter() < stop_at:
+                sink: list[float] = []
+                await _one(session, url, body, sink, errors, kinds)
+                if sink and time.perf_counter() >= measure_from:
+                    ttfts.extend(sink)
+                    done[0] += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - max(t0, measure_from - warmup_s) - warmup_s
+    ttfts.sort()
+
+    def pct(q):
+        return ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] * 1000 if ttfts else float("nan")
+
+    return {"concurrency": concurrency, "requests": len(ttfts), "errors": errors[0], "error_kinds": kinds,
+            "rps": done[0] / max(wall, 1e-9), "ttft_ms": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99),
+                                                         "mean": statistics.fmean(ttfts) * 1000 if ttfts else float("nan")}}
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_ready(url: str, timeout_s: float = 120.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except Exception:  # noqa: BLE001
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout_s}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--levels", default="1,64,256", help="concurrent streams per phase")
+    ap.add_argument("--seconds", type=float, default=6.0, help="measured seconds per phase and target")
+    ap.add_argument("--saturate", type=int, default=128, help="concurrency of the peak-throughput phase (0: skip)")
+    ap.add_argument("--upstream", choices=["fake", "sim"], default="fake")
+    ap.add_argument("--tokens", type=int, default=32, help="token events per stream in the latency phases")
+    ap.add_argument("--interval-ms", type=float, default=15.0, help="fake decode step between token events")
+    ap.add_argument("--gateway-cpu", type=int, default=-1,
+                    help="pin the gateway to this CPU and everything else to the others (-1: no pinning, the default: "
+                         "on a shared machine other pinned work, e.g. vLLM's CPU worker threads, can starve a pinned gateway)")
+    ap.add_argument("--json", default=None, help="write the report here")
+    ap.add_argument("--gateway-log", default="/tmp/warmroute-bench-gateway.log", help="the gateway's stderr")
+    args = ap.parse_args(argv)
+
+    ncpu = os.cpu_count() or 1
+    pin = args.gateway_cpu >= 0 and ncpu >= 2
+    others = {c for c in range(ncpu) if c != args.gateway_cpu} if pin else None
+    up_port, gw_port, gw_admin = _free_port(), _free_port(), _free_port()
+    ctx = __import__("multiprocessing").get_context("spawn")
+    if args.upstream == "fake":
+        up = ctx.Process(target=fake_upstream_main, args=(up_port, args.interval_ms), daemon=True)
+    else:
+        up = ctx.Process(target=sim_upstream_main, args=(up_port,), daemon=True)
+    up.start()
+    if others:
+        os.sched_setaffinity(up.pid, others)
+        os.sched_setaffinity(0, others)
+    _wait_ready(f"http://127.0.0.1:{up_port}/health")
+    gw = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "gateway", "--host", "127.0.0.1", "--port", str(gw_port),
+         "--admin-port", str(gw_admin), "--replica", f"r0=http://127.0.0.1:{up_port}", "--no-auth",
+         "--feed", "memory://", "--model", MODEL, "--max-model-len", "4096"],
+        stdout=subprocess.DEVNULL, stderr=open(args.gateway_log, "w"),
+        preexec_fn=(lambda: os.sched_setaffinity(0, {args.gateway_cpu})) if pin else None)
+    report: dict = {"command": " ".join(sys.argv), "upstream": args.upstream, "cpus": ncpu, "tokens_per_stream": args.tokens,
+                    "interval_ms": args.interval_ms, "loadavg_start": os.getloadavg(), "gateway_pinned_cpu": args.gateway_cpu if pin else None,
+                    "seconds_per_phase": args.seconds, "levels": []}
+    try:
+        _wait_ready(f"http://127.0.0.1:{gw_admin}/readyz", 300.0)
+        direct, via = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{gw_port}"
+        import uvloop
+
+        for c in [int(x) for x in args.levels.split(",") if x]:
+            d = uvloop.run(run_level(direct, c, args.seconds, args.tokens))
+            cpu0 = _cpu_s(gw.pid)
+            g = uvloop.run(run_level(via, c, args.seconds, args.tokens))
+            cpu1 = _cpu_s(gw.pid)
+            row = {"concurrency": c, "direct": d, "gateway": g,
+                   "added_ttft_ms": {k: g["ttft_ms"][k] - d["ttft_ms"][k] for k in ("p50", "p90", "p99", "mean")},
+                   "gateway_cpu_ms_per_request": (cpu1 - cpu0) * 1000 / max(1, g["requests"])}
+            report["levels"].append(row)
+            print(f"c={c:4d}  direct p50 {d['ttft_ms']['p50']:7.2f} p99 {d['ttft_ms']['p99']:7.2f} ms | "
+                  f"gateway p50 {g['ttft_ms']['p50']:7.2f} p99 {g['ttft_ms']['p99']:7.2f} ms | added p50 "
+                  f"{row['added_ttft_ms']['p50']:6.2f} p99 {row['added_ttft_ms']['p99']:6.2f} ms | "
+                  f"gw {g['rps']:7.1f} req/s, {row['gateway_cpu_ms_per_request']:.3f} CPU-ms/req, errors {d['errors']}/{g['errors']}"
+                  + (f" {g['error_kinds']}" if g["errors"] else ""),
+                  flush=True)
+        if args.saturate:
+            cpu0, t0 = _cpu_s(gw.pid), time.perf_counter()
+            sat = uvloop.run(run_level(via, args.saturate, args.seconds, 1))
+            cpu1, wall = _cpu_s(gw.pid), time.perf_counter() - t0
+            cpu_per_req = (cpu1 - cpu0) / max(1, sat["requests"])
+            report["saturation"] = {
+                "concurrency": args.saturate, "rps": sat["rps"], "errors": sat["errors"],
+                "gateway_cpu_share": (cpu1 - cpu0) / wall, "gateway_cpu_ms_per_request": cpu_per_req * 1000,
+                "rps_per_core_projected": 1.0 / cpu_per_req if cpu_per_req > 0 else None}
+            s = report["saturation"]
+            print(f"peak: {s['rps']:.0f} streamed req/s through one worker (gateway CPU share {s['gateway_cpu_share']:.2f}, "
+                  f"{s['gateway_cpu_ms_per_request']:.3f} CPU-ms/req -> {s['rps_per_core_projected']:.0f} req/s per core)", flush=True)
+    finally:
+        gw.terminate()
+        try:
+            gw.wait(15)
+        except subprocess.TimeoutExpired:
+            gw.kill()
+            gw.wait()
+        up.terminate()
+        up.join(5)
+    report["loadavg_end"] = os.getloadavg()
+    print(f"machine load average: start {report['loadavg_start'][0]:.2f}, end {report['loadavg_end'][0]:.2f} "
+          f"(on {ncpu} CPUs; other work running makes every figure worse)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,605 @@
+"""The gateway end to end over real HTTP: the official `openai` SDK through the gateway to simulated
+replicas (loadtests.sim), the salt contract at the engine, retry before the first byte, client
+disconnects, the decision trace, /metrics, and the debug routes."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from gateway.config import config_from_dict
+from gateway.salt import derive_salt
+from gateway.server import start_gateway
+from loadtests.sim.scheduler import TimeModel
+from loadtests.sim.server import SimConfig, start_sim_server
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SECRET = "test-salt-secret-e2e"
+KEYS = {"tenant-a": ["key-a-1", "key-a-2"], "tenant-b": ["key-b"]}
+MODEL = "warmroute-sim"
+LONG_DOC = " ".join(f"paragraph {i} of the shared document about routing." for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    from gateway.tokenization import TokenizerService
+
+    svc = TokenizerService(tokenizer_dir)
+    yield svc
+    svc.close()
+
+
+@pytest.fixture(scope="module")
+def keys_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    p.write_text("".join(f"{t}: [{', '.join(ks)}]\n" for t, ks in KEYS.items()))
+    return str(p)
+
+
+def _cfg(replicas, keys_file=None, **over):
+    d = {
+        "server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
+        "membership": {"replicas": replicas, "health_interval_s": 0.2, "eject_base_s": 5.0},
+        "auth": {"enabled": keys_file is not None, "api_keys_file": keys_file},
+        "feed": {"url": "memory://e2e"},
+    }
+    for k, v in over.items():
+        d.setdefault(k, {}).update(v)
+    return config_from_dict(d, env={})
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def sims():
+    a = await start_sim_server(SimConfig(model=MODEL))
+    b = await start_sim_server(SimConfig(model=MODEL))
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gw(sims, tok, keys_file, monkeypatch_module):
+    monkeypatch_module.setenv("WARMROUTE_SALT_SECRET", SECRET)
+    g = await start_gateway(_cfg([f"a={sims[0].url}", f"b={sims[1].url}"], keys_file), tokenizer=tok)
+    yield g
+    await g.close()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+async def test_openai_sdk_streams_chat_and_completions(gw):
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="key-a-1", max_retries=0)
+    try:
+        models = await client.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say hello " * 20}], max_tokens=8, stream=True)
+        chunks = [c async for c in stream]
+        text = "".join((c.choices[0].delta.content or "") for c in chunks if c.choices)
+        assert text.strip(), "streamed chat produced no text"
+        # The gateway asked for usage upstream for itself; the client did not, so it sees none.
+        assert all(c.usage is None for c in chunks)
+
+        stream = await client.completions.create(model=MODEL, prompt="Once upon a time " * 10, max_tokens=6,
+                                                 stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        assert "".join(c.choices[0].text for c in chunks if c.choices)
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == 6 and usage.prompt_tokens > 0
+
+        full = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert full.choices[0].message.content and full.usage.completion_tokens == 4
+    finally:
+        await client.close()
+
+
+async def _chat(session, url, key, content, salt=None, stream=False):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2,
+            "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if salt is not None:
+        body["cache_salt"] = salt
+    async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status == 200, await r.text()
+        if not stream:
+            return (await r.json())["usage"], r.headers["X-Warmroute-Replica"]
+        usage = None
+        async for line in r.content:
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                usage = json.loads(line[6:])["usage"] or usage
+        return usage, r.headers["X-Warmroute-Replica"]
+
+
+async def test_engine_sees_derived_salt_not_clients(tok, keys_file, monkeypatch_module):
+    """One real sim behind the gateway: the client's cache_salt has no effect, the tenant's does."""
+    monkeypatch_module.setenv("WARMROUTE_SALT_SECRET", SECRET)
+    sim = await start_sim_server(SimConfig(model=MODEL))
+    g = await start_gateway(_cfg([f"only={sim.url}"], keys_file), tokenizer=tok)
+    try:
+        async with aiohttp.ClientSession() as s:
+            doc = "salt check: " + LONG_DOC
+            u1, _ = await _chat(s, g.url, "key-a-1", doc, salt="client-salt-x")
+            assert u1["prompt_tokens_details"]["cached_tokens"] == 0
+            # Same tenant, another key and another client salt: the engine still hits (same derived salt).
+            u2, _ = await _chat(s, g.url, "key-a-2", doc, salt="client-salt-y")
+            assert u2["prompt_tokens_details"]["cached_tokens"] >= (u2["prompt_tokens"] // 16 - 1) * 16 > 0
+            # Another tenant sending tenant A's exact request (even its client salt) gets nothing cached.
+            u3, _ = await _chat(s, g.url, "key-b", doc, salt="client-salt-x")
+            assert u3["prompt_tokens_details"]["cached_tokens"] == 0
+            # A client salt that vLLM would reject (contains '/') is irrelevant: it is replaced.
+            u4, _ = await _chat(s, g.url, "key-b", doc, salt="bad/salt@", stream=True)
+            assert u4["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        await g.close()
+        await sim.close()
+
+
+class Recorder:
+    """A tiny upstream that records request bodies and headers and answers like vLLM (non-stream)."""
+
+    def __init__(self, status: int = 200):
+        self.status = status
+        self.bodies: list[dict] = []
+        self.headers: list[dict] = []
+        self.runner = None
+        self.url = ""
+
+    async def start(self):
+        app = web.Application()
+
+        async def chat(request):
+            self.bodies.append(await request.json())
+            self.headers.append(dict(request.headers))
+            if self.status != 200:
+                return web.json_response({"error": {"message": "boom"}}, status=self.status)
+            return web.json_response({"id": "x", "object": "chat.completion", "model": MODEL,
+                                      "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                                      "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11,
+                                                "prompt_tokens_details": {"cached_tokens": 0}}})
+
+        async def health(request):
+            return web.Response(status=200)
+
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/health", health)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def close(self):
+        await self.runner.cleanup()
+
+
+async def test_exact_salt_and_trace_with_every_candidate(tok, keys_file, monkeypatch_module):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    monkeypatch_module.setenv("WARMROUTE_SALT_SECRET", SECRET)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    r1, r2 = await Recorder().start(), await Recorder().start()
+    g = await start_gateway(_cfg([f"r1={r1.url}", f"r2={r2.url}"], keys_file, model={"name": MODEL, "max_model_len": 4096}),
+                            tokenizer=tok, tracer_provider=provider)
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": LONG_DOC}], "cache_salt": "mine"}
+            async with s.post(g.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer key-b"}) as r:
+                assert r.status == 200
+        got = (r1.bodies + r2.bodies)
+        assert len(got) == 1
+        assert got[0]["cache_salt"] == derive_salt(SECRET.encode(), "tenant-b")
+        assert len(got[0]["cache_salt"]) == 43
+        hdrs = (r1.headers + r2.headers)[0]
+        assert "Authorization" not in hdrs, "the client's credential must not reach the engine"
+        spans = {sp.name: sp for sp in exporter.get_finished_spans()}
+        server = spans[f"chat {MODEL}"]
+        route = spans["warmroute.route"]
+        upstream = spans["warmroute.upstream"]
+        assert server.attributes["gen_ai.operation.name"] == "chat"
+        assert server.attributes["gen_ai.request.model"] == MODEL
+        assert server.attributes["gen_ai.usage.input_tokens"] == 10
+        assert server.attributes["warmroute.tenant_hash"] != "tenant-b"
+        assert route.parent.span_id == server.context.span_id
+        cands = [e for e in route.events if e.name == "warmroute.candidate"]
+        assert sorted(e.attributes["warmroute.replica_id"] for e in cands) == ["r1", "r2"]
+        for e in cands:
+            assert "warmroute.score" in e.attributes and "warmroute.term.cache_benefit_s" in e.attributes
+            assert "warmroute.term.queue_penalty_s" in e.attributes and "warmroute.matched_blocks_gpu" in e.attributes
+        assert route.attributes["warmroute.winner"] in ("r1", "r2") and route.attributes["warmroute.decision_s"] > 0
+        assert "warmroute.ttft_s" in upstream.attributes
+        # W3C traceparent forwarded: the engine's request belongs to the same trace, parented by the upstream span.
+        tp = hdrs["traceparent"].split("-")
+        assert int(tp[1], 16) == server.context.trace_id and int(tp[2], 16) == upstream.context.span_id
+    finally:
+        await g.close()
+        await r1.close()
+        await r2.close()
+
+
+def _dead_port() -> int:
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+async def test_retry_before_first_byte(sims, tok):
+    """A refused connection and a 503 are retried on the next-ranked replica; the client sees 200."""
+    failing = await Recorder(status=503).start()
+    dying = await Recorder().start()  # passes the first health probe, then goes away
+    g = await start_gateway(_cfg([f"dead={dying.url}", f"err={failing.url}", f"ok={sims[0].url}"],
+                                 policy={"name": "round_robin"}, proxy={"max_attempts": 3},
+                                 membership={"health_interval_s": 30.0}), tokenizer=tok)
+    await asyncio.sleep(0.2)
+    assert g.gateway.membership.get("dead").probe_ok is True
+    await dying.close()
+    try:
+        async with aiohttp.ClientSession() as s:
+            for stream in (False, True) * 3:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "retry me"}], "max_tokens": 3, "stream": stream}
+                async with s.post(g.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    assert r.headers["X-Warmroute-Replica"] == "ok"
+                    data = await r.read()
+                    assert (b"[DONE]" in data) if stream else (b'"choices"' in data)
+            async with s.get(g.admin_url + "/metrics") as r:
+                text = await r.text()
+        from prometheus_client.parser import text_string_to_metric_families
+
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        retries = sum(smp.value for smp in fams["warmroute_gateway_retries"].samples if smp.name.endswith("_total"))
+        assert retries >= 2
+        ejected = {smp.labels["replica"] for smp in fams["warmroute_gateway_ejections"].samples if smp.name.endswith("_total")}
+        assert {"dead", "err"} <= ejected
+        assert failing.bodies, "the 503 replica was tried"
+        st = g.gateway.membership.get("dead")
+        assert st.failures >= 1 and st.last_error == "connection refused"
+    finally:
+        await g.close()
+        await failing.close()
+
+
+async def test_all_replicas_down_is_503(tok):
+    g = await start_gateway(_cfg([f"dead={'http://127.0.0.1:%d' % _dead_port()}"], model={"name": MODEL, "max_model_len": 4096},
+                                 membership={"health_interval_s": 0.05}), tokenizer=tok)
+    try:
+        await asyncio.sleep(0.3)  # the probe marks it down
+        async with aiohttp.ClientSession() as s:
+            async with s.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}) as r:
+                assert r.status == 503
+                err = (await r.json())["error"]
+                assert err["code"] == "no_replica_available" and err["type"]
+            async with s.get(g.admin_url + "/readyz") as r:
+                assert r.status == 503 and "no replica available" in (await r.json())["reasons"]
+    finally:
+        await g.close()
+
+
+async def test_client_disconnect_cancels_upstream(tok):
+    slow = SimConfig(model=MODEL, time=TimeModel(step_overhead_s=0.02, prefill_s_per_token=1e-5, decode_s_per_seq=1e-4))
+    sim = await start_sim_server(slow)
+    g = await start_gateway(_cfg([f"s={sim.url}"]), tokenizer=tok)
+    try:
+        before = sim.server.num_aborted_total
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 2000, "stream": True}
+            r = await s.post(g.url + "/v1/completions", json=body)
+            assert r.status == 200
+            first = await r.content.readline()
+            assert first.startswith(b"data: ")
+            r.close()  # the client goes away mid-stream
+        for _ in range(100):
+            if sim.server.num_aborted_total > before:
+                break
+            await asyncio.sleep(0.05)
+        assert sim.server.num_aborted_total == before + 1
+        assert sim.engine.num_running == 0
+        for _ in range(50):
+            if g.gateway.load.get("s").active_reqs == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert g.gateway.load.get("s").active_reqs == 0 and g.gateway.load.get("s").inflight_reqs == 0
+        async with aiohttp.ClientSession() as s:
+            async with s.get(g.admin_url + "/metrics") as r:
+                text = await r.text()
+        assert 'warmroute_gateway_requests_total{replica="s",route="/v1/completions",status="499"} 1.0' in text, \
+            [ln for ln in text.splitlines() if ln.startswith("warmroute_gateway_requests_total")]
+    finally:
+        await g.close()
+        await sim.close()
+
+
+async def test_metrics_debug_and_health(gw):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):  # two replicas: at least two of three land on the same one and hit its cache
+            await _chat(s, gw.url, "key-b", "metrics " + LONG_DOC)
+        async with s.get(gw.admin_url + "/metrics") as r:
+            assert r.status == 200
+            text = await r.text()
+        async with s.post(gw.admin_url + "/debug/route?tenant=tenant-b",
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "metrics " + LONG_DOC}]}) as r:
+            assert r.status == 200
+            why = await r.json()
+        async with s.get(gw.admin_url + "/debug/index") as r:
+            idx = await r.json()
+        async with s.get(gw.admin_url + "/healthz") as r:
+            assert r.status == 200
+        async with s.get(gw.admin_url + "/readyz") as r:
+            assert r.status == 200, await r.text()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("warmroute_gateway_requests", "warmroute_gateway_decision_seconds", "warmroute_gateway_ttft_seconds",
+                 "warmroute_gateway_request_duration_seconds", "warmroute_gateway_engine_cached_tokens",
+                 "warmroute_gateway_predicted_cached_tokens", "warmroute_gateway_index_accuracy_ratio",
+                 "warmroute_gateway_index_entries", "warmroute_gateway_index_bytes", "warmroute_gateway_prefill_seconds_per_token",
+                 "warmroute_gateway_replica_up", "warmroute_gateway_retries", "warmroute_gateway_ejections"):
+        assert name in fams, name
+    ok = [smp for smp in fams["warmroute_gateway_requests"].samples
+          if smp.name.endswith("_total") and smp.labels["status"] == "200" and smp.labels["route"] == "/v1/chat/completions"]
+    assert sum(smp.value for smp in ok) >= 2
+    # The second identical request hit the engine's cache; the engine's count is what the metric holds.
+    cached = sum(smp.value for smp in fams["warmroute_gateway_engine_cached_tokens"].samples if smp.name.endswith("_total"))
+    assert cached > 0
+    # Tenants appear hashed, never in clear.
+    assert "tenant-b" not in text and "tenant-a" not in text
+    assert why["winner"] in ("a", "b") and {r["replica_id"] for r in why["replicas"]} == {"a", "b"}
+    for rep in why["replicas"]:
+        assert rep["terms"] is not None and "cache_benefit_s" in rep["terms"] and rep["score"] is not None
+    assert why["request"]["full_blocks"] > 0
+    assert {r["replica_id"] for r in idx["replicas"]} == {"a", "b"}
+    assert idx["index"]["max_entries"] > 0
+
+
+async def test_keepalive_connection_has_no_nagle_delay(gw):
+    """TCP_NODELAY on accepted sockets: back-to-back streamed requests on one keep-alive connection stay fast."""
+    import time
+
+    conn = aiohttp.TCPConnector(limit=1)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        times = []
+        for _ in range(6):
+            t = time.perf_counter()
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "stream": True}
+            async with s.post(gw.url + "/v1/completions", json=body, headers={"Authorization": "Bearer key-a-1"}) as r:
+                await r.content.readline()
+                times.append(time.perf_counter() - t)
+                await r.read()
+    # Nagle + delayed ACK would add ~40 ms from the second request on.
+    assert sorted(times[1:])[len(times[1:]) // 2] < 0.035, times
+
+
+async def test_dns_membership_and_purge_on_leave(sims, tok):
+    """Headless-Service style membership: A records of a name (here `localhost`) become replicas
+    "IP:port"; a replica that leaves is purged from the index."""
+    port = sims[0].port
+    g = await start_gateway(_cfg([], membership={"dns_service": "localhost", "dns_port": port, "dns_refresh_s": 0.2}),
+                            tokenizer=tok)
+    try:
+        rid = f"127.0.0.1:{port}"
+        assert g.gateway.membership.ids() == [rid]
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "prompt": LONG_DOC, "max_tokens": 2}
+            async with s.post(g.url + "/v1/completions", json=body) as r:
+                assert r.status == 200 and r.headers["X-Warmroute-Replica"] == rid
+        keys = g.gateway.keychain.request_keys(tok.encode_prompt(LONG_DOC), salt=g.gateway.salter.salt_for("default"))
+        assert rid in g.gateway.index.match(keys)  # the speculative entry of the chosen replica
+        # The Service's endpoints change (pod replaced): the old replica leaves and is purged.
+        g.gateway.mrunner.dns_port = sims[1].port
+        new = f"127.0.0.1:{sims[1].port}"
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if g.gateway.membership.ids() == [new]:
+                break
+        assert g.gateway.membership.ids() == [new]
+        assert rid not in g.gateway.index.match(keys)
+    finally:
+        await g.close()
+
+
+async def test_access_log_is_one_json_line_without_secrets_or_prompts(sims, tok, keys_file, monkeypatch_module, caplog):
+    import logging
+
+    from gateway.telemetry import JsonFormatter
+
+    monkeypatch_module.setenv("WARMROUTE_SALT_SECRET", SECRET)
+    g = await start_gateway(_cfg([f"a={sims[0].url}"], keys_file, telemetry={"access_log": True}), tokenizer=tok)
+    try:
+        with caplog.at_level(logging.INFO, logger="warmroute.gateway.access"):
+            async with aiohttp.ClientSession() as s:
+                await _chat(s, g.url, "key-a-1", "SECRET-PROMPT-TEXT " + LONG_DOC)
+        recs = [r for r in caplog.records if r.name == "warmroute.gateway.access"]
+        assert len(recs) == 1
+        line = JsonFormatter().format(recs[0])
+        obj = json.loads(line)
+        assert obj["status"] == 200 and obj["replica"] == "a" and obj["route"] == "/v1/chat/completions"
+        assert obj["tenant_hash"] == __import__("gateway.auth", fromlist=["x"]).tenant_hash("tenant-a")
+        for secret in ("SECRET-PROMPT-TEXT", "key-a-1", "tenant-a", SECRET):
+            assert secret not in line
+    finally:
+        await g.close()
+
+
+class BrokenStream:
+    """An upstream whose streams send one event, then stall (`mode="stall"`) or drop the connection."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.runner = None
+        self.url = ""
+
+    async def start(self):
+        app = web.Application()
+
+        async def chat(request):
+            await request.read()
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n')
+            if self.mode == "stall":
+                await asyncio.sleep(30)
+            else:
+                await asyncio.sleep(0.05)
+                request.transport.close()
+            return resp
+
+        async def health(request):
+            return web.Response()
+
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/health", health)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def close(self):
+        await self.runner.cleanup()
+
+
+@pytest.mark.parametrize("mode", ["stall", "drop"])
+async def test_failure_after_first_byte_ends_stream_with_error_event(tok, mode):
+    up = await BrokenStream(mode).start()
+    g = await start_gateway(_cfg([f"u={up.url}"], model={"name": MODEL, "max_model_len": 4096},
+                                 proxy={"idle_timeout_s": 0.4}), tokenizer=tok)
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+            async with s.post(g.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                data = await asyncio.wait_for(r.read(), 10)
+        events = [e for e in data.split(b"\n\n") if e]
+        assert events[0].startswith(b'data: {"choices"')
+        err = json.loads(events[-2][6:])["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == "upstream_failed"
+        assert events[-1] == b"data: [DONE]"
+        if mode == "stall":
+            assert "nothing for 0.4s" in err["message"]
+    finally:
+        await g.close()
+        await up.close()
+
+
+@pytest.mark.redis
+async def test_gateways_share_inflight_load_through_redis(tok, redis_server):
+    """Two gateways on one Redis feed: work one sends a replica shows in the other's view of it."""
+    release = asyncio.Event()
+    app = web.Application()
+
+    async def chat(request):
+        await request.read()
+        await release.wait()  # no first byte until released: the request stays "in flight"
+        return web.json_response({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+
+    async def health(request):
+        return web.Response()
+
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    over = {"model": {"name": MODEL, "max_model_len": 4096}, "feed": {"url": redis_server.url, "inflight_poll_s": 0.05}}
+    g1 = await start_gateway(_cfg([f"r={url}"], **over), tokenizer=tok)
+    g2 = await start_gateway(_cfg([f"r={url}"], **over), tokenizer=tok)
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": LONG_DOC}]}
+            pending = asyncio.create_task(s.post(g1.url + "/v1/chat/completions", json=body))
+            seen = None
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                ld = g2.gateway.load.get("r")
+                if ld.others_reqs:
+                    seen = (ld.others_reqs, ld.others_tokens)
+                    break
+            assert seen is not None and seen[0] == 1 and seen[1] > 100, seen
+            # g2's routing view of the replica includes g1's in-flight request.
+            prep_view = g2.gateway._decide(
+                type("P", (), {"first_ids": [1] * 40, "max_tokens": 0})(), [], __import__("gateway.auth", fromlist=["x"]).Identity("default"))[1]
+            assert prep_view[0].inflight_reqs == 1
+            release.set()
+            r = await pending
+            assert r.status == 200
+            r.release()
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if g2.gateway.load.get("r").others_reqs == 0:
+                    break
+            assert g2.gateway.load.get("r").others_reqs == 0
+    finally:
+        await g1.close()
+        await g2.close()
+        await runner.cleanup()
+
+
+async def test_embedded_agents_feed_drive_cache_aware_routing(tok):
+    """Sims publish KV events, agents translate them into the in-process feed, the gateway's index
+    follows it: repeats of a document go to the replica holding it, and the engine's cached tokens
+    equal the index's prediction (accuracy 1.0)."""
+    from replica_agent.agent import AgentConfig, start_agent
+    from replica_agent.feed import open_feed
+    from tests.conftest import free_port
+
+    feed = open_feed("memory://e2e-agents")
+    sims_, agents = [], []
+    try:
+        for i in range(2):
+            p = free_port()
+            sim = await start_sim_server(SimConfig(model=MODEL, kv_events_endpoint=f"tcp://*:{p}"))
+            sims_.append(sim)
+            agents.append(await start_agent(AgentConfig(replica_id=f"r{i}", kv_events_endpoint=f"tcp://127.0.0.1:{p}",
+                                                         engine_url=sim.url, load_interval_s=0.2), feed))
+        g = await start_gateway(_cfg([f"r{i}={s.url}" for i, s in enumerate(sims_)]), feed=feed, tokenizer=tok)
+        try:
+            for _ in range(100):
+                if all(g.gateway.index.is_live(f"r{i}") for i in range(2)):
+                    break
+                await asyncio.sleep(0.05)
+            assert all(g.gateway.index.is_live(f"r{i}") for i in range(2))
+            doc = "embedded: " + LONG_DOC
+            async with aiohttp.ClientSession() as s:
+                u0, first = await _chat(s, g.url, "-", doc, stream=True)
+                for _ in range(100):  # the engine's BlockStored events reach the index
+                    if g.gateway.index.stats().entries_by_replica.get(first, 0) >= u0["prompt_tokens"] // 16:
+                        break
+                    await asyncio.sleep(0.05)
+                for _ in range(3):
+                    u, rid = await _chat(s, g.url, "-", doc, stream=True)
+                    assert rid == first
+                    assert u["prompt_tokens_details"]["cached_tokens"] == (u["prompt_tokens"] - 1) // 16 * 16
+            async with aiohttp.ClientSession() as s:
+                async with s.get(g.admin_url + "/metrics") as r:
+                    text = await r.text()
+            assert f'warmroute_gateway_index_accuracy_ratio{{replica="{first}"}} 1.0' in text
+            assert f'warmroute_gateway_replica_index_live{{replica="{first}"}} 1.0' in text
+        finally:
+            await g.close()
+    finally:
+        for a in agents:
+            await a.close()
+        for s_ in sims_:
+            await s_.close()

@@ -1,0 +1,196 @@
+"""The gateway's pure cores without sockets: salt, API-key store, tenant limits, membership backoff,
+in-flight accounting, the SSE relay, view assembly, and config validation with field names."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+
+import pytest
+
+from gateway.auth import ApiKeyStore, Authenticator, TenantLimiter, TenantPolicy, parse_key_entry, tenant_hash
+from gateway.config import ConfigError, config_from_dict, env_overrides
+from gateway.errors import ApiError
+from gateway.load import LoadTracker
+from gateway.membership import Membership
+from gateway.proxy import SseRelay, usage_numbers
+from gateway.routing import build_views, predicted_matched_tokens
+from gateway.salt import NO_AUTH_DEFAULT_SECRET, SaltDeriver, derive_salt, load_salt_secret
+
+
+def test_salt_contract():
+    s = derive_salt(b"k", "tenant-a")
+    want = base64.urlsafe_b64encode(hmac.new(b"k", b"tenant-a", hashlib.sha256).digest()).rstrip(b"=").decode()
+    assert s == want and len(s) == 43
+    assert not set(s) & set("@/\\\x00=")
+    assert derive_salt(b"k", "tenant-b") != s and derive_salt(b"k2", "tenant-a") != s
+    d = SaltDeriver(b"k", "user")
+    assert d.salt_for("tenant-a", "u1") == derive_salt(b"k", "u1")
+    assert d.salt_for("tenant-a", None) == s  # no user id: the tenant is the scope
+    with pytest.raises(ValueError):
+        SaltDeriver(b"k", "team")
+    assert NO_AUTH_DEFAULT_SECRET  # documented fixed default for --no-auth
+
+
+def test_salt_secret_sources(tmp_path):
+    f = tmp_path / "s"
+    f.write_bytes(b"from-file\n")
+    assert load_salt_secret(str(f), env={"WARMROUTE_SALT_SECRET": "env"}) == b"from-file"
+    assert load_salt_secret(None, env={"WARMROUTE_SALT_SECRET": "env"}) == b"env"
+    assert load_salt_secret(None, env={}) is None
+    f.write_bytes(b"\n")
+    with pytest.raises(ValueError):
+        load_salt_secret(str(f), env={})
+
+
+def test_api_key_store_and_entries():
+    digest = hashlib.sha256(b"plain").digest()
+    assert parse_key_entry("plain") == digest
+    assert parse_key_entry("sha256:" + digest.hex()) == digest
+    with pytest.raises(ValueError):
+        parse_key_entry("sha256:abc")
+    with pytest.raises(ValueError):
+        parse_key_entry("plain", allow_plain=False)
+    store = ApiKeyStore({"a": [digest, hashlib.sha256(b"other").digest()], "b": [hashlib.sha256(b"bee").digest()]})
+    assert store.lookup("plain") == "a" and store.lookup("other") == "a" and store.lookup("bee") == "b"
+    assert store.lookup("nope") is None
+    auth = Authenticator(enabled=True, keys=store)
+    assert auth.authenticate({"Authorization": "Bearer bee"}).tenant_id == "b"
+    assert auth.authenticate({"x-api-key": "plain"}).tenant_id == "a"
+    with pytest.raises(ApiError) as e:
+        auth.authenticate({})
+    assert e.value.status == 401
+    with pytest.raises(ValueError):
+        Authenticator(enabled=True)  # auth on with no credentials configured is a config error
+    assert Authenticator(enabled=False).authenticate({}).tenant_id == "default"
+    assert tenant_hash("a") == hashlib.sha256(b"a").hexdigest()[:16]
+
+
+def test_tenant_limiter():
+    lim = TenantLimiter({"t": TenantPolicy(max_concurrent_reqs=2, max_rps=2.0)})
+    assert lim.acquire("free", now=0.0) is False  # no limits: nothing to release
+    assert lim.acquire("t", now=0.0) and lim.acquire("t", now=0.0)
+    with pytest.raises(ApiError) as e:
+        lim.acquire("t", now=0.0)
+    assert e.value.status == 429
+    lim.release("t")
+    lim.release("t")
+    with pytest.raises(ApiError) as e:  # bucket of 2 used up at t=0
+        lim.acquire("t", now=0.1)
+    assert e.value.code == "rate_limit_exceeded" and "Retry-After" in e.value.headers
+    assert lim.acquire("t", now=1.0)
+
+
+def test_membership_backoff_and_changes():
+    now = [100.0]
+    m = Membership(eject_base_s=1.0, eject_max_s=5.0, clock=lambda: now[0])
+    added, removed = m.set_members({"a": "http://a/", "b": "http://b"})
+    assert added == ["a", "b"] and removed == [] and m.get("a").url == "http://a"
+    assert m.available("a")
+    assert m.report_failure("a", "connection refused") == 1.0
+    assert not m.available("a")
+    now[0] += 1.01
+    assert m.available("a")
+    assert m.report_failure("a", "x") == 2.0 and m.report_failure("a", "x") == 4.0 and m.report_failure("a", "x") == 5.0
+    m.report_success("a")
+    assert m.get("a").failures == 0
+    m.probe_result("b", False, "down")
+    assert not m.available("b") and m.any_available() is False
+    m.probe_result("b", True)
+    assert m.available("b")
+    added, removed = m.set_members({"b": "http://b", "c": "http://c"})
+    assert added == ["c"] and removed == ["a"]
+
+
+def test_load_tracker_inflight_and_shared():
+    lt = LoadTracker()
+    f1 = lt.dispatch("r", 100)
+    f2 = lt.dispatch("r", 50)
+    ld = lt.get("r")
+    assert (ld.inflight_reqs, ld.inflight_tokens, ld.active_reqs) == (2, 150, 0)
+    f1.first_token()
+    f1.first_token()  # idempotent
+    assert (lt.get("r").inflight_reqs, lt.get("r").inflight_tokens, lt.get("r").active_reqs) == (1, 50, 1)
+    pending = lt.take_pending()
+    assert pending == {"r": (1, 50)}  # +2/+150 then -1/-100
+    # The feed's shared counters include ours (1, 50) plus another gateway's (3, 300).
+    lt.set_shared({"r": (4, 350)})
+    assert (lt.get("r").others_reqs, lt.get("r").others_tokens) == (3, 300)
+    f2.finish()
+    f1.finish()
+    assert (lt.get("r").inflight_reqs, lt.get("r").active_reqs) == (0, 0)
+    assert lt.take_pending() == {"r": (-1, -50)}
+
+
+def _ev(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def test_sse_relay_strips_usage_unless_asked_and_handles_split_events():
+    usage = {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}}
+    stream = (_ev({"choices": [{"delta": {"content": "a"}}]}) + _ev({"choices": [{"delta": {"content": "b"}}]})
+              + _ev({"choices": [], "usage": usage}) + b"data: [DONE]\n\n")
+    for wants in (False, True):
+        t = [0.0]
+
+        def clock():
+            t[0] += 1.0
+            return t[0]
+        r = SseRelay(wants, clock=clock)
+        out = b""
+        for i in range(0, len(stream), 7):  # events split across chunks at arbitrary points
+            out += r.feed(stream[i:i + 7])
+        out += r.tail()
+        assert r.done and r.usage == usage and r.content_events == 2
+        assert (b'"usage"' in out) is wants
+        assert out.endswith(b"data: [DONE]\n\n") and out.count(b"\n\n") == (4 if wants else 3)
+    assert usage_numbers(usage) == (40, 2, 32)
+    assert usage_numbers(None) == (None, None, None)
+
+
+def test_build_views_and_prediction():
+    from gateway.index import Match
+    from gateway.load import ReplicaLoad
+    from policies.base import RequestView
+    from replica_agent.feed.records import LoadReport
+
+    rep = LoadReport(3, 2, 0.5, 0, 0, 0, 16, 0.0)
+    views = build_views(
+        ["a", "b"], matches={"a": Match(4, 6)}, available={"a": True, "b": False}, live={"a": True},
+        reports={"a": rep}, loads={"a": ReplicaLoad(1, 100, 0, 2, 50, 80.0), "b": ReplicaLoad(0, 0, 5)},
+        rates={"a": (1e-4, 0.01), "b": (5e-5, 0.02)})
+    a, b = views
+    assert (a.matched_blocks_gpu, a.matched_blocks_cpu, a.running_reqs, a.waiting_reqs) == (4, 6, 3, 2)
+    assert (a.inflight_reqs, a.inflight_prefill_tokens, a.kv_usage) == (3, 150, 0.5)
+    assert a.extra["mean_uncached_prefill_tokens"] == 80.0 and a.prefill_s_per_token == 1e-4
+    assert not b.healthy and b.running_reqs == 5 and b.matched_blocks_gpu == 0 and not b.index_live
+    rv = RequestView(prompt_tokens=97, block_size=16)
+    assert predicted_matched_tokens(rv, a) == 6 * 16
+    assert predicted_matched_tokens(RequestView(prompt_tokens=64, block_size=16), a) == 3 * 16  # last token recomputed
+
+
+def test_config_errors_name_the_field_and_env_overrides():
+    env = {"WARMROUTE_PROXY__MAX_ATTEMPTS": "3", "WARMROUTE_POLICY__PARAMS__W_QUEUE": "2.5",
+           "WARMROUTE_SALT_SECRET": "not-config"}
+    assert env_overrides(env) == {"proxy": {"max_attempts": 3}, "policy": {"params": {"w_queue": 2.5}}}
+    cfg = config_from_dict({"membership": {"replicas": {"a": "http://h:1"}}}, env=env)
+    assert cfg.proxy.max_attempts == 3 and cfg.policy.params == {"w_queue": 2.5}
+    assert cfg.membership.replicas[0].id == "a"
+    bad = [
+        ({"server": {"port": 70000}}, "server.port"),
+        ({"server": {"workers": 0}}, "server.workers"),
+        ({"proxy": {"connect_timeout_s": 0}}, "proxy.connect_timeout_s"),
+        ({"proxy": {"unknown": 1}}, "proxy.unknown"),
+        ({"policy": {"name": "nope"}}, "policy.name"),
+        ({"membership": {"replicas": [{"id": "a", "url": "ftp://x"}]}}, "membership.replicas[0].url"),
+        ({"membership": {"replicas": ["a=http://x", "a=http://y"]}}, "membership.replicas[1].id"),
+        ({"auth": {"api_keys": {"t": ["plain-key"]}}}, "auth.api_keys.t[0]"),
+        ({"salt": {"scope": "team"}}, "salt.scope"),
+        ({"feed": {"url": "kafka://x"}}, "feed.url"),
+        ({"model": {"block_size": "big"}}, "model.block_size"),
+    ]
+    for data, field in bad:
+        with pytest.raises(ConfigError) as e:
+            config_from_dict(data, env={})
+        assert str(e.value).startswith(field), (field, str(e.value))
