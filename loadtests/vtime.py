@@ -24,6 +24,14 @@ Replica model (per replica; defaults are GPU-like, one H100-class replica of an 
   64-sequence decode step takes ~17 ms). First token at the end of the step that finishes the
   prefill; then one token per step.
 
+Multi-turn: a turn is never sent before the previous turn of its conversation has finished (a
+user reads the answer first): a turn scheduled earlier is sent at that finish. Without this,
+compressed think times let turn k+1 arrive while answer k is still decoding, a miss for every
+router but a hit for the oracle.
+
+Collapse: with `collapse_ttft_s`, a run stops early (SimResult.collapsed) once a routed request
+has waited that long for its first token; see `simulate`.
+
 Router model (what the gateway would see)
 - load: every `report_interval_s` each replica's (running, waiting, kv usage) is copied into the
   router's view (the agent's scrape), so it is up to one interval stale;
@@ -33,7 +41,11 @@ Router model (what the gateway would see)
   plus speculative insertion of the routed request's keys on the chosen replica for `spec_ttl_s`;
 - rates: a `policies.calibration.Calibrator` fed with each request's TTFT (with the backlog at
   dispatch) and mean inter-token interval; `extra["mean_uncached_prefill_tokens"]` is an EWMA of
-  the predicted uncached tokens of requests sent to the replica.
+  the predicted uncached tokens of requests sent to the replica;
+- extra["kv_cached_frac"]: the replica's blocks holding cached prefixes / its KV blocks, copied at
+  each load report (what the gateway gets from its index size over the replica's capacity);
+- extra["routed_rps"]: an EWMA (time constant `routed_tau_s`) of requests routed to the replica
+  per second, decayed at each load report.
 
 API: `simulate(workload, policy_name, n_replicas, params=SimParams(), policy_params={}, seed=0,
 keys=None) -> SimResult`; `prepare_keys(workload, block_size)` computes every request's keys once
@@ -53,7 +65,7 @@ import numpy as np
 from hashing.keys import block_extras, chain_keys, root_key
 from loadtests.workloads import ROLE_HEADER_TOKENS, Workload, WorkloadRequest, _ROLE_IDS, segment_token_ids
 from policies.base import ReplicaView, RequestView
-from policies.cache_aware import MEAN_UNCACHED_EXTRA
+from policies.cache_aware import CACHE_FILL_EXTRA, MEAN_UNCACHED_EXTRA, ROUTED_RATE_EXTRA
 from policies.calibration import Calibrator
 from policies.registry import get_policy
 
@@ -75,6 +87,7 @@ class SimParams:
     prior_prefill_s_per_token: float = 5e-5  # calibration prior
     prior_decode_step_s: float = 0.02  # calibration prior
     uncached_ewma_alpha: float = 0.1  # smoothing of mean_uncached_prefill_tokens per replica
+    routed_tau_s: float = 10.0  # time constant of the routed-requests-per-second EWMA per replica (decayed at each report)
     model: str = "vtime-model"  # root of the key chain
 
 
@@ -366,9 +379,12 @@ class _Router:
         self.rep_running = [0] * n
         self.rep_waiting = [0] * n
         self.rep_kv = [0.0] * n
+        self.rep_fill = [0.0] * n
         self.inflight = [0] * n
         self.inflight_tok = [0] * n
         self.mean_uncached = [None] * n
+        self.routed_rps = [0.0] * n  # EWMA of requests routed per second (time constant routed_tau_s)
+        self.routed_t = 0.0  # time the EWMAs were last decayed to
         self.cal = Calibrator(prior_prefill_s_per_token=p.prior_prefill_s_per_token, prior_decode_step_s=p.prior_decode_step_s)
         self.views: list = [None] * n  # cached zero-match views
 
@@ -442,7 +458,9 @@ class _Router:
             self.rep_kv[ri],
             self.cal.prefill_s_per_token(self.rids[ri]),
             self.cal.decode_step_s(self.rids[ri]),
-            {MEAN_UNCACHED_EXTRA: mu} if mu is not None else _EMPTY,
+            {MEAN_UNCACHED_EXTRA: mu, CACHE_FILL_EXTRA: self.rep_fill[ri], ROUTED_RATE_EXTRA: self.routed_rps[ri]}
+            if mu is not None
+            else {CACHE_FILL_EXTRA: self.rep_fill[ri], ROUTED_RATE_EXTRA: self.routed_rps[ri]},
         )
         if matched == 0:
             self.views[ri] = v
@@ -466,6 +484,7 @@ class _Router:
         r.pred_uncached = unc
         self.inflight[ri] += 1
         self.inflight_tok[ri] += unc
+        self.routed_rps[ri] += 1.0 / self.p.routed_tau_s
         mu = self.mean_uncached[ri]
         a = self.p.uncached_ewma_alpha
         self.mean_uncached[ri] = float(unc) if mu is None else mu + a * (unc - mu)
@@ -494,11 +513,16 @@ class _Router:
             self.cal.observe_token_interval(rid, (r.finish_s - r.first_s) / (r.max_out - 1))
         self.views[r.rep] = None
 
-    def report(self, reps: list) -> None:
+    def report(self, reps: list, now: float = 0.0) -> None:
+        if now > self.routed_t:
+            f = math.exp(-(now - self.routed_t) / self.p.routed_tau_s)
+            self.routed_rps = [x * f for x in self.routed_rps]
+            self.routed_t = now
         for i, rep in enumerate(reps):
             self.rep_running[i] = rep.running
             self.rep_waiting[i] = len(rep.waiting)
             self.rep_kv[i] = rep.kv_usage()
+            self.rep_fill[i] = len(rep.ref) / rep.p.num_blocks
         self.views = [None] * self.n
 
 
@@ -525,6 +549,8 @@ class SimResult:
     wall_s: float  # real seconds the simulation took
     calibration: dict = field(default_factory=dict)
     policy_params: dict = field(default_factory=dict)
+    collapsed: bool = False  # stopped early: a request waited longer than `collapse_ttft_s` for its first token
+    stopped_at_s: float = 0.0  # virtual time of the stop (collapsed runs only)
 
     def summary(self) -> dict:
         t = self.ttft_s
@@ -548,6 +574,8 @@ class SimResult:
             "hit_ratio": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "load_max_over_mean": float(pr.max() / mean) if mean > 0 else 0.0,
             "busy_frac_mean": float(np.mean(self.per_replica_busy_s) / self.duration_s) if self.duration_s > 0 else 0.0,
+            "busy_max_over_mean": float(max(self.per_replica_busy_s) / np.mean(self.per_replica_busy_s)) if np.mean(self.per_replica_busy_s) > 0 else 0.0,
+            "collapsed": self.collapsed,
             "wall_s": self.wall_s,
         }
 
@@ -563,8 +591,16 @@ def simulate(
     policy_params: dict | None = None,
     seed: int = 0,
     keys: list[RequestKeys] | None = None,
+    collapse_ttft_s: float | None = None,
 ) -> SimResult:
-    """Run `workload` through `policy_name` on `n_replicas` modelled replicas (module header)."""
+    """Run `workload` through `policy_name` on `n_replicas` modelled replicas (module header).
+
+    `collapse_ttft_s`: stop early, marked `collapsed`, once a routed request has waited that long
+    (virtual seconds) without its first token (checked at every load report). The figures then
+    cover the requests routed so far, and every request still waiting counts with the wait it
+    had at the stop (a lower bound of its TTFT), so a collapsed policy's percentiles are lower
+    bounds. Deterministic: the check runs on virtual time only.
+    """
     if n_replicas < 1:
         raise ValueError("n_replicas must be >= 1")
     wall0 = time.perf_counter()
@@ -583,6 +619,18 @@ def simulate(
 
     wreqs = workload.requests
     closed = workload.concurrency is not None
+    # multi-turn: a user cannot send turn k+1 before reading answer k. A turn whose scheduled
+    # arrival comes before its previous turn finished is sent when that turn finishes.
+    prev_turn: dict = {}  # request index -> index of the previous turn of its conversation
+    last_of: dict = {}
+    for i, wr in enumerate(wreqs):
+        if wr.conversation:
+            j = last_of.get(wr.conversation)
+            if j is not None and wr.turn > 0:
+                prev_turn[i] = j
+            last_of[wr.conversation] = i
+    finished_idx: set = set()
+    deferred: dict = {}  # index of an unfinished turn -> index of the next turn waiting for it
     pending = deque(range(len(wreqs)))
     if closed:
         for _ in range(min(workload.concurrency, len(wreqs))):
@@ -603,6 +651,9 @@ def simulate(
     n_done = 0
     first_arrival = wreqs[0].arrival_s if wreqs and not closed else 0.0
     last_t = 0.0
+    routed: deque = deque()  # routed requests in arrival order (head: oldest possibly without a first token)
+    all_routed: list = []
+    collapsed = False
 
     def kick(ri: int, t: float) -> None:
         nonlocal seq
@@ -633,7 +684,14 @@ def simulate(
         t, _, kind, payload = heapq.heappop(heap)
         last_t = t
         if kind == ARRIVE:
+            pj = prev_turn.get(payload)
+            if pj is not None and pj not in finished_idx:
+                deferred[pj] = payload
+                continue
             r = _Req(payload, wreqs[payload], keys[payload], t)
+            if collapse_ttft_s is not None:
+                routed.append(r)
+                all_routed.append(r)
             ri = router.route(t, r)
             r.rep = ri
             rep = reps[ri]
@@ -654,6 +712,12 @@ def simulate(
                 router.finished(r)
                 done.append(r)
                 n_done += 1
+                if prev_turn:
+                    finished_idx.add(r.i)
+                    nxt = deferred.pop(r.i, None)
+                    if nxt is not None:
+                        seq += 1
+                        heapq.heappush(heap, (t, seq, ARRIVE, nxt))
                 if closed and pending:
                     i = pending.popleft()
                     seq += 1
@@ -665,14 +729,25 @@ def simulate(
             ri, st, rm = payload
             router.apply_events(ri, st, rm)
         elif kind == REPORT:
-            router.report(reps)
+            if collapse_ttft_s is not None:
+                while routed and routed[0].first_s >= 0.0:
+                    routed.popleft()
+                if routed and t - routed[0].arrival > collapse_ttft_s:
+                    collapsed = True
+                    break
+            router.report(reps, t)
             if n_done < n_total:
                 seq += 1
                 heapq.heappush(heap, (t + p.report_interval_s, seq, REPORT, None))
         if n_done >= n_total and kind == STEP:
             break
 
-    ttft = np.array([r.first_s - r.arrival for r in done], dtype=float)
+    if collapsed:
+        # TTFT: every routed request, those without a first token with their wait so far (lower
+        # bounds); tokens and hits: the finished requests
+        ttft = np.array([(r.first_s if r.first_s >= 0.0 else last_t) - r.arrival for r in all_routed], dtype=float)
+    else:
+        ttft = np.array([r.first_s - r.arrival for r in done], dtype=float)
     return SimResult(
         workload=workload.name,
         policy=policy_name,
@@ -689,4 +764,6 @@ def simulate(
         wall_s=time.perf_counter() - wall0,
         calibration=router.cal.snapshot(),
         policy_params=getattr(policy, "params", lambda: {})(),
+        collapsed=collapsed,
+        stopped_at_s=last_t if collapsed else 0.0,
     )

@@ -15,7 +15,17 @@ least prefill any router could do; a router that misses more than the oracle run
 Arrival times are multiplied by one factor to reach it (Poisson stays Poisson; multi-turn think
 times scale too).
 
-    python -m loadtests.vtime_report            # full table (4, 16, 64 replicas), ~10 min, 1 core
+Chats: a turn is never sent before the previous turn of its conversation finished (loadtests/
+vtime.py), so a conversation lasts at least turns x (TTFT + answer) however much the scaling
+compresses think times; chat workloads therefore get at least MIN_CHAT_RUN_S (30) virtual seconds
+of arrivals so that conversations overlap at the offered rate instead of ramping up and down.
+
+Collapse: a run whose queue grows without bound is stopped once any request has waited
+COLLAPSE_TTFT_S (30 virtual s) for its first token and is marked "(collapsed)"; its TTFT figures
+count every request routed so far (those still waiting with their wait at the stop, a lower bound)
+and its hit ratio covers the finished requests. Deterministic for --seed (virtual time only).
+
+    python -m loadtests.vtime_report --md loadtests/results/vtime.md   # full table (4, 16, 64 replicas)
     python -m loadtests.vtime_report --quick    # small table, well under a minute
 """
 from __future__ import annotations
@@ -45,6 +55,12 @@ WORKLOAD_SETUPS = {
     "no_sharing": (lambda R: dict(prompt_tokens=1500), 2500),
 }
 DEFAULT_WORKLOADS = ["shared_docs", "multi_turn", "rag", "hot_prefix", "no_sharing"]
+# a run stops, marked collapsed, once a request has waited this long (virtual s) for its first token:
+# at 0.7 offered load a working router's p99 stays within a few seconds, so 30 s means the queue is
+# growing without bound, and simulating the rest only burns CPU (a collapsed run costs O(queue) per step)
+COLLAPSE_TTFT_S = 30.0
+# chats (workloads with conversations) get at least this many virtual seconds of arrivals (see run_table)
+MIN_CHAT_RUN_S = 30.0
 
 
 def _scaled(w: Workload, factor: float, rate: float) -> Workload:
@@ -52,28 +68,40 @@ def _scaled(w: Workload, factor: float, rate: float) -> Workload:
     return dataclasses.replace(w, requests=reqs, rate_rps=rate)
 
 
-def run_table(workloads, replicas, policies, n_requests_for, util: float, seed: int, progress=None) -> list[dict]:
+def _prepare(wl, kw, n_req, R, num_blocks, params, util, seed):
+    """The workload at rate 1, its keys, both oracle bounds, and the rate that offers `util`."""
+    w = build_workload(wl, n_req, seed=seed, rate_rps=1.0, **kw)
+    keys = prepare_keys(w, params.block_size, params.model)
+    pt = [r.prompt_tokens for r in w.requests]
+    pk = [k.prompt for k in keys]
+    ok = [k.output for k in keys]
+    inf = infinite_bound(pt, pk, ok, params.block_size)
+    bel = pooled_belady_bound(pt, pk, ok, params.block_size, R * num_blocks)
+    mean_unc = (bel.prompt_tokens - bel.cached_tokens) / len(pt)
+    mean_out = sum(r.max_output_tokens for r in w.requests) / len(pt)
+    per_req_s = mean_unc * params.prefill_s_per_token + mean_out * (params.decode_s_per_seq + params.step_overhead_s / 32)
+    return w, keys, inf, bel, util * R / per_req_s
+
+
+def run_table(workloads, replicas, policies, n_requests_for, util: float, seed: int, progress=None, collapse_ttft_s: float | None = COLLAPSE_TTFT_S, policy_params: dict | None = None) -> list[dict]:
     rows = []
     for wl in workloads:
         kw_of, num_blocks = WORKLOAD_SETUPS[wl]
         for R in replicas:
             n_req = n_requests_for(R)
             params = SimParams(num_blocks=num_blocks)
-            w = build_workload(wl, n_req, seed=seed, rate_rps=1.0, **kw_of(R))
-            keys = prepare_keys(w, params.block_size, params.model)
-            pt = [r.prompt_tokens for r in w.requests]
-            pk = [k.prompt for k in keys]
-            ok = [k.output for k in keys]
-            inf = infinite_bound(pt, pk, ok, params.block_size)
-            bel = pooled_belady_bound(pt, pk, ok, params.block_size, R * num_blocks)
-            mean_unc = (bel.prompt_tokens - bel.cached_tokens) / len(pt)
-            mean_out = sum(r.max_output_tokens for r in w.requests) / len(pt)
-            per_req_s = mean_unc * params.prefill_s_per_token + mean_out * (params.decode_s_per_seq + params.step_overhead_s / 32)
-            rate = util * R / per_req_s
+            for _attempt in range(2):
+                w, keys, inf, bel, rate = _prepare(wl, kw_of(R), n_req, R, num_blocks, params, util, seed)
+                # chats: a conversation lasts turns x (TTFT + answer) of virtual time however much
+                # its think times are compressed, so the run must be long enough for conversations
+                # to overlap at the offered rate rather than ramp up and down (MIN_CHAT_RUN_S)
+                if not any(r.conversation for r in w.requests) or n_req >= rate * MIN_CHAT_RUN_S:
+                    break
+                n_req = int(rate * MIN_CHAT_RUN_S) + 1
             base_rate = len(w.requests) / w.requests[-1].arrival_s  # realised rate at rate_rps=1 (multi-turn differs)
             w = _scaled(w, base_rate / rate, rate)
             for pol in policies:
-                res = simulate(w, pol, R, params, seed=seed, keys=keys)
+                res = simulate(w, pol, R, params, policy_params=(policy_params or {}).get(pol), seed=seed, keys=keys, collapse_ttft_s=collapse_ttft_s)
                 s = res.summary()
                 s.update(
                     rate_rps=rate,
@@ -133,7 +161,7 @@ def markdown(rows: list[dict], command: str, util: float) -> str:
     for r in rows:
         lines.append(
             "| " + " | ".join([
-                r["workload"], str(r["replicas"]), _fmt(r["rate_rps"], 0), r["policy"],
+                r["workload"], str(r["replicas"]), _fmt(r["rate_rps"], 0), r["policy"] + (" (collapsed)" if r.get("collapsed") else ""),
                 _fmt(r["ttft_p50_s"]), _fmt(r["ttft_p90_s"]), _fmt(r["ttft_p99_s"]), _fmt(r["ttft_max_s"]),
                 _fmt(r["throughput_rps"], 1), _fmt(r["hit_ratio"]), _fmt(r["oracle_hit_ratio"]), _fmt(r["frac_of_oracle"], 2),
                 _fmt(r["load_max_over_mean"], 2), _fmt(r["wall_s"], 1),
@@ -153,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--util", type=float, default=0.7, help="offered load, 0..1 (default 0.7)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--md", default=None, metavar="FILE", help="also write the markdown (with the total wall time) to FILE")
     args = ap.parse_args(argv)
     wls = args.workload or DEFAULT_WORKLOADS
     pols = args.policy or list(POLICY_NAMES)
@@ -162,12 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
 
     def progress(s):
-        print(f"  {s['workload']:>14} R={s['replicas']:<3} {s['policy']:>12}: p99 {s['ttft_p99_s']:.3f}s hit {s['hit_ratio']:.3f} ({s['wall_s']:.1f}s)", file=sys.stderr, flush=True)
+        print(f"  {s['workload']:>14} R={s['replicas']:<3} {s['policy']:>12}: p99 {s['ttft_p99_s']:.3f}s hit {s['hit_ratio']:.3f} frac {s['frac_of_oracle']:.3f} load {s['load_max_over_mean']:.2f}{' COLLAPSED' if s['collapsed'] else ''} ({s['wall_s']:.1f}s)", file=sys.stderr, flush=True)
 
     rows = run_table(wls, reps, pols, lambda R: max(floor, per * R), args.util, args.seed, progress)
     command = "python -m loadtests.vtime_report " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(markdown(rows, command.strip(), args.util))
-    print(f"\n(total wall time {time.perf_counter() - t0:.0f} s)")
+    text = markdown(rows, command.strip(), args.util) + f"\n\n(total wall time {time.perf_counter() - t0:.0f} s)\n"
+    print(text, end="")
+    if args.md:
+        import os
+
+        os.makedirs(os.path.dirname(args.md) or ".", exist_ok=True)
+        with open(args.md, "w") as f:
+            f.write(text)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)

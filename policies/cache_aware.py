@@ -12,17 +12,50 @@ Every term is in seconds of this request's time to first token (TTFT), per repli
     queue_penalty_s  = backlog_tokens x prefill_s_per_token(r)
                      + running_reqs x running_step_share x decode_step_s(r)
                      + (decode_step_s(r) x busy_step_share  if the replica has any work)
+    cache_fill       = extra["kv_cached_frac"] (share of r's KV holding cached prefixes), else
+                       default_cache_fill                                         (0..1)
+    evict_penalty_s  = cache_fill x uncached_tokens x prefill_s_per_token(r)
     kv_pressure      = max(0, kv_usage - kv_threshold) / (1 - kv_threshold)      (0..1)
     kv_penalty_s     = kv_pressure x uncached_tokens x prefill_s_per_token(r)
-    score            = w_cache x cache_benefit_s - w_queue x queue_penalty_s - w_kv x kv_penalty_s
+    balance_guard    = load_reqs(r) > balance_rel x mean_load AND load_reqs(r) - mean_load >= balance_abs_reqs
+                       AND routed_rps(r) > balance_rate_rel x mean_routed_rps   (when the views carry it)
+                       (means over the healthy replicas of this decision; routed_rps =
+                       extra["routed_rps"], the gateway's EWMA of requests it sent there per second)
+    balance_penalty_s= (w_cache + w_evict x cache_fill) x cache_benefit_s  if balance_guard else 0
+    score            = w_cache x cache_benefit_s - w_queue x queue_penalty_s
+                       - w_evict x evict_penalty_s - w_kv x kv_penalty_s - balance_penalty_s
 
 Highest score wins. Ties (scores within 1 ns) go to the smaller queue penalty, then the fewer
-outstanding requests (`_common.load_reqs`), then a draw from `rng`. With all weights 1 the score is
-``prompt_tokens x prefill_s_per_token - predicted TTFT``: ranking by score is ranking by predicted
-TTFT, so a warm replica wins exactly while its queue costs less than the prefill it saves. A
-prefix too hot for one replica therefore spills on its own: as the holder's backlog grows, a cold
-replica's smaller penalty outweighs the holder's benefit, the request goes there, and the
-gateway's speculative insertion (then the engine's events) make that replica a second holder.
+outstanding requests (`_common.load_reqs`), then a draw from `rng`.
+
+What a miss really costs. Sending a request where its prefix is not cached costs (1) its own
+prefill of the uncached tokens (what cache_benefit_s saves, counted relative to a cold replica),
+and (2) the KV room those tokens take: on a replica whose cache is full of live prefixes every new
+block evicts a cached one, which some later request must prefill again. `evict_penalty_s` prices
+(2) at one re-prefill per evicted block, scaled by how full of cached prefixes the replica is (an
+empty or idle cache evicts nothing). In a warm pool the two together make a miss cost about
+twice its prefill: this is the principled part of what the previous fixed ``w_cache = 2`` did,
+and it vanishes where it should (cold caches, no_sharing, where every replica misses equally).
+
+Why the balance guard. The score is a per-request TTFT comparison. A hot prefix's requests are
+cheap on its holders (one decode slot each, a few tokens of prefill), so a holder's *TTFT* queue
+stays small while it carries many times the mean number of requests (their decode steps, ITL and
+end-to-end latency suffer, which TTFT does not see). Pricing that with a smaller w_cache spreads
+every prefix earlier and tips shared documents at ~70% load into a thrash cascade (spill ->
+evictions -> misses -> longer queues -> more spill). So the trade-off is split: the score keeps
+prefixes sticky, and a guard in the style of SGLang's (relative AND absolute threshold, so small
+absolute noise on lightly loaded replicas never fires it) withdraws a replica's whole cache credit
+while its outstanding requests exceed the mean by both. A guarded replica then competes on load
+alone; the request goes to the best unguarded replica, which is another holder when there is one
+(the spill stays warm) and otherwise the least-loaded one, which becomes a new holder through the
+speculative insertion. The guard measures requests, not seconds, on purpose: the imbalance it
+corrects is exactly the one that seconds of TTFT queue do not show. Its third condition tells a
+structural imbalance (a hot prefix: the holder keeps *receiving* more than its share) from noise
+(multi-turn chats: conversations are spread evenly, but a replica's outstanding count fluctuates
+above the mean now and then); without it the guard moved conversations whose whole history then
+missed (multi-turn fell from 0.91 to 0.89 of the oracle at 16 replicas). It cannot raise a score: more
+load on a replica can only switch its guard on (d/dload of load - rel x mean is 1 - rel/n >= 0
+when the guard can fire at all), and at equal loads it never fires.
 
 Why these pieces
 ----------------
@@ -40,15 +73,18 @@ Why these pieces
 - Running requests are mostly decoding: with continuous batching each one lengthens every step
   this request's prefill shares, by about ``running_step_share`` of a decode step; and a busy
   replica is mid-step when the request lands (on average ``busy_step_share`` of a step to wait).
-- KV pressure (off by default): near a full KV cache, admitting a request evicts cached blocks
-  or preempts; the penalty is the share of its own prefill at risk.
+- Cache fill: the gateway's index knows how many blocks it holds per replica; divided by the
+  replica's KV capacity that is `kv_cached_frac`. Unknown: `default_cache_fill` (1.0, i.e. assume a
+  warm, full cache: the conservative side, which keeps prefixes sticky).
+- KV pressure (off by default): near a full KV cache (blocks held by running requests), admitting
+  a request preempts; the penalty is the share of its own prefill at risk.
 
 Parameters (constructor, all keyword; config and Helm values use the same names)
 --------------------------------------------------------------------------------
 w_cache              weight of cache_benefit_s; dimensionless, >= 0 (default 2.0, see below)
-w_queue              weight of queue_penalty_s; dimensionless, >= 0 (default 1.0). A larger
-                     w_cache / w_queue holds on to warm replicas longer; a smaller one spreads
-                     load earlier.
+w_queue              weight of queue_penalty_s; dimensionless, >= 0 (default 1.0)
+w_evict              weight of evict_penalty_s; dimensionless, >= 0 (default 1.0: one re-prefill
+                     per evicted live block; 0 switches the term off)
 w_kv                 weight of kv_penalty_s; dimensionless, >= 0 (default 0.0 = off)
 cpu_weight           value of a CPU-offload block relative to a GPU block; 0..1 (default 0.8)
 prior_uncached_tokens  uncached prefill tokens assumed per waiting request when the gateway has
@@ -58,17 +94,31 @@ running_step_share   fraction of a decode step each running request adds to the 
 busy_step_share      fraction of a decode step a request waits for the step in progress on a
                      busy replica; 0..1 (default 0.5)
 kv_threshold         KV usage above which pressure starts; 0..1 (default 0.9)
+default_cache_fill   cache_fill when the view has no `kv_cached_frac`; 0..1 (default 1.0)
+balance_rel          guard's relative threshold: load_reqs above this multiple of the mean;
+                     >= 1, inf disables the guard (default 1.3; SGLang uses 1.5, which let hot
+                     holders settle just above 1.5x the mean request count)
+balance_abs_reqs     guard's absolute threshold: outstanding requests above the mean; requests,
+                     >= 0 (default 4; SGLang uses 64 in-flight, far too coarse for small pools)
+balance_rate_rel     guard's structural condition: routed_rps above this multiple of the mean;
+                     >= 1 (1 = any above-mean share), inf disables the guard (default 1.25);
+                     ignored when the views do not carry routed_rps
 
-Why w_cache = 2 by default (tuned in loadtests/vtime_report.py runs): with w_cache = 1 the rule is
-myopic. It prices a miss at this request's own prefill only, but the miss also costs the chosen
-replica KV room (it evicts other prefixes) and GPU time that delays everything queued behind it.
-At ~70% load on shared documents with KV for a third of the working set, w_cache <= 1.5 tips into
-a thrash cascade (spill -> evictions -> more misses -> longer queues -> more spill: hit ratio 0.4,
-p99 minutes), while w_cache = 2 stays at 0.95 hit ratio. The price: a hot prefix stays on fewer
-replicas (each holder accepts up to about twice the saved prefill in queueing before it spills).
+Defaults (tuned with ``python -m loadtests.vtime_report``; see loadtests/results/vtime.md). The
+knife edge: at ~70% load on shared documents with KV for about a third of the working set, the
+effective price of a miss relative to the queue must stay near 2x its prefill or more; at 1.8x
+the pool tips into the thrash cascade (hit ratio 0.46, p99 > 20 s), at 1.9x it half-recovers
+(0.82), at 2x it holds (0.89). `evict_penalty_s` supplies most of that second prefill from the
+replicas' actual cache fill (about 0.8-0.85 in those runs), and w_cache = 2 keeps a margin on top
+(effective ~2.8x), because spilling a shared prefix is cheap to undo late and ruinous to do early.
+The guard (1.3x and 4 requests over the mean, and 1.25x the mean routed rate) then does the
+spreading the score deliberately does not.
 
 Every candidate's `terms`: matched_blocks, matched_blocks_cpu, matched_tokens, uncached_tokens,
-cache_benefit_s, backlog_tokens, queue_penalty_s, kv_pressure, kv_penalty_s, load_reqs, score.
+cache_benefit_s, backlog_tokens, queue_penalty_s, cache_fill, evict_penalty_s, kv_pressure,
+kv_penalty_s, load_reqs, mean_load_reqs (-1 when terms() ran without one), routed_rps (-1 when
+unknown), balance_guard (0/1),
+balance_penalty_s, score.
 Pure: no I/O, no state; `rng` is used for the final tie-break only (one draw per candidate).
 """
 from __future__ import annotations
@@ -79,14 +129,18 @@ from typing import ClassVar, Sequence
 from policies._common import SCORE_RESOLUTION_S, load_reqs
 from policies.base import Candidate, Decision, PolicyBase, ReplicaView, RequestView
 
-__all__ = ["CacheAwarePolicy", "MEAN_UNCACHED_EXTRA"]
+__all__ = ["CacheAwarePolicy", "MEAN_UNCACHED_EXTRA", "CACHE_FILL_EXTRA", "ROUTED_RATE_EXTRA"]
 
 # ReplicaView.extra key: mean uncached prefill tokens of requests recently sent to the replica.
 MEAN_UNCACHED_EXTRA = "mean_uncached_prefill_tokens"
+# ReplicaView.extra key: share of the replica's KV blocks holding cached prefixes (index size / capacity), 0..1.
+CACHE_FILL_EXTRA = "kv_cached_frac"
+# ReplicaView.extra key: requests per second the gateway routed to the replica recently (EWMA), >= 0.
+ROUTED_RATE_EXTRA = "routed_rps"
 
 
 class CacheAwarePolicy(PolicyBase):
-    """Rank by w_cache x cache_benefit_s - w_queue x queue_penalty_s - w_kv x kv_penalty_s."""
+    """Rank by the score of the module header (cache benefit - queue - eviction - KV - guard)."""
 
     name: ClassVar[str] = "cache_aware"
 
@@ -95,45 +149,73 @@ class CacheAwarePolicy(PolicyBase):
         *,
         w_cache: float = 2.0,
         w_queue: float = 1.0,
+        w_evict: float = 1.0,
         w_kv: float = 0.0,
         cpu_weight: float = 0.8,
         prior_uncached_tokens: float = 512.0,
         running_step_share: float = 0.02,
         busy_step_share: float = 0.5,
         kv_threshold: float = 0.9,
+        default_cache_fill: float = 1.0,
+        balance_rel: float = 1.3,
+        balance_abs_reqs: float = 4.0,
+        balance_rate_rel: float = 1.25,
     ) -> None:
-        for label, val in (("w_cache", w_cache), ("w_queue", w_queue), ("w_kv", w_kv), ("prior_uncached_tokens", prior_uncached_tokens)):
+        for label, val in (
+            ("w_cache", w_cache), ("w_queue", w_queue), ("w_evict", w_evict), ("w_kv", w_kv),
+            ("prior_uncached_tokens", prior_uncached_tokens), ("balance_abs_reqs", balance_abs_reqs),
+        ):
             if not val >= 0:
                 raise ValueError(f"{label} must be >= 0, got {val!r}")
-        for label, val in (("cpu_weight", cpu_weight), ("running_step_share", running_step_share), ("busy_step_share", busy_step_share)):
+        for label, val in (("cpu_weight", cpu_weight), ("running_step_share", running_step_share), ("busy_step_share", busy_step_share), ("default_cache_fill", default_cache_fill)):
             if not 0.0 <= val <= 1.0:
                 raise ValueError(f"{label} must be in [0, 1], got {val!r}")
         if not 0.0 <= kv_threshold < 1.0:
             raise ValueError(f"kv_threshold must be in [0, 1), got {kv_threshold!r}")
+        if not balance_rate_rel >= 1.0:
+            raise ValueError(f"balance_rate_rel must be >= 1 (inf disables the guard), got {balance_rate_rel!r}")
+        if not balance_rel >= 1.0:
+            raise ValueError(f"balance_rel must be >= 1 (inf disables the guard), got {balance_rel!r}")
         self.w_cache = float(w_cache)
         self.w_queue = float(w_queue)
+        self.w_evict = float(w_evict)
         self.w_kv = float(w_kv)
         self.cpu_weight = float(cpu_weight)
         self.prior_uncached_tokens = float(prior_uncached_tokens)
         self.running_step_share = float(running_step_share)
         self.busy_step_share = float(busy_step_share)
         self.kv_threshold = float(kv_threshold)
+        self.default_cache_fill = float(default_cache_fill)
+        self.balance_rel = float(balance_rel)
+        self.balance_abs_reqs = float(balance_abs_reqs)
+        self.balance_rate_rel = float(balance_rate_rel)
 
     def params(self) -> dict[str, float]:
         """The constructor parameters, for reports and spans."""
         return {
             "w_cache": self.w_cache,
             "w_queue": self.w_queue,
+            "w_evict": self.w_evict,
             "w_kv": self.w_kv,
             "cpu_weight": self.cpu_weight,
             "prior_uncached_tokens": self.prior_uncached_tokens,
             "running_step_share": self.running_step_share,
             "busy_step_share": self.busy_step_share,
             "kv_threshold": self.kv_threshold,
+            "default_cache_fill": self.default_cache_fill,
+            "balance_rel": self.balance_rel,
+            "balance_abs_reqs": self.balance_abs_reqs,
+            "balance_rate_rel": self.balance_rate_rel,
         }
 
-    def terms(self, request: RequestView, v: ReplicaView) -> dict[str, float]:
-        """The score and its terms for one replica (see the module header)."""
+    def terms(self, request: RequestView, v: ReplicaView, mean_load_reqs: float | None = None, mean_routed_rps: float | None = None) -> dict[str, float]:
+        """The score and its terms for one replica (see the module header).
+
+        `mean_load_reqs` is the mean `load_reqs` over the healthy replicas of the decision (what
+        the balance guard compares against); None switches the guard off for this call.
+        `mean_routed_rps` is the mean `extra["routed_rps"]` over them (None: the signal is missing
+        and the guard uses the load condition alone).
+        """
         bs = request.block_size
         cap_blocks = max(0, (request.prompt_tokens - 1) // bs) if bs > 0 else 0
         if v.index_live:
@@ -145,7 +227,8 @@ class CacheAwarePolicy(PolicyBase):
         uncached_tokens = max(0, request.prompt_tokens - gpu_blocks * bs - (any_blocks - gpu_blocks) * bs)
         p = v.prefill_s_per_token
         step = v.decode_step_s
-        per_req = v.extra.get(MEAN_UNCACHED_EXTRA, self.prior_uncached_tokens) if v.extra else self.prior_uncached_tokens
+        extra = v.extra
+        per_req = extra.get(MEAN_UNCACHED_EXTRA, self.prior_uncached_tokens) if extra else self.prior_uncached_tokens
         backlog_tokens = max(v.waiting_reqs * per_req, float(v.inflight_prefill_tokens))
         busy = v.running_reqs > 0 or v.waiting_reqs > 0 or v.inflight_reqs > 0
         queue_penalty_s = (
@@ -154,9 +237,28 @@ class CacheAwarePolicy(PolicyBase):
             + (self.busy_step_share * step if busy else 0.0)
         )
         cache_benefit_s = matched_tokens * p
+        fill = extra.get(CACHE_FILL_EXTRA, self.default_cache_fill) if extra else self.default_cache_fill
+        cache_fill = min(1.0, max(0.0, fill))
+        evict_penalty_s = cache_fill * uncached_tokens * p
         kv_pressure = max(0.0, v.kv_usage - self.kv_threshold) / (1.0 - self.kv_threshold)
         kv_penalty_s = kv_pressure * uncached_tokens * p
-        score = self.w_cache * cache_benefit_s - self.w_queue * queue_penalty_s - self.w_kv * kv_penalty_s
+        lr = load_reqs(v)
+        routed = float(extra.get(ROUTED_RATE_EXTRA, -1.0)) if extra else -1.0
+        guard = (
+            mean_load_reqs is not None
+            and lr > self.balance_rel * mean_load_reqs
+            and lr - mean_load_reqs >= self.balance_abs_reqs
+            and (mean_routed_rps is None or routed < 0.0 or routed > self.balance_rate_rel * mean_routed_rps)
+        )
+        # while the guard fires the replica's cache earns nothing: it competes on load alone
+        balance_penalty_s = (self.w_cache + self.w_evict * cache_fill) * cache_benefit_s if guard else 0.0
+        score = (
+            self.w_cache * cache_benefit_s
+            - self.w_queue * queue_penalty_s
+            - self.w_evict * evict_penalty_s
+            - self.w_kv * kv_penalty_s
+            - balance_penalty_s
+        )
         return {
             "matched_blocks": float(gpu_blocks),
             "matched_blocks_cpu": float(any_blocks),
@@ -165,18 +267,26 @@ class CacheAwarePolicy(PolicyBase):
             "cache_benefit_s": cache_benefit_s,
             "backlog_tokens": float(backlog_tokens),
             "queue_penalty_s": queue_penalty_s,
+            "cache_fill": cache_fill,
+            "evict_penalty_s": evict_penalty_s,
             "kv_pressure": kv_pressure,
             "kv_penalty_s": kv_penalty_s,
-            "load_reqs": float(load_reqs(v)),
+            "load_reqs": float(lr),
+            "mean_load_reqs": float(mean_load_reqs) if mean_load_reqs is not None else -1.0,
+            "routed_rps": routed,
+            "balance_guard": 1.0 if guard else 0.0,
+            "balance_penalty_s": balance_penalty_s,
             "score": score,
         }
 
     def rank(self, request: RequestView, replicas: Sequence[ReplicaView], rng: random.Random) -> Decision:
+        live = [v for v in replicas if v.healthy]
+        mean = sum(load_reqs(v) for v in live) / len(live) if live else 0.0
+        rates = [v.extra.get(ROUTED_RATE_EXTRA) if v.extra else None for v in live]
+        mean_rate = sum(rates) / len(rates) if live and all(r is not None for r in rates) else None
         keyed = []
-        for v in replicas:
-            if not v.healthy:
-                continue
-            t = self.terms(request, v)
+        for v in live:
+            t = self.terms(request, v, mean, mean_rate)
             keyed.append((-round(t["score"] / SCORE_RESOLUTION_S), t["queue_penalty_s"], t["load_reqs"], rng.random(), v.replica_id, t))
         keyed.sort(key=lambda k: k[:4])
         return Decision(self.name, tuple(Candidate(k[4], k[5]["score"], k[5]) for k in keyed))

@@ -1,5 +1,7 @@
 """cache_aware's properties (hypothesis): longest match wins at equal load; a queue costing more
-than the prefill it saves loses to an idle cold replica; load never raises a score."""
+than the prefill it saves (now and, via the eviction term, later) loses to an idle cold replica;
+load never raises a score; the balance guard fires only past both thresholds and then withdraws
+exactly the replica's cache credit; never an unhealthy replica; deterministic for a seed."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +11,7 @@ import hypothesis.strategies as st
 from hypothesis import assume, given, settings
 
 from policies import ReplicaView, RequestView
-from policies.cache_aware import MEAN_UNCACHED_EXTRA, CacheAwarePolicy
+from policies.cache_aware import CACHE_FILL_EXTRA, MEAN_UNCACHED_EXTRA, ROUTED_RATE_EXTRA, CacheAwarePolicy
 
 load_st = st.fixed_dictionaries(
     {
@@ -33,15 +35,18 @@ def test_equal_loads_longest_match_wins(load, matches, seed):
 
 
 @settings(max_examples=150, deadline=None)
-@given(matched=st.integers(1, 200), extra_tokens=st.integers(1, 100_000), seed=st.integers(0, 2**32))
-def test_warm_replica_with_costly_queue_loses_to_idle_cold(matched, extra_tokens, seed):
+@given(matched=st.integers(1, 200), extra_tokens=st.integers(1, 100_000), seed=st.integers(0, 2**32), cold_fill=st.one_of(st.none(), st.floats(0, 1)))
+def test_warm_replica_with_costly_queue_loses_to_idle_cold(matched, extra_tokens, seed, cold_fill):
     pol = CacheAwarePolicy()
     req = RequestView(prompt_tokens=matched * 16 + 1, block_size=16)
     p = 5e-5
-    saved_s = matched * 16 * p * pol.w_cache / pol.w_queue
+    fill = pol.default_cache_fill if cold_fill is None else cold_fill
+    # what the warm replica saves: the prefill now (w_cache) and the re-prefill of what the cold
+    # replica would evict for it (w_evict x its cache fill), net of the warm one's own 1 token
+    saved_s = (matched * 16 * p * pol.w_cache + pol.w_evict * fill * (req.prompt_tokens - 1) * p) / pol.w_queue
     backlog_tokens = int(saved_s / p) + extra_tokens  # its queue costs more than the prefill it saves
     warm = ReplicaView("warm", matched_blocks_gpu=matched, matched_blocks_cpu=matched, inflight_reqs=3, inflight_prefill_tokens=backlog_tokens)
-    cold = ReplicaView("cold")
+    cold = ReplicaView("cold", extra={} if cold_fill is None else {CACHE_FILL_EXTRA: cold_fill})
     assert pol.rank(req, [warm, cold], random.Random(seed)).winner == "cold"
     assert pol.rank(req, [cold, warm], random.Random(seed)).winner == "cold"
 
@@ -52,16 +57,24 @@ def test_warm_replica_with_costly_queue_loses_to_idle_cold(matched, extra_tokens
     add=load_st,
     matched=st.integers(0, 100),
     mean_tokens=st.one_of(st.none(), st.floats(0, 5000)),
-    w=st.tuples(st.floats(0, 5), st.floats(0, 5), st.floats(0, 5)),
+    w=st.tuples(st.floats(0, 5), st.floats(0, 5), st.floats(0, 5), st.floats(0, 5)),
+    fill=st.floats(0, 1),
+    others=st.lists(st.integers(0, 300), min_size=1, max_size=6),
 )
-def test_adding_load_never_raises_the_score(base, add, matched, mean_tokens, w):
-    pol = CacheAwarePolicy(w_cache=w[0], w_queue=w[1], w_kv=w[2])
+def test_adding_load_never_raises_the_score(base, add, matched, mean_tokens, w, fill, others):
+    pol = CacheAwarePolicy(w_cache=w[0], w_queue=w[1], w_kv=w[2], w_evict=w[3])
     req = RequestView(prompt_tokens=2000, block_size=16)
-    extra = {MEAN_UNCACHED_EXTRA: mean_tokens} if mean_tokens is not None else {}
+    extra = {MEAN_UNCACHED_EXTRA: mean_tokens, CACHE_FILL_EXTRA: fill} if mean_tokens is not None else {CACHE_FILL_EXTRA: fill}
     v = ReplicaView("r", matched_blocks_gpu=matched, matched_blocks_cpu=matched, extra=extra, **base)
     more = {k: (min(1.0, base[k] + add[k]) if k == "kv_usage" else base[k] + add[k]) for k in base}
     v2 = dataclasses.replace(v, **more)
     assert pol.terms(req, v2)["score"] <= pol.terms(req, v)["score"] + 1e-12
+    # and inside a decision, where the balance guard compares against the mean load (which the
+    # added load also raises): the loaded replica's score still never goes up
+    rest = [ReplicaView(f"o{i}", running_reqs=n) for i, n in enumerate(others)]
+    def score_of(x):
+        return next(c.score for c in pol.rank(req, [x] + rest, random.Random(0)).ranked if c.replica_id == "r")
+    assert score_of(v2) <= score_of(v) + 1e-12
 
 
 def test_terms_cap_cpu_weight_and_dead_index():
@@ -88,3 +101,82 @@ def test_ties_go_to_less_load_then_rng_deterministically(seed, n):
     assume(n > 1)
     busy = reps[:-1] + [ReplicaView(f"r{n - 1}", running_reqs=0, waiting_reqs=0)]
     assert CacheAwarePolicy().rank(req, busy, random.Random(seed)).winner in {r.replica_id for r in busy}
+
+
+def test_eviction_term_prices_the_miss_by_cache_fill():
+    pol = CacheAwarePolicy(w_evict=1.0)
+    req = RequestView(prompt_tokens=3201, block_size=16)
+    full = pol.terms(req, ReplicaView("r", extra={CACHE_FILL_EXTRA: 1.0}))
+    half = pol.terms(req, ReplicaView("r", extra={CACHE_FILL_EXTRA: 0.5}))
+    empty = pol.terms(req, ReplicaView("r", extra={CACHE_FILL_EXTRA: 0.0}))
+    unknown = pol.terms(req, ReplicaView("r"))
+    assert full["evict_penalty_s"] == 3201 * 5e-5 and half["evict_penalty_s"] == 0.5 * full["evict_penalty_s"]
+    assert empty["evict_penalty_s"] == 0 and unknown["cache_fill"] == pol.default_cache_fill
+    assert full["score"] < half["score"] < empty["score"]
+    # an idle replica with an empty cache beats an idle one whose cache is full of live prefixes
+    d = pol.rank(req, [ReplicaView("full", extra={CACHE_FILL_EXTRA: 1.0}), ReplicaView("empty", extra={CACHE_FILL_EXTRA: 0.0})], random.Random(0))
+    assert d.winner == "empty"
+    for key in ("cache_fill", "evict_penalty_s", "balance_guard", "balance_penalty_s", "mean_load_reqs"):
+        assert key in d.ranked[0].terms
+
+
+def test_balance_guard_needs_both_thresholds_and_withdraws_the_cache_credit():
+    pol = CacheAwarePolicy(balance_rel=1.5, balance_abs_reqs=8, balance_rate_rel=1.25)
+    req = RequestView(prompt_tokens=3201, block_size=16)
+    hot = dict(matched_blocks_gpu=200, matched_blocks_cpu=200)
+    # relative exceeded (3 vs mean 1.5) but not the absolute gap: the holder keeps its prefix
+    d = pol.rank(req, [ReplicaView("holder", running_reqs=3, **hot), ReplicaView("cold", running_reqs=0)], random.Random(0))
+    assert d.winner == "holder" and d.ranked[0].terms["balance_guard"] == 0.0
+    # both exceeded (30 vs mean 16, gap 14 >= 8, 30 > 1.5 x 16): no cache credit, load decides
+    d = pol.rank(req, [ReplicaView("holder", running_reqs=30, **hot), ReplicaView("a", running_reqs=2), ReplicaView("b", running_reqs=16)], random.Random(0))
+    t = {c.replica_id: c.terms for c in d.ranked}
+    assert t["holder"]["balance_guard"] == 1.0 and t["a"]["balance_guard"] == 0.0
+    credit = (pol.w_cache + pol.w_evict * t["holder"]["cache_fill"]) * t["holder"]["cache_benefit_s"]
+    assert abs(t["holder"]["balance_penalty_s"] - credit) < 1e-12
+    assert d.winner == "a"
+    # a second holder under the threshold is preferred to a cold replica: the spill stays warm
+    d = pol.rank(req, [ReplicaView("holder", running_reqs=30, **hot), ReplicaView("a", running_reqs=2), ReplicaView("holder2", running_reqs=16, **hot)], random.Random(0))
+    assert d.winner == "holder2"
+    # terms() without a mean never fires the guard
+    assert pol.terms(req, ReplicaView("holder", running_reqs=300, **hot))["balance_guard"] == 0.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(load=load_st, n=st.integers(1, 8), seed=st.integers(0, 2**32))
+def test_balance_guard_never_fires_at_equal_loads_and_skips_unhealthy(load, n, seed):
+    req = RequestView(prompt_tokens=1601, block_size=16)
+    reps = [ReplicaView(f"r{i}", matched_blocks_gpu=i, matched_blocks_cpu=i, **load) for i in range(n)]
+    reps.append(ReplicaView("sick", healthy=False, matched_blocks_gpu=99, matched_blocks_cpu=99))
+    d = CacheAwarePolicy().rank(req, reps, random.Random(seed))
+    assert "sick" not in [c.replica_id for c in d.ranked]
+    assert all(c.terms["balance_guard"] == 0.0 for c in d.ranked)
+    assert d.winner == f"r{n - 1}"
+
+
+def test_parameters_are_validated():
+    import pytest
+
+    for bad in (dict(w_evict=-1), dict(balance_rel=0.9), dict(balance_abs_reqs=-1), dict(default_cache_fill=2)):
+        with pytest.raises(ValueError):
+            CacheAwarePolicy(**bad)
+
+
+def test_balance_guard_rate_condition_separates_hot_prefix_from_noise():
+    """Overloaded now but not receiving more than its share (noise): no guard; receiving more than
+    balance_rate_rel x the mean routed rate as well (a hot prefix): guard."""
+    pol = CacheAwarePolicy(balance_rel=1.3, balance_abs_reqs=4, balance_rate_rel=1.25)
+    req = RequestView(prompt_tokens=3201, block_size=16)
+    hot = dict(matched_blocks_gpu=200, matched_blocks_cpu=200)
+
+    def rank(holder_rate):
+        reps = [
+            ReplicaView("holder", running_reqs=30, extra={ROUTED_RATE_EXTRA: holder_rate}, **hot),
+            ReplicaView("a", running_reqs=2, extra={ROUTED_RATE_EXTRA: 10.0}),
+            ReplicaView("b", running_reqs=10, extra={ROUTED_RATE_EXTRA: 10.0}),
+        ]
+        return {c.replica_id: c.terms for c in pol.rank(req, reps, random.Random(0)).ranked}, pol.rank(req, reps, random.Random(0)).winner
+
+    t, win = rank(10.0)  # its share of traffic: a transient, keep the prefix
+    assert t["holder"]["balance_guard"] == 0.0 and win == "holder" and t["holder"]["routed_rps"] == 10.0
+    t, win = rank(20.0)  # 20 > 1.25 x mean 13.3: structural, spread it
+    assert t["holder"]["balance_guard"] == 1.0 and win == "a"

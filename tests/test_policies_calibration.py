@@ -49,3 +49,19 @@ def test_priors_until_enough_samples_and_clamps_and_determinism():
     assert snap["prefill_samples"] == 37 and snap["prefill_s_per_token"] == 1e-3
     cal.forget("a")
     assert cal.prefill_s_per_token("a") == 5e-5
+
+
+def test_hits_behind_a_queue_do_not_inflate_the_prefill_rate():
+    """Cache hits (few uncached tokens) whose TTFT is mostly unmodelled waiting behind a queue
+    must not be attributed to prefill; the misses (own tokens >= min_sample_tokens) calibrate."""
+    rng = random.Random(3)
+    true_p = 5e-5
+    cal = Calibrator(prior_prefill_s_per_token=5e-5, prior_decode_step_s=0.02)
+    for _ in range(400):
+        if rng.random() < 0.8:  # a hit: 60 uncached tokens, waits 0.1-0.5 s that the backlog misses
+            cal.observe_ttft("r0", 0.004 + rng.uniform(0.1, 0.5), 60, queued_tokens=300, running_reqs=0)
+        else:  # a miss behind a correctly estimated queue
+            unc, q = rng.randint(1000, 4000), rng.randint(0, 6000)
+            cal.observe_ttft("r0", true_p * (unc + q) * rng.uniform(0.97, 1.03), unc, queued_tokens=q, running_reqs=0)
+    assert abs(cal.prefill_s_per_token("r0") / true_p - 1) < 0.1
+    assert cal.snapshot()["r0"]["prefill_samples"] < 150  # only the misses counted
