@@ -479,6 +479,11 @@ class KVIndex:
         """Record the consumer's view of the replica's feed lag (shown in stats)."""
         self._lag_s[replica_id] = lag_s
 
+    def entries_of(self, replica_id: str) -> int:
+        """Keys indexed for one replica (event-backed, not speculative); 0 when unknown. O(1)."""
+        slot = self._slot_of.get(replica_id)
+        return self._entries_by_slot.get(slot, 0) if slot is not None else 0
+
     def stats(self) -> IndexStats:
         live = self._live()
         nkeys = len(self._gpu) + len(self._other)

@@ -14,12 +14,17 @@ Per replica it also keeps a moving mean of the uncached prefill tokens of reques
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Mapping
 
 __all__ = ["LoadTracker", "ReplicaLoad", "Flight"]
 
 _EWMA_ALPHA = 0.1  # weight of a new request in the mean uncached tokens
+
+
+ROUTED_TAU_S = 10.0  # time constant of the routed-rate EWMA (as loadtests/vtime.py models it)
 
 
 @dataclass(slots=True)
@@ -30,6 +35,8 @@ class ReplicaLoad:
     others_reqs: int = 0  # other gateways' in-flight requests (last poll)
     others_tokens: int = 0  # other gateways' in-flight uncached tokens (last poll)
     mean_uncached_tokens: float = -1.0  # moving mean; -1 until the first request
+    routed_rps: float = 0.0  # EWMA of requests this gateway routed here per second (at routed_t)
+    routed_t: float = 0.0  # clock reading routed_rps was last decayed to
 
 
 class Flight:
@@ -87,8 +94,11 @@ class LoadTracker:
             ld = self._loads[rid] = ReplicaLoad()
         return ld
 
-    def dispatch(self, replica_id: str, uncached_tokens: int) -> Flight:
+    def dispatch(self, replica_id: str, uncached_tokens: int, now: float | None = None) -> Flight:
         ld = self._get(replica_id)
+        if now is not None:
+            ld.routed_rps = self.routed_rps(replica_id, now) + 1.0 / ROUTED_TAU_S
+            ld.routed_t = now
         ld.inflight_reqs += 1
         ld.inflight_tokens += uncached_tokens
         m = ld.mean_uncached_tokens
@@ -122,6 +132,14 @@ class LoadTracker:
             mine = self._flushed.get(rid, (0, 0))
             ld.others_reqs = max(0, int(reqs) - mine[0])
             ld.others_tokens = max(0, int(tokens) - mine[1])
+
+    def routed_rps(self, replica_id: str, now: float) -> float:
+        """Requests routed here per second, an EWMA with time constant ROUTED_TAU_S, decayed to `now`
+        (the cache_aware balance guard compares it across replicas)."""
+        ld = self._loads.get(replica_id)
+        if ld is None or ld.routed_rps == 0.0:
+            return 0.0
+        return ld.routed_rps * math.exp(-max(0.0, now - ld.routed_t) / ROUTED_TAU_S)
 
     def get(self, replica_id: str) -> ReplicaLoad:
         return self._loads.get(replica_id) or ReplicaLoad()

@@ -17,9 +17,11 @@ from typing import Any, Mapping, Sequence
 
 from policies.base import Decision, ReplicaView, RequestView
 
-__all__ = ["build_views", "explain", "MEAN_UNCACHED_EXTRA"]
+__all__ = ["build_views", "explain", "MEAN_UNCACHED_EXTRA", "CACHE_FILL_EXTRA", "ROUTED_RATE_EXTRA"]
 
-MEAN_UNCACHED_EXTRA = "mean_uncached_prefill_tokens"  # policies.cache_aware reads this extra
+MEAN_UNCACHED_EXTRA = "mean_uncached_prefill_tokens"  # policies.cache_aware reads these extras
+CACHE_FILL_EXTRA = "kv_cached_frac"  # share of the replica's KV blocks holding indexed prefixes
+ROUTED_RATE_EXTRA = "routed_rps"  # requests routed to the replica per second (EWMA)
 
 
 def build_views(
@@ -31,12 +33,16 @@ def build_views(
     reports: Mapping[str, Any],
     loads: Mapping[str, Any],
     rates: Mapping[str, tuple[float, float]],
+    cached_frac: Mapping[str, float] | None = None,
+    routed_rps: Mapping[str, float] | None = None,
 ) -> list[ReplicaView]:
     """One ReplicaView per replica id, in the given order.
 
     matches: rid -> Match(gpu_blocks, any_blocks) (absent: no match); available: rid -> healthy;
     live: rid -> the replica's feed is current; reports: rid -> LoadReport or None;
-    loads: rid -> gateway.load.ReplicaLoad; rates: rid -> (prefill_s_per_token, decode_step_s).
+    loads: rid -> gateway.load.ReplicaLoad; rates: rid -> (prefill_s_per_token, decode_step_s);
+    cached_frac: rid -> indexed blocks / the engine's KV blocks (absent: unknown);
+    routed_rps: rid -> requests routed there per second (absent: unknown).
     """
     views = []
     for rid in replica_ids:
@@ -53,6 +59,10 @@ def build_views(
         extra = {}
         if ld is not None and ld.mean_uncached_tokens >= 0:
             extra[MEAN_UNCACHED_EXTRA] = ld.mean_uncached_tokens
+        if cached_frac and rid in cached_frac:
+            extra[CACHE_FILL_EXTRA] = cached_frac[rid]
+        if routed_rps is not None:
+            extra[ROUTED_RATE_EXTRA] = routed_rps.get(rid, 0.0)
         views.append(ReplicaView(
             replica_id=rid,
             healthy=bool(available.get(rid, False)),

@@ -598,14 +598,19 @@ class Gateway:
         index = self.index
         matches = index.match(keys) if keys else {}
         cal = self.calibrator
+        reports = {rid: index.last_load(rid) for rid in ids}
+        mono = time.monotonic()
         views = build_views(
             ids,
             matches=matches,
             available={rid: self.membership.get(rid).available(now) for rid in ids},
             live={rid: index.is_live(rid) for rid in ids},
-            reports={rid: index.last_load(rid) for rid in ids},
+            reports=reports,
             loads={rid: self.load.get(rid) for rid in ids},
             rates={rid: (cal.prefill_s_per_token(rid), cal.decode_step_s(rid)) for rid in ids},
+            cached_frac={rid: min(1.0, index.entries_of(rid) / rep.num_gpu_blocks)
+                         for rid, rep in reports.items() if rep is not None and rep.num_gpu_blocks},
+            routed_rps={rid: self.load.routed_rps(rid, mono) for rid in ids},
         )
         decision = self.policy.rank(rv, views, self.rng)
         return rv, views, decision, time.perf_counter() - t0
@@ -713,7 +718,7 @@ class Gateway:
             view = view_of.get(rid)
             predicted = predicted_matched_tokens(rv, view)
             uncached = max(0, prep.total_tokens - predicted)
-            flight = self.load.dispatch(rid, uncached)
+            flight = self.load.dispatch(rid, uncached, time.monotonic())
             trail[0] = rid
             if keys:
                 self.index.insert_speculative(rid, keys, self.cfg.feed.speculative_ttl_s)
