@@ -10,7 +10,9 @@ path); `others = shared - own_flushed`, and the view is `others + own_now`: alwa
 own work and at most one poll stale for theirs.
 
 Per replica it also keeps a moving mean of the uncached prefill tokens of requests sent there
-(`mean_uncached_tokens`), which the cache-aware policy uses to price a waiting request.
+(`mean_uncached_tokens`), which the cache-aware policy uses to price a waiting request, and a
+moving mean of their max_tokens (`mean_output_tokens`, requests that give one), with which it
+prices the wait on a replica whose sequence slots are full (a wait for completions).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class ReplicaLoad:
     others_reqs: int = 0  # other gateways' in-flight requests (last poll)
     others_tokens: int = 0  # other gateways' in-flight uncached tokens (last poll)
     mean_uncached_tokens: float = -1.0  # moving mean; -1 until the first request
+    mean_output_tokens: float = -1.0  # moving mean of max_tokens (requests that set it); -1 until one
     routed_rps: float = 0.0  # EWMA of requests this gateway routed here per second (at routed_t)
     routed_t: float = 0.0  # clock reading routed_rps was last decayed to
 
@@ -94,7 +97,8 @@ class LoadTracker:
             ld = self._loads[rid] = ReplicaLoad()
         return ld
 
-    def dispatch(self, replica_id: str, uncached_tokens: int, now: float | None = None) -> Flight:
+    def dispatch(self, replica_id: str, uncached_tokens: int, now: float | None = None, max_tokens: int = 0) -> Flight:
+        """Count a request sent to `replica_id`; `max_tokens` (0: not given) feeds mean_output_tokens."""
         ld = self._get(replica_id)
         if now is not None:
             ld.routed_rps = self.routed_rps(replica_id, now) + 1.0 / ROUTED_TAU_S
@@ -103,6 +107,9 @@ class LoadTracker:
         ld.inflight_tokens += uncached_tokens
         m = ld.mean_uncached_tokens
         ld.mean_uncached_tokens = float(uncached_tokens) if m < 0 else m + _EWMA_ALPHA * (uncached_tokens - m)
+        if max_tokens > 0:
+            o = ld.mean_output_tokens
+            ld.mean_output_tokens = float(max_tokens) if o < 0 else o + _EWMA_ALPHA * (max_tokens - o)
         self._shared_delta(replica_id, 1, uncached_tokens)
         return Flight(self, replica_id, uncached_tokens)
 

@@ -7,6 +7,8 @@ Per replica r (DESIGN.md "One request, end to end", steps 5-6):
   and the other gateways' requests without a first token yet, with their uncached prefill tokens.
   Without a report (load-only mode, or an agent not yet heard from) the running count is this
   gateway's own active requests;
+- extras: mean uncached prefill tokens and mean max_tokens of requests sent there (LoadTracker),
+  cache fill (index entries / KV blocks), routed requests per second;
 - rates: the calibrator's prefill seconds per token and decode step seconds (priors at first);
 - health: probes and passive ejection (`Membership`); index liveness from the feed.
 Nothing here does I/O or reads a clock except through the arguments.
@@ -17,11 +19,12 @@ from typing import Any, Mapping, Sequence
 
 from policies.base import Decision, ReplicaView, RequestView
 
-__all__ = ["build_views", "explain", "MEAN_UNCACHED_EXTRA", "CACHE_FILL_EXTRA", "ROUTED_RATE_EXTRA"]
+__all__ = ["build_views", "explain", "MEAN_UNCACHED_EXTRA", "CACHE_FILL_EXTRA", "ROUTED_RATE_EXTRA", "MEAN_OUTPUT_EXTRA"]
 
 MEAN_UNCACHED_EXTRA = "mean_uncached_prefill_tokens"  # policies.cache_aware reads these extras
 CACHE_FILL_EXTRA = "kv_cached_frac"  # share of the replica's KV blocks holding indexed prefixes
 ROUTED_RATE_EXTRA = "routed_rps"  # requests routed to the replica per second (EWMA)
+MEAN_OUTPUT_EXTRA = "mean_output_tokens"  # mean max_tokens of requests routed to the replica (EWMA)
 
 
 def build_views(
@@ -59,6 +62,8 @@ def build_views(
         extra = {}
         if ld is not None and ld.mean_uncached_tokens >= 0:
             extra[MEAN_UNCACHED_EXTRA] = ld.mean_uncached_tokens
+        if ld is not None and ld.mean_output_tokens >= 0:
+            extra[MEAN_OUTPUT_EXTRA] = ld.mean_output_tokens
         if cached_frac and rid in cached_frac:
             extra[CACHE_FILL_EXTRA] = cached_frac[rid]
         if routed_rps is not None:

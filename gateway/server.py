@@ -718,7 +718,7 @@ class Gateway:
             view = view_of.get(rid)
             predicted = predicted_matched_tokens(rv, view)
             uncached = max(0, prep.total_tokens - predicted)
-            flight = self.load.dispatch(rid, uncached, time.monotonic())
+            flight = self.load.dispatch(rid, uncached, time.monotonic(), prep.max_tokens)
             trail[0] = rid
             if keys:
                 self.index.insert_speculative(rid, keys, self.cfg.feed.speculative_ttl_s)

@@ -45,7 +45,11 @@ Router model (what the gateway would see)
 - extra["kv_cached_frac"]: the replica's blocks holding cached prefixes / its KV blocks, copied at
   each load report (what the gateway gets from its index size over the replica's capacity);
 - extra["routed_rps"]: an EWMA (time constant `routed_tau_s`) of requests routed to the replica
-  per second, decayed at each load report.
+  per second, decayed at each load report;
+- extra["mean_output_tokens"]: an EWMA (`uncached_ewma_alpha`) of the max_tokens of requests sent
+  to the replica (the gateway's LoadTracker.mean_output_tokens);
+- cache_aware's `max_num_seqs` defaults to the modelled replicas' (an operator sets it to the
+  engines' --max-num-seqs) unless policy_params give one.
 
 API: `simulate(workload, policy_name, n_replicas, params=SimParams(), policy_params={}, seed=0,
 keys=None) -> SimResult`; `prepare_keys(workload, block_size)` computes every request's keys once
@@ -65,7 +69,7 @@ import numpy as np
 from hashing.keys import block_extras, chain_keys, root_key
 from loadtests.workloads import ROLE_HEADER_TOKENS, Workload, WorkloadRequest, _ROLE_IDS, segment_token_ids
 from policies.base import ReplicaView, RequestView
-from policies.cache_aware import CACHE_FILL_EXTRA, MEAN_UNCACHED_EXTRA, ROUTED_RATE_EXTRA
+from policies.cache_aware import CACHE_FILL_EXTRA, MEAN_OUTPUT_EXTRA, MEAN_UNCACHED_EXTRA, ROUTED_RATE_EXTRA
 from policies.calibration import Calibrator
 from policies.registry import get_policy
 
@@ -383,6 +387,7 @@ class _Router:
         self.inflight = [0] * n
         self.inflight_tok = [0] * n
         self.mean_uncached = [None] * n
+        self.mean_output = [None] * n  # EWMA of max_tokens of requests routed there
         self.routed_rps = [0.0] * n  # EWMA of requests routed per second (time constant routed_tau_s)
         self.routed_t = 0.0  # time the EWMAs were last decayed to
         self.cal = Calibrator(prior_prefill_s_per_token=p.prior_prefill_s_per_token, prior_decode_step_s=p.prior_decode_step_s)
@@ -445,6 +450,12 @@ class _Router:
         if matched == 0 and self.views[ri] is not None:
             return self.views[ri]
         mu = self.mean_uncached[ri]
+        mo = self.mean_output[ri]
+        ex = {CACHE_FILL_EXTRA: self.rep_fill[ri], ROUTED_RATE_EXTRA: self.routed_rps[ri]}
+        if mu is not None:
+            ex[MEAN_UNCACHED_EXTRA] = mu
+        if mo is not None:
+            ex[MEAN_OUTPUT_EXTRA] = mo
         v = ReplicaView(
             self.rids[ri],
             True,
@@ -458,9 +469,7 @@ class _Router:
             self.rep_kv[ri],
             self.cal.prefill_s_per_token(self.rids[ri]),
             self.cal.decode_step_s(self.rids[ri]),
-            {MEAN_UNCACHED_EXTRA: mu, CACHE_FILL_EXTRA: self.rep_fill[ri], ROUTED_RATE_EXTRA: self.routed_rps[ri]}
-            if mu is not None
-            else {CACHE_FILL_EXTRA: self.rep_fill[ri], ROUTED_RATE_EXTRA: self.routed_rps[ri]},
+            ex,
         )
         if matched == 0:
             self.views[ri] = v
@@ -488,6 +497,8 @@ class _Router:
         mu = self.mean_uncached[ri]
         a = self.p.uncached_ewma_alpha
         self.mean_uncached[ri] = float(unc) if mu is None else mu + a * (unc - mu)
+        mo = self.mean_output[ri]
+        self.mean_output[ri] = float(r.max_out) if mo is None else mo + a * (r.max_out - mo)
         self.views[ri] = None
         # speculative insertion
         if keys:
@@ -609,7 +620,10 @@ def simulate(
         keys = prepare_keys(workload, p.block_size, p.model)
     if len(keys) != len(workload.requests):
         raise ValueError("keys do not belong to this workload (lengths differ)")
-    policy = get_policy(policy_name, **(policy_params or {}))
+    pp = dict(policy_params or {})
+    if policy_name == "cache_aware":
+        pp.setdefault("max_num_seqs", p.max_num_seqs)  # the operator's setting mirrors the engines'
+    policy = get_policy(policy_name, **pp)
     router = _Router(n_replicas, p, policy, random.Random(seed))
     reps = [_Replica(i, p) for i in range(n_replicas)]
 

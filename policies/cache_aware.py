@@ -9,7 +9,10 @@ Every term is in seconds of this request's time to first token (TTFT), per repli
                        where cap = (prompt_tokens - 1) // block_size; 0 when not index_live
     cache_benefit_s  = matched_tokens x prefill_s_per_token(r)
     backlog_tokens   = max(waiting_reqs x uncached_tokens_per_req(r), inflight_prefill_tokens)
-    queue_penalty_s  = backlog_tokens x prefill_s_per_token(r)
+    slots_full       = waiting_reqs > 0 AND running_reqs >= max_num_seqs                (0/1)
+    slot_wait_s      = (waiting_reqs + 1) x output_tokens_per_req(r) x decode_step_s(r) / max_num_seqs
+                       if slots_full else 0
+    queue_penalty_s  = max(backlog_tokens x prefill_s_per_token(r), slot_wait_s)
                      + running_reqs x running_step_share x decode_step_s(r)
                      + (decode_step_s(r) x busy_step_share  if the replica has any work)
     cache_fill       = extra["kv_cached_frac"] (share of r's KV holding cached prefixes), else
@@ -70,6 +73,26 @@ Why these pieces
   tracks it (mean uncached tokens of requests recently sent there) and `prior_uncached_tokens`
   otherwise. The gateways' in-flight work (requests without a first token yet, with their
   uncached tokens) is the fresh view of the same queue; the two overlap, so the larger counts.
+- Saturation (slot wait). The engine admits a waiting request at the next step unless the step's
+  token budget is spent (a prefill burst: it drains at the prefill rate, which backlog_tokens
+  prices), or every sequence slot is taken (`running_reqs >= max_num_seqs`), or KV blocks are
+  short. With the slots full a waiting request is admitted only when a running one *finishes*:
+  the newcomer waits for waiting_reqs + 1 completions, and a full batch of max_num_seqs requests
+  completes at about max_num_seqs / (output_tokens x decode_step_s) per second, which gives
+  `slot_wait_s`: seconds of decoding, typically far more than any prefill the cache saves
+  (18 requests held on a 8-slot CPU replica: ~2 s against a ~0.03 s cache benefit). The gate
+  is positive evidence of saturation on purpose: a scrape shows waiting requests on every busy
+  replica (arrivals since the last step, prefill bursts under the token budget), and those are
+  admitted within a step or two whatever the decode length, so pricing them by completions would
+  spread every prefix. The two estimates are alternative bottlenecks of the same queue (slots
+  freed by completions, or budget freed by prefills; admitted prefills overlap the others'
+  decodes), so the slower one counts: max, not sum. Dividing by max_num_seqs (equal to
+  running_reqs whenever the gate is on) rather than by running_reqs keeps the term
+  non-decreasing in every load signal. output_tokens_per_req(r) is ``extra["mean_output_tokens"]``
+  (the gateway's moving mean of max_tokens of requests it sent there; an upper bound of what they
+  generate, which errs toward leaving a saturated replica) else `prior_output_tokens`.
+  Not modelled: waiting for KV blocks with free slots (the view lacks the replica's block count
+  and a request's block need); `w_kv`'s kv_penalty is the only KV signal.
 - Running requests are mostly decoding: with continuous batching each one lengthens every step
   this request's prefill shares, by about ``running_step_share`` of a decode step; and a busy
   replica is mid-step when the request lands (on average ``busy_step_share`` of a step to wait).
@@ -93,6 +116,12 @@ running_step_share   fraction of a decode step each running request adds to the 
                      (default 0.02: a 50-sequence batch roughly doubles a bare step)
 busy_step_share      fraction of a decode step a request waits for the step in progress on a
                      busy replica; 0..1 (default 0.5)
+max_num_seqs         the engines' sequence-slot limit (vLLM --max-num-seqs); requests, >= 1
+                     (default 256, vLLM's default; set it to the deployment's value: too high and
+                     saturation is never priced, too low and a busy replica's passing waiting
+                     requests are priced as a full queue)
+prior_output_tokens  output tokens assumed per request when the gateway has no per-replica mean
+                     (`extra["mean_output_tokens"]`); tokens, >= 0 (default 256)
 kv_threshold         KV usage above which pressure starts; 0..1 (default 0.9)
 default_cache_fill   cache_fill when the view has no `kv_cached_frac`; 0..1 (default 1.0)
 balance_rel          guard's relative threshold: load_reqs above this multiple of the mean;
@@ -115,8 +144,8 @@ The guard (1.3x and 4 requests over the mean, and 1.25x the mean routed rate) th
 spreading the score deliberately does not.
 
 Every candidate's `terms`: matched_blocks, matched_blocks_cpu, matched_tokens, uncached_tokens,
-cache_benefit_s, backlog_tokens, queue_penalty_s, cache_fill, evict_penalty_s, kv_pressure,
-kv_penalty_s, load_reqs, mean_load_reqs (-1 when terms() ran without one), routed_rps (-1 when
+cache_benefit_s, backlog_tokens, slots_full (0/1), output_tokens, slot_wait_s, queue_penalty_s,
+cache_fill, evict_penalty_s, kv_pressure, kv_penalty_s, load_reqs, mean_load_reqs (-1 when terms() ran without one), routed_rps (-1 when
 unknown), balance_guard (0/1),
 balance_penalty_s, score.
 Pure: no I/O, no state; `rng` is used for the final tie-break only (one draw per candidate).
@@ -129,7 +158,7 @@ from typing import ClassVar, Sequence
 from policies._common import SCORE_RESOLUTION_S, load_reqs
 from policies.base import Candidate, Decision, PolicyBase, ReplicaView, RequestView
 
-__all__ = ["CacheAwarePolicy", "MEAN_UNCACHED_EXTRA", "CACHE_FILL_EXTRA", "ROUTED_RATE_EXTRA"]
+__all__ = ["CacheAwarePolicy", "MEAN_UNCACHED_EXTRA", "CACHE_FILL_EXTRA", "ROUTED_RATE_EXTRA", "MEAN_OUTPUT_EXTRA"]
 
 # ReplicaView.extra key: mean uncached prefill tokens of requests recently sent to the replica.
 MEAN_UNCACHED_EXTRA = "mean_uncached_prefill_tokens"
@@ -137,6 +166,8 @@ MEAN_UNCACHED_EXTRA = "mean_uncached_prefill_tokens"
 CACHE_FILL_EXTRA = "kv_cached_frac"
 # ReplicaView.extra key: requests per second the gateway routed to the replica recently (EWMA), >= 0.
 ROUTED_RATE_EXTRA = "routed_rps"
+# ReplicaView.extra key: mean max_tokens (output tokens) of requests recently sent to the replica, >= 0.
+MEAN_OUTPUT_EXTRA = "mean_output_tokens"
 
 
 class CacheAwarePolicy(PolicyBase):
@@ -160,10 +191,13 @@ class CacheAwarePolicy(PolicyBase):
         balance_rel: float = 1.3,
         balance_abs_reqs: float = 4.0,
         balance_rate_rel: float = 1.25,
+        max_num_seqs: float = 256,
+        prior_output_tokens: float = 256.0,
     ) -> None:
         for label, val in (
             ("w_cache", w_cache), ("w_queue", w_queue), ("w_evict", w_evict), ("w_kv", w_kv),
             ("prior_uncached_tokens", prior_uncached_tokens), ("balance_abs_reqs", balance_abs_reqs),
+            ("prior_output_tokens", prior_output_tokens),
         ):
             if not val >= 0:
                 raise ValueError(f"{label} must be >= 0, got {val!r}")
@@ -174,6 +208,8 @@ class CacheAwarePolicy(PolicyBase):
             raise ValueError(f"kv_threshold must be in [0, 1), got {kv_threshold!r}")
         if not balance_rate_rel >= 1.0:
             raise ValueError(f"balance_rate_rel must be >= 1 (inf disables the guard), got {balance_rate_rel!r}")
+        if not max_num_seqs >= 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs!r}")
         if not balance_rel >= 1.0:
             raise ValueError(f"balance_rel must be >= 1 (inf disables the guard), got {balance_rel!r}")
         self.w_cache = float(w_cache)
@@ -189,6 +225,8 @@ class CacheAwarePolicy(PolicyBase):
         self.balance_rel = float(balance_rel)
         self.balance_abs_reqs = float(balance_abs_reqs)
         self.balance_rate_rel = float(balance_rate_rel)
+        self.max_num_seqs = float(max_num_seqs)
+        self.prior_output_tokens = float(prior_output_tokens)
 
     def params(self) -> dict[str, float]:
         """The constructor parameters, for reports and spans."""
@@ -206,6 +244,8 @@ class CacheAwarePolicy(PolicyBase):
             "balance_rel": self.balance_rel,
             "balance_abs_reqs": self.balance_abs_reqs,
             "balance_rate_rel": self.balance_rate_rel,
+            "max_num_seqs": self.max_num_seqs,
+            "prior_output_tokens": self.prior_output_tokens,
         }
 
     def terms(self, request: RequestView, v: ReplicaView, mean_load_reqs: float | None = None, mean_routed_rps: float | None = None) -> dict[str, float]:
@@ -230,9 +270,13 @@ class CacheAwarePolicy(PolicyBase):
         extra = v.extra
         per_req = extra.get(MEAN_UNCACHED_EXTRA, self.prior_uncached_tokens) if extra else self.prior_uncached_tokens
         backlog_tokens = max(v.waiting_reqs * per_req, float(v.inflight_prefill_tokens))
+        out_tokens = max(0.0, float(extra.get(MEAN_OUTPUT_EXTRA, self.prior_output_tokens))) if extra else self.prior_output_tokens
+        slots_full = v.waiting_reqs > 0 and v.running_reqs >= self.max_num_seqs
+        # saturated: the newcomer waits for waiting + 1 completions of a full batch (module header)
+        slot_wait_s = (v.waiting_reqs + 1) * out_tokens * step / self.max_num_seqs if slots_full else 0.0
         busy = v.running_reqs > 0 or v.waiting_reqs > 0 or v.inflight_reqs > 0
         queue_penalty_s = (
-            backlog_tokens * p
+            max(backlog_tokens * p, slot_wait_s)
             + v.running_reqs * self.running_step_share * step
             + (self.busy_step_share * step if busy else 0.0)
         )
@@ -266,6 +310,9 @@ class CacheAwarePolicy(PolicyBase):
             "uncached_tokens": float(uncached_tokens),
             "cache_benefit_s": cache_benefit_s,
             "backlog_tokens": float(backlog_tokens),
+            "slots_full": 1.0 if slots_full else 0.0,
+            "output_tokens": out_tokens,
+            "slot_wait_s": slot_wait_s,
             "queue_penalty_s": queue_penalty_s,
             "cache_fill": cache_fill,
             "evict_penalty_s": evict_penalty_s,

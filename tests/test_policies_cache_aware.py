@@ -1,6 +1,7 @@
 """cache_aware's properties (hypothesis): longest match wins at equal load; a queue costing more
 than the prefill it saves (now and, via the eviction term, later) loses to an idle cold replica;
-load never raises a score; the balance guard fires only past both thresholds and then withdraws
+load never raises a score; a replica whose sequence slots are full prices its queue by completions
+(and a waiting queue with free slots does not); the balance guard fires only past both thresholds and then withdraws
 exactly the replica's cache credit; never an unhealthy replica; deterministic for a seed."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import hypothesis.strategies as st
 from hypothesis import assume, given, settings
 
 from policies import ReplicaView, RequestView
-from policies.cache_aware import CACHE_FILL_EXTRA, MEAN_UNCACHED_EXTRA, ROUTED_RATE_EXTRA, CacheAwarePolicy
+from policies.cache_aware import CACHE_FILL_EXTRA, MEAN_OUTPUT_EXTRA, MEAN_UNCACHED_EXTRA, ROUTED_RATE_EXTRA, CacheAwarePolicy
 
 load_st = st.fixed_dictionaries(
     {
@@ -60,11 +61,15 @@ def test_warm_replica_with_costly_queue_loses_to_idle_cold(matched, extra_tokens
     w=st.tuples(st.floats(0, 5), st.floats(0, 5), st.floats(0, 5), st.floats(0, 5)),
     fill=st.floats(0, 1),
     others=st.lists(st.integers(0, 300), min_size=1, max_size=6),
+    slots=st.integers(1, 300),
+    out_tokens=st.one_of(st.none(), st.floats(0, 4000)),
 )
-def test_adding_load_never_raises_the_score(base, add, matched, mean_tokens, w, fill, others):
-    pol = CacheAwarePolicy(w_cache=w[0], w_queue=w[1], w_kv=w[2], w_evict=w[3])
+def test_adding_load_never_raises_the_score(base, add, matched, mean_tokens, w, fill, others, slots, out_tokens):
+    pol = CacheAwarePolicy(w_cache=w[0], w_queue=w[1], w_kv=w[2], w_evict=w[3], max_num_seqs=slots)
     req = RequestView(prompt_tokens=2000, block_size=16)
     extra = {MEAN_UNCACHED_EXTRA: mean_tokens, CACHE_FILL_EXTRA: fill} if mean_tokens is not None else {CACHE_FILL_EXTRA: fill}
+    if out_tokens is not None:
+        extra[MEAN_OUTPUT_EXTRA] = out_tokens
     v = ReplicaView("r", matched_blocks_gpu=matched, matched_blocks_cpu=matched, extra=extra, **base)
     more = {k: (min(1.0, base[k] + add[k]) if k == "kv_usage" else base[k] + add[k]) for k in base}
     v2 = dataclasses.replace(v, **more)
@@ -77,6 +82,64 @@ def test_adding_load_never_raises_the_score(base, add, matched, mean_tokens, w, 
     assert score_of(v2) <= score_of(v) + 1e-12
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    slots=st.integers(1, 64),
+    over=st.integers(0, 8),
+    waiting=st.integers(1, 60),
+    out_tokens=st.floats(16, 2000),
+    step=st.floats(0.005, 0.1),
+    matched=st.integers(1, 200),
+    seed=st.integers(0, 2**32),
+)
+def test_saturated_replica_prices_its_queue_by_completions(slots, over, waiting, out_tokens, step, matched, seed):
+    """Every sequence slot taken and requests waiting: the newcomer waits for waiting + 1
+    completions of a full batch, seconds of decoding, whatever the waiting prompts' (cached,
+    short) prefill; once that exceeds what the warm replica's cache saves, an idle cold one wins."""
+    pol = CacheAwarePolicy(max_num_seqs=slots)
+    req = RequestView(prompt_tokens=matched * 16 + 1, block_size=16)
+    hot = dict(matched_blocks_gpu=matched, matched_blocks_cpu=matched)
+    warm = ReplicaView("warm", running_reqs=slots + over, waiting_reqs=waiting, decode_step_s=step,
+                       extra={MEAN_OUTPUT_EXTRA: out_tokens, MEAN_UNCACHED_EXTRA: 20.0, CACHE_FILL_EXTRA: 0.5}, **hot)
+    t = pol.terms(req, warm)
+    expect = (waiting + 1) * out_tokens * step / slots
+    assert t["slots_full"] == 1.0 and abs(t["slot_wait_s"] - expect) <= 1e-12 * max(1.0, expect)
+    assert t["queue_penalty_s"] >= expect  # the prefill backlog (waiting x 20 tokens) is far smaller
+    cold = ReplicaView("cold", decode_step_s=step, extra={CACHE_FILL_EXTRA: 0.5})
+    c = pol.terms(req, cold)
+    d = pol.rank(req, [warm, cold], random.Random(seed))
+    if t["score"] < c["score"] - 1e-9:
+        assert d.winner == "cold"
+    # a warm replica saving what a short document's prefill costs loses to the queue whenever the
+    # completions it waits for take longer than that saving
+    saved = pol.w_cache * t["cache_benefit_s"] + pol.w_evict * (c["evict_penalty_s"] - t["evict_penalty_s"])
+    if pol.w_queue * (t["queue_penalty_s"] - c["queue_penalty_s"]) > saved + 1e-9:
+        assert d.winner == "cold"
+    # the same waiting queue with a free slot (a prefill burst, arrivals since the last step) is
+    # priced by its prefill only: admitted at the next steps, it does not wait for completions
+    burst = dataclasses.replace(warm, running_reqs=slots - 1)
+    tb = pol.terms(req, burst)
+    assert tb["slots_full"] == 0.0 and tb["slot_wait_s"] == 0.0
+    assert tb["queue_penalty_s"] < 20.0 * waiting * 5e-5 + (slots * pol.running_step_share + 1) * step + 1e-12
+
+
+def test_saturation_example_from_real_vllm():
+    """The case seen on real vLLM: 18 requests of 250 output tokens held on an 8-slot replica (8
+    running, 10 waiting) with the gateway's document cached there: the queue now costs seconds
+    (11 completions of a batch of 8 at ~250 x 12 ms) against a ~0.03 s cache benefit."""
+    pol = CacheAwarePolicy(max_num_seqs=8)
+    req = RequestView(prompt_tokens=620, block_size=32)
+    warm = ReplicaView("warm", matched_blocks_gpu=19, matched_blocks_cpu=19, running_reqs=8, waiting_reqs=10,
+                       prefill_s_per_token=4.5e-5, decode_step_s=0.012, extra={MEAN_UNCACHED_EXTRA: 30.0})
+    cold = ReplicaView("cold", prefill_s_per_token=4.5e-5, decode_step_s=0.012)
+    t = pol.terms(req, warm)
+    assert t["slot_wait_s"] > 3.0 and t["queue_penalty_s"] > 10 * pol.w_cache * t["cache_benefit_s"]
+    assert pol.rank(req, [warm, cold], random.Random(0)).winner == "cold"
+    # with the default 256 slots the same counts are not saturation: the old, prefill-only price
+    t256 = CacheAwarePolicy().terms(req, warm)
+    assert t256["slots_full"] == 0.0 and t256["queue_penalty_s"] < 0.05
+
+
 def test_terms_cap_cpu_weight_and_dead_index():
     pol = CacheAwarePolicy(cpu_weight=0.5)
     req = RequestView(prompt_tokens=160, block_size=16)  # 10 blocks; at most 9 usable
@@ -86,7 +149,8 @@ def test_terms_cap_cpu_weight_and_dead_index():
     assert t["matched_tokens"] == (2 + 0.5 * 4) * 16
     t = pol.terms(req, ReplicaView("r", matched_blocks_gpu=8, matched_blocks_cpu=8, index_live=False))
     assert t["matched_tokens"] == 0 and t["cache_benefit_s"] == 0
-    for key in ("matched_blocks", "matched_tokens", "cache_benefit_s", "queue_penalty_s", "kv_pressure", "score"):
+    for key in ("matched_blocks", "matched_tokens", "cache_benefit_s", "queue_penalty_s", "slots_full", "output_tokens",
+                "slot_wait_s", "kv_pressure", "score"):
         assert key in t
 
 
@@ -156,7 +220,8 @@ def test_balance_guard_never_fires_at_equal_loads_and_skips_unhealthy(load, n, s
 def test_parameters_are_validated():
     import pytest
 
-    for bad in (dict(w_evict=-1), dict(balance_rel=0.9), dict(balance_abs_reqs=-1), dict(default_cache_fill=2)):
+    for bad in (dict(w_evict=-1), dict(balance_rel=0.9), dict(balance_abs_reqs=-1), dict(default_cache_fill=2),
+                dict(max_num_seqs=0), dict(prior_output_tokens=-1)):
         with pytest.raises(ValueError):
             CacheAwarePolicy(**bad)
 

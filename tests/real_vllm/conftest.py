@@ -18,6 +18,10 @@ from .launch import DEFAULT_MODEL_DIR, Replica, ReplicaStartError, VllmVenvMissi
 
 N_REPLICAS = int(os.environ.get("WARMROUTE_VLLM_REPLICAS", "2"))
 SERVED_MODEL = "tiny"
+# Sequence slots per engine: small, so that a few held requests make a real queue (requests
+# waiting for a slot, test_routing_sticks_then_spills_under_queue). The gateway's cache_aware
+# policy is told the same value (policy.params.max_num_seqs), as an operator would configure it.
+MAX_NUM_SEQS = 8
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +50,8 @@ def vllm_replicas(vllm_python_path, tiny_model_dir, tmp_path_factory) -> list[Re
     log_dir = Path(os.environ.get("WARMROUTE_VLLM_LOG_DIR") or tmp_path_factory.mktemp("vllm-logs"))
     reps, error = [], ""
     try:
-        reps = start_replicas(N_REPLICAS, tiny_model_dir, served_model_name=SERVED_MODEL, log_dir=log_dir)
+        reps = start_replicas(N_REPLICAS, tiny_model_dir, served_model_name=SERVED_MODEL, log_dir=log_dir,
+                              extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)])
     except ReplicaStartError as exc:
         error = str(exc)
     if error:
@@ -159,6 +164,7 @@ class WarmSystem:
         cfg.feed.url = self.redis_url  # the gateway opens its own Redis connection, as in production
         cfg.policy.name = "cache_aware"
         cfg.policy.seed = 7
+        cfg.policy.params = {"max_num_seqs": MAX_NUM_SEQS}  # the engines' --max-num-seqs (vllm_replicas)
         cfg.salt.secret_file = str(secret_file)
         cfg.auth.api_keys = {t: ["sha256:" + hashlib.sha256(k.encode()).hexdigest()] for t, k in self.api_keys.items()}
         self.exporter = InMemorySpanExporter()

@@ -25,6 +25,7 @@ import pytest
 
 from hashing.keys import KeyChain
 
+from .conftest import MAX_NUM_SEQS
 from .launch import ReplicaStartError, start_replicas
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -390,13 +391,25 @@ def test_routing_sticks_then_spills_under_queue(vllm_replicas, e2e_system):
         assert r.cached == _cap(len(system.gateway.tokenizer.encode_prompt(body(q)["prompt"]))) or r.cached > 0
     assert homes == [warm] * 4, f"repeated document left its replica: first {warm}, then {homes}"
 
-    # Build a queue on the warm replica: long requests sent to it directly (the gateway only learns
-    # of them through the agent's /metrics scrape: running and waiting counts).
+    # Build a real queue on the warm replica: long requests sent to it directly (the gateway only
+    # learns of them through the agent's /metrics scrape: running and waiting counts). The engines
+    # run with --max-num-seqs MAX_NUM_SEQS (8), so 18 held requests leave ~10 waiting for a slot,
+    # each of which must wait for running requests to finish their 250 tokens: seconds of queue.
     # 18 short prompts x 250 forced output tokens: ~12 blocks each, so the document is not evicted.
     futs = _hold(system.by_id[warm], 18, 100, 250, rng)
     try:
-        rep = _wait(lambda: (lr := _load_report(system, warm)) is not None and lr.running_reqs + lr.waiting_reqs >= 16 and lr,
-                    60, f"the agent to report a queue on {warm}")
+        seen = []  # (running, waiting) of the reports read, for the failure message
+
+        def full_with_queue():
+            lr = _load_report(system, warm)
+            if lr is not None and (not seen or seen[-1] != (lr.running_reqs, lr.waiting_reqs)):
+                seen.append((lr.running_reqs, lr.waiting_reqs))
+            return lr is not None and lr.running_reqs >= MAX_NUM_SEQS and lr.waiting_reqs >= 6 and lr
+
+        try:
+            rep = _wait(full_with_queue, 60, f"the agent to report a full replica with a queue on {warm}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; (running, waiting) reported: {seen[-40:]}") from None
         res = _via_gateway(system, "acme", body(99), timeout=600)
         assert res.status == 200
         span = _server_span(system, res.request_id)
@@ -406,16 +419,31 @@ def test_routing_sticks_then_spills_under_queue(vllm_replicas, e2e_system):
         penalty = w.get("warmroute.term.queue_penalty_s", 0.0)
         print(f"\nrouting: load report on {warm}: running {rep.running_reqs} waiting {rep.waiting_reqs}; "
               f"decision: warm {warm} matched {w['warmroute.matched_blocks_gpu']} blocks, benefit {benefit:.4f} s, "
-              f"queue penalty {penalty:.4f} s, score {w.get('warmroute.score')}; cold {cold} score {c.get('warmroute.score')} "
+              f"queue penalty {penalty:.4f} s (slot wait {w.get('warmroute.term.slot_wait_s', 0.0):.4f} s), "
+              f"score {w.get('warmroute.score')}; cold {cold} score {c.get('warmroute.score')} "
               f"penalty {c.get('warmroute.term.queue_penalty_s', 0.0):.4f} s; chose {res.replica}")
-        assert w["warmroute.matched_blocks_gpu"] > 0  # the warm replica still held the document
-        if w["warmroute.score"] < c["warmroute.score"]:
-            assert res.replica == cold
-        else:
-            assert res.replica == warm
         print("routing: warm terms " + ", ".join(f"{k.split('.')[-1]}={v:.4g}" for k, v in sorted(w.items())
                                                if k.startswith("warmroute.term.")))
-        assert res.replica == cold, "a queue of >= 16 requests should outweigh ~600 cached tokens"
+        assert w["warmroute.matched_blocks_gpu"] > 0  # the warm replica still held the document
+        # the decision saw the queue the engine has: slots full, requests waiting for a completion
+        assert w["warmroute.term.slots_full"] == 1.0, "the warm replica's full slots were not seen"
+        # the cold replica wins on the price of the queue, whatever the balance guard does (it may
+        # fire: this gateway routed the document's requests there, so its routed rate is above the
+        # mean, or not, when earlier tests spread traffic): without the guard's penalty the warm
+        # replica still scores lower, because the wait for completions outweighs everything the
+        # cache saves (the prefill now, w_cache x benefit, and later, the eviction the cold replica
+        # pays for it). The gateway prices those completions with the mean max_tokens of requests
+        # *it* sent (the held ones bypassed it), so the slot wait is a lower bound of the real one.
+        assert w["warmroute.term.slot_wait_s"] > 0.0 and penalty >= w["warmroute.term.slot_wait_s"]
+        unguarded = lambda t: t["warmroute.score"] + t.get("warmroute.term.balance_penalty_s", 0.0)  # noqa: E731
+        assert unguarded(w) < unguarded(c), "the queue alone should send the request to the cold replica"
+        pol = system.gateway.policy
+        credit = pol.w_cache * benefit + pol.w_evict * (c.get("warmroute.term.evict_penalty_s", 0.0)
+                                                         - w.get("warmroute.term.evict_penalty_s", 0.0))
+        assert pol.w_queue * (penalty - c.get("warmroute.term.queue_penalty_s", 0.0)) > credit, \
+            f"queue {penalty:.4f} s should outweigh the cache credit {credit:.4f} s"
+        assert w["warmroute.score"] < c["warmroute.score"]
+        assert res.replica == cold, "a queue waiting for sequence slots should outweigh ~600 cached tokens"
     finally:
         for f in futs:
             f.result(timeout=600)
