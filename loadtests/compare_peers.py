@@ -1,0 +1,566 @@
+"""warmroute beside the peer routers (sglang-router, vllm-router) on one workload, in one run.
+
+    python -m loadtests.compare_peers [--replicas 4] [--requests N] [--rate R]
+        [--workload shared_docs|shared_docs_zipf|...] [--routers warmroute:cache_aware,...]
+        [--json FILE] [--md FILE]
+
+Every component is a separate process on 127.0.0.1, started here and stopped here by PID (process
+group = that PID; also on error and Ctrl-C): N `warmroute sim` replicas (wall-clock time profile,
+KV smaller than the working set, KV events over tcp), one `warmroute agent` per sim (binds the SUB
+socket; the sim connects), a private `redis-server` as the feed, and, one after another, each
+router under test pointed at the SAME sims: `warmroute gateway` (cache_aware, round_robin),
+sglang-router and vllm-router (from their own venv: loadtests/setup_peers.sh). Before each
+router's run the sims drain, their prefix caches are reset (POST /reset_prefix_cache) and the
+router is freshly started, so every router starts cold; then the identical request stream (same
+seed, Poisson arrivals and prompts: loadtests.bench.bench_requests + runner.run_load) is sent with
+a fresh TCP connection per request (sglang-router sets no TCP_NODELAY on accepted sockets, which
+adds ~40 ms to TTFT on reused connections; PEERS.md).
+
+Per router the report has the client-side figures (runner.summarize), and from the sims' own
+counters (deltas of /metrics, since peers do not name the replica in a header): requests per
+replica, engine-side prompt/cached tokens, replica busy share (modelled step seconds / wall),
+mean timer lateness per step, preemptions; and CPU: the machine's share (/proc/stat; the machine
+is shared, so other people's work shows up here), the CPU seconds of our own processes (router,
+sims, agents, redis, this load generator) and the router's alone. A router that cannot be
+installed or started is reported as unavailable with the reason: this is a benchmark, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from loadtests.bench import WALLCLOCK_DEFAULTS, _parse_params, bench_requests
+from loadtests.runner import CpuMeter, run_load, summarize
+
+MODEL = "warmroute-sim"
+DEFAULT_ROUTERS = "warmroute:cache_aware,warmroute:round_robin,sglang:cache_aware,sglang:round_robin,vllm:cache_aware"
+DEFAULT_PEERS_VENV = Path(os.environ.get("WARMROUTE_PEERS_VENV", Path.home() / ".cache/warmroute/peers-venv"))
+_CLK = os.sysconf("SC_CLK_TCK")
+_SIM_COUNTERS = {
+    "vllm:time_to_first_token_seconds_count": "requests",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:prefix_cache_queries_total": "cache_queries_tokens",
+    "vllm:prefix_cache_hits_total": "cache_hits_tokens",
+    "vllm:num_preemptions_total": "preemptions",
+    "warmroute_sim_steps_total": "steps",
+    "warmroute_sim_step_modelled_seconds_total": "modelled_s",
+    "warmroute_sim_step_actual_seconds_total": "actual_s",
+    "warmroute_sim_step_lateness_max_seconds": "lateness_max_s",
+}
+
+
+class Unavailable(RuntimeError):
+    """A router that could not be installed, started or reached."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------ processes
+
+
+class Procs:
+    """Child processes, each the leader of its own process group; stopped by that id."""
+
+    def __init__(self, logdir: Path) -> None:
+        self.logdir = logdir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = open(self.logdir / f"{name}.log", "wb")
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env={**os.environ, **(env or {})}, start_new_session=True)
+        log.close()
+        self.procs[name] = p
+        return p
+
+    def log_tail(self, name: str, n: int = 12) -> str:
+        try:
+            lines = (self.logdir / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return " | ".join(lines[-n:])[-1500:]
+
+    def alive(self, name: str) -> bool:
+        p = self.procs.get(name)
+        return p is not None and p.poll() is None
+
+    def cpu_s(self, name: str) -> float:
+        """utime+stime of every live process in `name`'s process group."""
+        p = self.procs.get(name)
+        if p is None:
+            return 0.0
+        total = 0
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    st = f.read()
+            except OSError:
+                continue
+            fields = st[st.rfind(")") + 2:].split()
+            if int(fields[2]) == p.pid:  # pgrp
+                total += int(fields[11]) + int(fields[12])
+        return total / _CLK
+
+    def stop(self, name: str, timeout_s: float = 10.0) -> None:
+        p = self.procs.pop(name, None)
+        if p is None:
+            return
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(5)
+        # the group may outlive its leader (children); sweep it by the same id
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self.procs)):
+            self.stop(name)
+
+
+async def _wait_http(session: aiohttp.ClientSession, url: str, procs: Procs, name: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if not procs.alive(name):
+            raise Unavailable(f"{name} exited (rc={procs.procs[name].returncode}): {procs.log_tail(name)}")
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status == 200:
+                    return
+                last = f"HTTP {r.status}: {(await r.text())[:200]}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        await asyncio.sleep(0.2)
+    raise Unavailable(f"{name} not ready at {url} after {timeout_s:.0f}s ({last}); log: {procs.log_tail(name)}")
+
+
+# ------------------------------------------------------------------------------ sims
+
+
+def _parse_metrics(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = _SIM_COUNTERS.get(name)
+        if key is not None:
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def _sim_counters(session: aiohttp.ClientSession, sims: dict[str, str]) -> dict[str, dict]:
+    async def one(url: str) -> dict:
+        async with session.get(url + "/metrics") as r:
+            m = _parse_metrics(await r.text())
+        async with session.get(url + "/sim/stats") as r:
+            m["stats"] = await r.json()
+        return m
+
+    vals = await asyncio.gather(*(one(u) for u in sims.values()))
+    return dict(zip(sims, vals))
+
+
+async def _drain_and_reset(session: aiohttp.ClientSession, sims: dict[str, str], timeout_s: float) -> float:
+    """Wait until no sim has work, then reset every prefix cache; return seconds waited."""
+    t0 = time.monotonic()
+    while True:
+        stats = await _sim_counters(session, sims)
+        busy = {rid: (s["stats"]["num_running"], s["stats"]["num_waiting"]) for rid, s in stats.items()
+                if s["stats"]["num_running"] or s["stats"]["num_waiting"]}
+        if not busy:
+            break
+        if time.monotonic() - t0 > timeout_s:
+            # last resort: drop everything, like a new engine process (the agents resync)
+            print(f"  sims still busy after {timeout_s:.0f}s {busy}: restarting them (fault restart)", file=sys.stderr)
+            for url in sims.values():
+                async with session.post(url + "/sim/fault", json={"kind": "restart"}) as r:
+                    await r.read()
+            await asyncio.sleep(2.0)
+            break
+        await asyncio.sleep(0.5)
+    for url in sims.values():
+        async with session.post(url + "/reset_prefix_cache") as r:
+            if r.status != 200:
+                raise RuntimeError(f"reset_prefix_cache on {url}: HTTP {r.status}")
+    await asyncio.sleep(1.0)  # AllBlocksCleared -> agents -> feed
+    return time.monotonic() - t0
+
+
+# ------------------------------------------------------------------------------ routers
+
+
+@dataclass
+class RouterRun:
+    key: str  # e.g. "sglang:cache_aware"
+    label: str  # e.g. "sglang-router cache_aware"
+    url: str = ""
+    name: str = ""  # process name in Procs
+
+
+def _router_argv(kind: str, policy: str, port: int, sim_urls: list[str], venv: Path, ctx: dict) -> tuple[list[str], dict, str, str]:
+    """(argv, env, readiness URL, Prometheus URL) of one router."""
+    if kind == "warmroute":
+        admin = _free_port()
+        argv = [ctx["warmroute_bin"], "gateway", "--no-auth", "--host", "127.0.0.1", "--port", str(port),
+                "--admin-port", str(admin), "--feed", ctx["feed_url"], "--policy", policy, "--block-size", "16",
+                "--model", MODEL, "--salt-secret-file", ctx["salt_file"]]
+        for i, u in enumerate(sim_urls):
+            argv += ["--replica", f"r{i}={u}"]
+        # the sims run the wall-clock time model: give the calibration the same priors the
+        # embedded harness gives (loadtests/harness.py), and log warnings only (as the peers)
+        env = {"WARMROUTE_POLICY__PRIOR_PREFILL_S_PER_TOKEN": "0.001", "WARMROUTE_POLICY__PRIOR_DECODE_STEP_S": "0.012",
+               "WARMROUTE_MEMBERSHIP__HEALTH_INTERVAL_S": "0.5", "WARMROUTE_TELEMETRY__LOG_LEVEL": "WARNING"}
+        return argv, env, f"http://127.0.0.1:{admin}/readyz", f"http://127.0.0.1:{admin}/metrics"
+    prom = _free_port()
+    if kind == "sglang":
+        py = venv / "bin" / "python"
+        if not py.exists():
+            raise Unavailable(f"no peers venv at {venv} (run loadtests/setup_peers.sh)")
+        argv = [str(py), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom), "--worker-urls", *sim_urls,
+                "--policy", policy, "--log-level", "warn"]
+        return argv, {}, f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{prom}/metrics"
+    if kind == "vllm":
+        exe = venv / "bin" / "vllm-router"
+        if not exe.exists():
+            raise Unavailable(f"no vllm-router in {venv} (run loadtests/setup_peers.sh)")
+        argv = [str(exe), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+                "--prometheus-port", str(prom), "--worker-urls", *sim_urls, "--worker-startup-check-interval", "1",
+                "--policy", policy, "--log-level", "warning"]
+        return argv, {}, f"http://127.0.0.1:{port}/health", f"http://127.0.0.1:{prom}/metrics"
+    raise Unavailable(f"unknown router kind {kind!r}")
+
+
+_LABELS = {"warmroute": "warmroute", "sglang": "sglang-router", "vllm": "vllm-router"}
+
+
+async def _warmup(session: aiohttp.ClientSession, url: str) -> None:
+    """One tiny request through the router (proves the path works; lazy initialisation)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0}
+    last = ""
+    for _ in range(10):
+        try:
+            async with session.post(url + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=30)) as r:
+                text = await r.text()
+                if r.status == 200 and "data:" in text:
+                    return
+                last = f"HTTP {r.status}: {text[:300]}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        await asyncio.sleep(1.0)
+    raise Unavailable(f"warm-up request through {url} failed: {last}")
+
+
+async def _router_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Counters of a peer router worth keeping: calls to workers besides the request itself."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
+            text = await r.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line and line[0] != "#" and any(w in line for w in ("render", "tokeniz", "processed_requests", "policy_decisions")):
+            k, _, v = line.rpartition(" ")
+            try:
+                out[k] = float(v)
+            except ValueError:
+                pass
+    return out
+
+
+def _code_state() -> dict:
+    """The warmroute code a gateway process loads (the working tree: it may differ from HEAD)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    import hashlib
+
+    paths = ["gateway", "policies", "replica_agent", "hashing", "loadtests/sim"]
+    diff = git("diff", "HEAD", "--", *paths)
+    return {"head": git("rev-parse", "--short", "HEAD"),
+            "dirty_files": git("diff", "HEAD", "--name-only", "--", *paths).split(),
+            "dirty_diff_sha1": hashlib.sha1(diff.encode()).hexdigest()[:12] if diff else ""}
+
+
+# ------------------------------------------------------------------------------ the comparison
+
+
+async def _compare(args, procs: Procs, tmp: Path) -> dict:
+    from loadtests.workloads import build_workload
+
+    params = dict(WALLCLOCK_DEFAULTS.get(args.workload, {}))
+    params.update(_parse_params(args.param))
+    params.update(rate_rps=args.rate, concurrency=None)
+    workload = build_workload(args.workload, args.requests, seed=args.seed, **params)
+    reqs = bench_requests(workload, MODEL, None)
+    venv = Path(args.peers_venv)
+    wr_bin = str(Path(sys.executable).with_name("warmroute"))
+    if not Path(wr_bin).exists():
+        raise SystemExit(f"warmroute console script not found next to {sys.executable}")
+
+    # feed: a private redis-server
+    redis_port = _free_port()
+    procs.start("redis", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                          "--appendonly", "no", "--dir", str(tmp)])
+    feed_url = f"redis://127.0.0.1:{redis_port}/0"
+    salt_file = tmp / "salt-secret"
+    salt_file.write_text(os.urandom(24).hex())
+    ctx = {"warmroute_bin": wr_bin, "feed_url": feed_url, "salt_file": str(salt_file)}
+
+    sims: dict[str, str] = {}
+    endpoints = {}
+    for i in range(args.replicas):
+        rid, port = f"r{i}", _free_port()
+        ev, rp = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+        endpoints[rid] = (ev, rp)
+        procs.start(f"agent-{rid}", [wr_bin, "agent", "--replica-id", rid, "--engine-url", f"http://127.0.0.1:{port}",
+                                     "--kv-events-endpoint", ev, "--replay-endpoint", rp, "--bind", "--feed", feed_url,
+                                     "--model", MODEL, "--block-size", "16", "--load-interval", str(args.agent_load_interval)])
+        procs.start(f"sim-{rid}", [wr_bin, "sim", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
+                                   "--block-size", "16", "--num-blocks", str(args.num_blocks),
+                                   "--max-model-len", str(args.num_blocks * 16), "--max-num-seqs", str(args.max_num_seqs),
+                                   "--time-profile", "wallclock", "--kv-events-endpoint", ev, "--replay-endpoint", rp])
+        sims[rid] = f"http://127.0.0.1:{port}"
+    sim_urls = list(sims.values())
+
+    report: dict[str, dict] = {}
+    async with aiohttp.ClientSession() as session:
+        for rid, url in sims.items():
+            await _wait_http(session, url + "/health", procs, f"sim-{rid}", 60)
+        for rid in sims:
+            if not procs.alive(f"agent-{rid}"):
+                raise RuntimeError(f"agent-{rid} exited: {procs.log_tail(f'agent-{rid}')}")
+        print(f"{args.replicas} sims + agents up; feed {feed_url}; logs in {tmp}", file=sys.stderr)
+
+        for key in [k.strip() for k in args.routers.split(",") if k.strip()]:
+            kind, _, policy = key.partition(":")
+            label = f"{_LABELS.get(kind, kind)} {policy}"
+            name = f"router-{kind}-{policy}"
+            print(f"== {label}", file=sys.stderr)
+            argv: list[str] = []
+            try:
+                drained_s = await _drain_and_reset(session, sims, args.drain_timeout)
+                port = _free_port()
+                argv, env, ready, prom_url = _router_argv(kind, policy, port, sim_urls, venv, ctx)
+                code = _code_state() if kind == "warmroute" else None
+                procs.start(name, argv, env)
+                url = f"http://127.0.0.1:{port}"
+                await _wait_http(session, ready, procs, name, args.startup_timeout)
+                await _warmup(session, url)
+                await _drain_and_reset(session, sims, args.drain_timeout)
+            except Unavailable as exc:
+                print(f"  unavailable: {exc}", file=sys.stderr)
+                report[label] = {"available": False, "reason": str(exc), "command": shlex.join(argv)}
+                procs.stop(name)
+                continue
+            before = await _sim_counters(session, sims)
+            rm0 = await _router_metrics(session, prom_url) if kind != "warmroute" else {}
+            own = ["redis", name, *(f"sim-{r}" for r in sims), *(f"agent-{r}" for r in sims)]
+            cpu0 = {n: procs.cpu_s(n) for n in own}
+            me0 = os.times()
+            meter = CpuMeter()
+            samples, wall = await run_load(url, reqs, fresh_connections=not args.keep_alive, timeout_s=args.request_timeout)
+            share = meter.share()
+            me1 = os.times()
+            cpu1 = {n: procs.cpu_s(n) for n in own}
+            after = await _sim_counters(session, sims)
+            rm1 = await _router_metrics(session, prom_url) if kind != "warmroute" else {}
+            router_metrics = {k: v - rm0.get(k, 0.0) for k, v in rm1.items()}  # this run only (not the warm-up)
+            router_alive = procs.alive(name)
+            router_log = procs.log_tail(name, 5)
+            procs.stop(name)
+            s = summarize(samples, wall, router=label, command=shlex.join(argv), workload=workload.name,
+                          workload_params=workload.params, replicas=args.replicas, num_blocks_per_replica=args.num_blocks,
+                          time_profile="wallclock", rate_rps=args.rate, seed=args.seed,
+                          fresh_connections=not args.keep_alive)
+            d = {rid: {k: after[rid].get(k, 0.0) - before[rid].get(k, 0.0) for k in _SIM_COUNTERS.values() if k != "lateness_max_s"}
+                 for rid in sims}
+            steps = sum(x["steps"] for x in d.values())
+            q = sum(x["cache_queries_tokens"] for x in d.values())
+            h = sum(x["cache_hits_tokens"] for x in d.values())
+            ours = sum(cpu1[n] - cpu0[n] for n in own) + (me1.user - me0.user) + (me1.system - me0.system)
+            ncpu = os.cpu_count() or 1
+            s.update({
+                "available": True,
+                "warmroute_code": code,
+                "per_replica_requests": {rid: int(x["requests"]) for rid, x in d.items()},
+                "per_replica_busy_share": {rid: round(x["modelled_s"] / wall, 3) for rid, x in d.items()},
+                "engine_prompt_tokens": int(q), "engine_cached_tokens": int(h),
+                "engine_hit_ratio": round(h / q, 4) if q else 0.0,
+                "sim_preemptions": int(sum(x["preemptions"] for x in d.values())),
+                "sim_timer_lateness_ms_mean": round(1000 * sum(x["actual_s"] - x["modelled_s"] for x in d.values()) / steps, 2) if steps else 0.0,
+                "sim_timer_lateness_ms_max_run": round(1000 * max(
+                    (after[r]["lateness_max_s"] for r in sims if after[r]["lateness_max_s"] > before[r]["lateness_max_s"]), default=0.0), 1),
+                "sim_timer_lateness_ms_p99_recent": round(1000 * max(after[r]["stats"]["lateness_s"]["p99"] for r in sims), 2),
+                "machine_cpu_share": round(share, 3),
+                "our_cpu_share": round(ours / (wall * ncpu), 3),
+                "cpu_s": {"router": round(cpu1[name] - cpu0[name], 2),
+                          "sims": round(sum(cpu1[n] - cpu0[n] for n in own if n.startswith("sim-")), 2),
+                          "agents+redis": round(sum(cpu1[n] - cpu0[n] for n in own if n.startswith("agent-") or n == "redis"), 2),
+                          "load_generator": round((me1.user - me0.user) + (me1.system - me0.system), 2)},
+                "router_alive_at_end": router_alive,
+                # peers' own counters of the calls they make besides the request (vllm-router's
+                # cache_aware renders every request: kv_routing_inputs_total{result="render"})
+                "router_extra_calls": int(sum(v for k, v in router_metrics.items() if "render" in k or "tokeniz" in k)),
+                "router_metrics": router_metrics,
+                "drain_s_before": round(drained_s, 1),
+            })
+            if not router_alive:
+                s["router_log_tail"] = router_log
+            report[label] = s
+            print(f"  {s['requests']} req, {s['errors']} errors, {wall:.0f}s, TTFT p50 {s['ttft_ms']['p50']} ms, "
+                  f"hit {s['hit_ratio']}, spread {list(s['per_replica_requests'].values())}, cpu {share:.2f}", file=sys.stderr)
+    return report
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def _fmt(v, nd=0) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def format_table(report: dict[str, dict]) -> str:
+    head = ["router", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "e2e p50 ms", "rps", "hit ratio (client / engine)",
+            "requests per replica", "replica busy", "errors", "extra calls", "CPU machine / ours", "router CPU s", "sim lateness mean / max ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, r in report.items():
+        if not r.get("available", True):
+            lines.append(f"| {label} | unavailable: {r['reason'][:200]} |" + " |" * (len(head) - 2))
+            continue
+        row = [label, _fmt(r["ttft_ms"]["p50"]), _fmt(r["ttft_ms"]["p90"]), _fmt(r["ttft_ms"]["p99"]),
+               _fmt(r["e2e_ms"]["p50"]), _fmt(r["throughput_rps"], 2),
+               f'{r["hit_ratio"]:.3f} / {r["engine_hit_ratio"]:.3f}',
+               " ".join(str(v) for v in r["per_replica_requests"].values()),
+               " ".join(f"{v:.2f}" for v in r["per_replica_busy_share"].values()),
+               f'{r["errors"]}/{r["requests"]}', str(r.get("router_extra_calls", 0)), f'{r["machine_cpu_share"]:.2f} / {r["our_cpu_share"]:.2f}',
+               _fmt(r["cpu_s"]["router"], 1), f'{r["sim_timer_lateness_ms_mean"]:.1f} / {r["sim_timer_lateness_ms_max_run"]:.0f}']
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _markdown(report: dict, args, command: str, started: str) -> str:
+    any_r = next((r for r in report.values() if r.get("available")), {})
+    wp = (any_r.get("params") or {}).get("workload_params", {})
+    return "\n".join([
+        f"### {args.workload}: {args.replicas} replicas, {args.requests} requests at {args.rate} rps (seed {args.seed})",
+        "",
+        f"- date: {started}; command: `{command}`",
+        "- warmroute code (working tree, loaded when each gateway started): " + "; ".join(
+            f'{k}: HEAD {r["warmroute_code"]["head"]}' + (f' + uncommitted diff {r["warmroute_code"]["dirty_diff_sha1"]} in '
+                                                         + ", ".join(r["warmroute_code"]["dirty_files"]) if r["warmroute_code"]["dirty_files"] else " (clean)")
+            for k, r in report.items() if r.get("warmroute_code")),
+        f"- workload params: `{json.dumps(wp, sort_keys=True)}`; KV {args.num_blocks} blocks x 16 tokens per replica; "
+        f"sims: `--time-profile wallclock` (prefill 1 ms/token, ~12 ms decode steps); "
+        f"{'fresh TCP connection per request' if not args.keep_alive else 'keep-alive connections'}; "
+        "every router started fresh after the sims drained and their prefix caches were reset",
+        "- hit ratio: client = cached/prompt tokens from the streamed usage; engine = the sims' prefix-cache "
+        "hit/query token counters. requests per replica and replica busy (modelled step seconds / wall) from the sims' "
+        "counters. CPU machine = whole machine (/proc/stat; shared with other users), ours = all processes of this run "
+        "(router, sims, agents, redis, load generator) / (wall x cores). extra calls = calls a peer router makes to the "
+        "workers besides the request, from its own Prometheus counters (vllm-router: render). sim lateness = how far the sims' step timers "
+        "fell behind the time model (mean per step / max in the run).",
+        "",
+        format_table(report),
+        "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtests.compare_peers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--requests", type=int, default=240)
+    p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
+    p.add_argument("--workload", default="shared_docs")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="override a workload parameter")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-blocks", type=int, default=256, help="KV capacity per sim, in blocks of 16 tokens")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--routers", default=DEFAULT_ROUTERS, help=f"comma list of KIND:POLICY (default {DEFAULT_ROUTERS})")
+    p.add_argument("--peers-venv", default=str(DEFAULT_PEERS_VENV), help="venv with sglang-router and vllm-router")
+    p.add_argument("--keep-alive", action="store_true", help="reuse client connections (default: a fresh one per request)")
+    p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--drain-timeout", type=float, default=120.0, help="wait this long for the sims to go idle between routers")
+    p.add_argument("--startup-timeout", type=float, default=60.0)
+    p.add_argument("--agent-load-interval", type=float, default=0.25)
+    p.add_argument("--json", default=None, metavar="FILE")
+    p.add_argument("--md", default=None, metavar="FILE", help="append the markdown section to this file")
+    p.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (their directory is printed)")
+    args = p.parse_args(argv)
+
+    command = "python -m loadtests.compare_peers " + shlex.join(argv if argv is not None else sys.argv[1:])
+    started = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    tmp = Path(tempfile.mkdtemp(prefix="warmroute-peers-"))
+    procs = Procs(tmp)
+
+    def _term(signum, frame):  # noqa: ARG001 - SIGTERM: clean up like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)
+    try:
+        report = asyncio.run(_compare(args, procs, tmp))
+    except KeyboardInterrupt:
+        print("interrupted; stopping every process", file=sys.stderr)
+        return 130
+    finally:
+        procs.stop_all()
+        if not args.keep_logs:
+            for f in tmp.iterdir():
+                f.unlink()
+            tmp.rmdir()
+    md = _markdown(report, args, command, started)
+    print(md)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": command, "date": started, "report": report}, indent=2))
+    if args.md:
+        with open(args.md, "a") as f:
+            f.write(md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
