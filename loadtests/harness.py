@@ -150,18 +150,37 @@ class EmbeddedSystem:
         return {s.server.cfg.engine_label: s.server.stats() for s in self.sims}
 
     async def close(self) -> None:
+        """Stop everything; a component that does not stop within `CLOSE_TIMEOUT_S` is reported
+        (with the stacks of the tasks still running) and left behind rather than hanging the run."""
+        steps = []
         if self.gateway is not None:
-            await self.gateway.close()
-            self.gateway = None
-        for a in self.agents:
-            await a.close()
-        self.agents.clear()
-        for s in self.sims:
-            await s.close()
-        self.sims.clear()
+            steps.append(("gateway", self.gateway.close()))
+        steps += [(f"agent {i}", a.close()) for i, a in enumerate(self.agents)]
+        steps += [(f"sim {i}", s.close()) for i, s in enumerate(self.sims)]
         if self.feed is not None and hasattr(self.feed, "close"):
             res = self.feed.close()
             if asyncio.iscoroutine(res):
-                await res
-            self.feed = None
+                steps.append(("feed", res))
+        self.gateway, self.feed = None, None
+        self.agents.clear()
+        self.sims.clear()
+        for name, coro in steps:
+            try:
+                await asyncio.wait_for(coro, CLOSE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                _report_hang(name)
         self._tmp.cleanup()
+
+
+CLOSE_TIMEOUT_S = 20.0
+
+
+def _report_hang(name: str) -> None:
+    import sys
+
+    print(f"warning: embedded {name} did not close within {CLOSE_TIMEOUT_S:.0f} s; tasks still running:", file=sys.stderr)
+    for t in asyncio.all_tasks():
+        if t is asyncio.current_task():
+            continue
+        frames = [f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno}:{f.f_code.co_name}" for f in t.get_stack(limit=6)]
+        print(f"  {t.get_name()}: {' <- '.join(frames)}", file=sys.stderr)
