@@ -68,6 +68,7 @@ class MembershipConfig:
     health_path: str = "/health"  # active probe path
     health_interval_s: float = 2.0  # active probe period
     health_timeout_s: float = 1.0  # active probe timeout
+    health_timeouts_to_down: int = 3  # consecutive probe timeouts before a replica counts as down
     eject_base_s: float = 1.0  # first passive ejection; doubles per consecutive failure
     eject_max_s: float = 30.0  # cap of the ejection backoff
 
@@ -406,6 +407,8 @@ def validate(cfg: GatewayConfig) -> None:
     for name in ("dns_refresh_s", "health_interval_s", "health_timeout_s", "eject_base_s", "eject_max_s"):
         if getattr(mem, name) <= 0:
             raise _err(f"membership.{name}", "must be > 0")
+    if mem.health_timeouts_to_down < 1:
+        raise _err("membership.health_timeouts_to_down", "must be >= 1")
     if mem.eject_max_s < mem.eject_base_s:
         raise _err("membership.eject_max_s", "must be >= eject_base_s")
     f = cfg.feed

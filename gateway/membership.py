@@ -2,7 +2,9 @@
 
 Pure part (`Membership`): the set of replicas (id -> URL), each with an active-probe verdict and
 a passive-ejection state. A replica is *available* when its last probe did not fail and it is
-not ejected. Passive ejection: a failure before the first byte (connect refused, 5xx, timeout)
+not ejected (a slow probe counts only after `probe_timeouts_to_down` consecutive timeouts: a busy
+engine answers /health late, and ejecting it for that would move its warm prefixes; a refused
+connection or a non-200 answer counts at once). Passive ejection: a failure before the first byte (connect refused, 5xx, timeout)
 ejects it for `eject_base_s x 2^(consecutive failures - 1)`, capped at `eject_max_s`; a success
 resets the count. A successful probe does not end an ejection early (the backoff is the point);
 a failed probe marks the replica down until a probe succeeds. A newly added replica starts
@@ -36,14 +38,18 @@ class ReplicaState:
     ejected_until: float = 0.0  # monotonic time the ejection ends
     ejections: int = 0  # ejections ever
     last_error: str = ""  # short reason of the last failure
+    probe_timeouts: int = 0  # consecutive active probes that timed out
 
     def available(self, now: float) -> bool:
         return self.probe_ok is not False and now >= self.ejected_until
 
 
 class Membership:
-    def __init__(self, *, eject_base_s: float = 1.0, eject_max_s: float = 30.0,
+    def __init__(self, *, eject_base_s: float = 1.0, eject_max_s: float = 30.0, probe_timeouts_to_down: int = 3,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if probe_timeouts_to_down < 1:
+            raise ValueError("probe_timeouts_to_down must be >= 1")
+        self.probe_timeouts_to_down = probe_timeouts_to_down
         self.eject_base_s = eject_base_s
         self.eject_max_s = eject_max_s
         self.clock = clock
@@ -100,12 +106,19 @@ class Membership:
         if st is not None and st.failures:
             st.failures = 0
 
-    def probe_result(self, rid: str, ok: bool, reason: str = "") -> None:
+    def probe_result(self, rid: str, ok: bool, reason: str = "", timed_out: bool = False) -> None:
         st = self._replicas.get(rid)
-        if st is not None:
-            st.probe_ok = ok
-            if not ok:
-                st.last_error = reason[:200] or "health probe failed"
+        if st is None:
+            return
+        if ok:
+            st.probe_ok, st.probe_timeouts = True, 0
+            return
+        st.last_error = reason[:200] or "health probe failed"
+        if timed_out:
+            st.probe_timeouts += 1
+            if st.probe_timeouts < self.probe_timeouts_to_down:
+                return  # slow, not (yet) down
+        st.probe_ok = False
 
 
 class MembershipRunner:
@@ -155,7 +168,9 @@ class MembershipRunner:
                 await resp.read()
                 ok = resp.status == 200
                 self.m.probe_result(st.replica_id, ok, f"health probe status {resp.status}")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except asyncio.TimeoutError:
+            self.m.probe_result(st.replica_id, False, "health probe timed out", timed_out=True)
+        except (aiohttp.ClientError, OSError) as exc:
             self.m.probe_result(st.replica_id, False, f"health probe: {type(exc).__name__}")
 
     async def probe_all(self) -> None:

@@ -194,3 +194,25 @@ def test_config_errors_name_the_field_and_env_overrides():
         with pytest.raises(ConfigError) as e:
             config_from_dict(data, env={})
         assert str(e.value).startswith(field), (field, str(e.value))
+
+
+def test_slow_health_probes_need_several_timeouts_but_refusals_count_at_once():
+    """A busy engine answers /health late: three timeouts in a row before it counts as down; a
+    refused connection or a non-200 answer marks it down at once; one success resets the count."""
+    from gateway.membership import Membership
+
+    m = Membership(probe_timeouts_to_down=3)
+    m.set_members({"a": "http://a", "b": "http://b"})
+    for _ in range(2):
+        m.probe_result("a", False, "timed out", timed_out=True)
+    assert m.available("a")
+    m.probe_result("a", True)
+    for _ in range(2):
+        m.probe_result("a", False, "timed out", timed_out=True)
+    assert m.available("a")  # the success reset the count
+    m.probe_result("a", False, "timed out", timed_out=True)
+    assert not m.available("a")
+    m.probe_result("b", False, "health probe status 503")
+    assert not m.available("b")
+    m.probe_result("b", True)
+    assert m.available("b")
