@@ -425,6 +425,7 @@ def test_routing_sticks_then_spills_under_queue(vllm_replicas, e2e_system):
         print("routing: warm terms " + ", ".join(f"{k.split('.')[-1]}={v:.4g}" for k, v in sorted(w.items())
                                                if k.startswith("warmroute.term.")))
         assert w["warmroute.matched_blocks_gpu"] > 0  # the warm replica still held the document
+        assert w.get("warmroute.rank") is not None, f"the warm replica was not eligible (health/ejection): {w}"
         # the decision saw the queue the engine has: slots full, requests waiting for a completion
         assert w["warmroute.term.slots_full"] == 1.0, "the warm replica's full slots were not seen"
         # the cold replica wins on the price of the queue, whatever the balance guard does (it may
