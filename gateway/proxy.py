@@ -63,6 +63,9 @@ def make_session(pool_limit: int, connect_timeout_s: float) -> aiohttp.ClientSes
         connector=conn,
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s),
         auto_decompress=False,
+        # A proxy keeps no cookies: a replica's Set-Cookie must not ride on other tenants' requests,
+        # and the default jar costs a filter/update on every request and response.
+        cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=("User-Agent",),
     )
 

@@ -108,7 +108,8 @@ class Gateway:
         self.metrics.registry.register(StateCollector(self.state_for_metrics))
         self.tracer_provider = tracer_provider
         self.tracer = tracer_provider.get_tracer("warmroute.gateway") if tracer_provider is not None else None
-        self.membership = Membership(eject_base_s=cfg.membership.eject_base_s, eject_max_s=cfg.membership.eject_max_s)
+        self.membership = Membership(eject_base_s=cfg.membership.eject_base_s, eject_max_s=cfg.membership.eject_max_s,
+                                     probe_timeouts_to_down=cfg.membership.health_timeouts_to_down)
         if cfg.membership.replicas:
             self.membership.set_members({r.id: r.url for r in cfg.membership.replicas})
         self.load = LoadTracker()
@@ -794,7 +795,7 @@ class Gateway:
         if up_span is not None:
             up_span.set_attribute("warmroute.ttft_s", at.t_first - at.t_sent)
             up_span.set_attribute("http.response.status_code", at.status)
-        resp = web.StreamResponse(status=200, headers={**hdrs, "Content-Type": at.content_type, "Cache-Control": "no-cache"})
+        resp = _SseResponse(status=200, headers={**hdrs, "Content-Type": at.content_type, "Cache-Control": "no-cache"})
         upstream = at.resp
         # Idle timeout without a timer per chunk: one watchdog per stream, re-armed lazily from the
         # time of the last chunk; on expiry it cancels this task, and the cancel becomes a timeout.
@@ -814,9 +815,15 @@ class Gateway:
 
         handle = [loop.call_later(idle, watchdog)]
         content = upstream.content
+        # `ended`: [DONE] went out together with the end of the chunked body (one send, not two);
+        # the upstream is then only read to its end, so its connection goes back to the pool.
+        ended = relay.done
         try:
             await resp.prepare(request)
-            await resp.write(at.body)
+            if ended:
+                await resp.write_eof(at.body)
+            else:
+                await resp.write(at.body)
             while True:
                 try:
                     chunk = await content.readany()
@@ -828,25 +835,32 @@ class Gateway:
                     m.child(m.upstream_errors, rid, "stream", "idle timeout").inc()
                     if span is not None:
                         span.set_attribute("error.type", "idle timeout")
-                    await resp.write(sse_error_event(f"upstream replica sent nothing for {idle:g}s"))
+                    if not ended:
+                        await resp.write(sse_error_event(f"upstream replica sent nothing for {idle:g}s"))
                     break
                 except (aiohttp.ClientError, OSError) as exc:
                     reason = type(exc).__name__
                     m.child(m.upstream_errors, rid, "stream", reason).inc()
                     if span is not None:
                         span.set_attribute("error.type", reason)
-                    await resp.write(sse_error_event(f"upstream replica failed mid-stream ({reason})"))
+                    if not ended:
+                        await resp.write(sse_error_event(f"upstream replica failed mid-stream ({reason})"))
                     break
                 if not chunk:
-                    tail = relay.tail()
-                    if tail:
-                        await resp.write(tail)
-                    if not relay.done:
+                    if not ended:
+                        tail = relay.tail()
+                        if tail:
+                            await resp.write(tail)
                         m.child(m.upstream_errors, rid, "stream", "truncated").inc()
                         await resp.write(sse_error_event("upstream stream ended without [DONE]"))
                     break
                 out = relay.feed(chunk)
-                if out:
+                if ended:
+                    continue
+                if relay.done:
+                    ended = True
+                    await resp.write_eof(out)
+                elif out:
                     await resp.write(out)
             handle[0].cancel()
             await resp.write_eof()
@@ -945,6 +959,15 @@ class Gateway:
 
         return self.tracer.start_span("warmroute.upstream", context=_ctx_of(span), kind=SpanKind.CLIENT, attributes={
             "warmroute.replica_id": rid, "url.full": url, "http.request.method": "POST", "warmroute.attempt": attempt_no})
+
+
+class _SseResponse(web.StreamResponse):
+    """A StreamResponse whose headers go out with the first event, in one send: aiohttp's
+    StreamResponse sends them on its own at prepare() (an extra syscall and TCP segment per
+    request, and the client wakes twice before its first byte). `web.Response` buffers the same
+    way; the attribute is aiohttp >= 3.12's switch (ignored by older versions)."""
+
+    _send_headers_immediately = False
 
 
 @dataclass(slots=True)

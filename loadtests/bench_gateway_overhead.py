@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                    "added_ttft_ms": {k: g["ttft_ms"][k] - d["ttft_ms"][k] for k in ("p50", "p90", "p99", "mean")},
                    "gateway_cpu_ms_per_request": (cpu1 - cpu0) * 1000 / max(1, g["requests"])}
             report["levels"].append(row)
-            print(f"c={c:4d}  direct p50 {d['ttft_ms']['p50']:7.2f} p99 {d['ttft_ms']['p99']:7.2f} ms | "
+            print(f"c={c:4d} n={g['requests']:5d}  direct p50 {d['ttft_ms']['p50']:7.2f} p99 {d['ttft_ms']['p99']:7.2f} ms | "
                   f"gateway p50 {g['ttft_ms']['p50']:7.2f} p99 {g['ttft_ms']['p99']:7.2f} ms | added p50 "
                   f"{row['added_ttft_ms']['p50']:6.2f} p99 {row['added_ttft_ms']['p99']:6.2f} ms | "
                   f"gw {g['rps']:7.1f} req/s, {row['gateway_cpu_ms_per_request']:.3f} CPU-ms/req, errors {d['errors']}/{g['errors']}"
