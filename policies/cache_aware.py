@@ -20,10 +20,18 @@ Every term is in seconds of this request's time to first token (TTFT), per repli
     evict_penalty_s  = cache_fill x uncached_tokens x prefill_s_per_token(r)
     kv_pressure      = max(0, kv_usage - kv_threshold) / (1 - kv_threshold)      (0..1)
     kv_penalty_s     = kv_pressure x uncached_tokens x prefill_s_per_token(r)
-    balance_guard    = load_reqs(r) > balance_rel x mean_load AND load_reqs(r) - mean_load >= balance_abs_reqs
-                       AND routed_rps(r) > balance_rate_rel x mean_routed_rps   (when the views carry it)
+    load_over        = load_reqs(r) > balance_rel x mean_load AND load_reqs(r) - mean_load >= balance_abs_reqs
+    structural       = routed_rps(r) > balance_rate_rel x mean_routed_rps          (true when rates unknown)
+    rate_over        = structural AND (routed_rps(r) - mean_routed_rps) x routed_tau_s >= balance_abs_reqs
+                       (false when rates unknown)
+    sole_copy        = matched blocks (GPU or CPU, capped) on r > others_blocks, the longest match on any
+                       other healthy replica of this decision
+    balance_guard    = load_over OR rate_over                                          if not sole_copy
+                     = load_over AND structural AND load_reqs(r) > balance_exclusive_rel x mean_load
+                                                                                       if sole_copy
                        (means over the healthy replicas of this decision; routed_rps =
-                       extra["routed_rps"], the gateway's EWMA of requests it sent there per second)
+                       extra["routed_rps"], the gateway's EWMA of requests it sent there per second;
+                       terms() called without others_blocks treats the request as not a sole copy)
     balance_penalty_s= (w_cache + w_evict x cache_fill) x cache_benefit_s  if balance_guard else 0
     score            = w_cache x cache_benefit_s - w_queue x queue_penalty_s
                        - w_evict x evict_penalty_s - w_kv x kv_penalty_s - balance_penalty_s
@@ -52,13 +60,33 @@ while its outstanding requests exceed the mean by both. A guarded replica then c
 alone; the request goes to the best unguarded replica, which is another holder when there is one
 (the spill stays warm) and otherwise the least-loaded one, which becomes a new holder through the
 speculative insertion. The guard measures requests, not seconds, on purpose: the imbalance it
-corrects is exactly the one that seconds of TTFT queue do not show. Its third condition tells a
-structural imbalance (a hot prefix: the holder keeps *receiving* more than its share) from noise
-(multi-turn chats: conversations are spread evenly, but a replica's outstanding count fluctuates
-above the mean now and then); without it the guard moved conversations whose whole history then
-missed (multi-turn fell from 0.91 to 0.89 of the oracle at 16 replicas). It cannot raise a score: more
-load on a replica can only switch its guard on (d/dload of load - rel x mean is 1 - rel/n >= 0
-when the guard can fire at all), and at equal loads it never fires.
+corrects is exactly the one that seconds of TTFT queue do not show.
+
+Which requests it moves. Moving a request costs what the holder's match saves over the best other
+replica's: nothing when another replica holds as long a match (a hot prefix with several holders, a
+chat's first turn, which matches only its shared system prompt), the whole prefill of the
+difference when the holder has the only copy (a conversation's history, a document's sole copy).
+So the guard sheds the *free* requests readily and the sole copies only at a severe overload:
+- a free request (not sole_copy) moves on either sign of imbalance, each relative AND absolute:
+  the outstanding requests (load_over; the decode batch, ITL), or the share of arrivals
+  (rate_over: routed_rps above balance_rate_rel x the mean, by at least balance_abs_reqs requests
+  over the rate's window routed_tau_s). Both are needed: by Little's law a holder of cheap
+  requests (a hot prefix: a few tokens of prefill each) turns them over faster than replicas
+  prefilling whole documents, so its outstanding count sits near the mean while it receives 1.7x
+  the mean number of requests (hot_prefix at 64 replicas, when only load_over counted); and a
+  replica receiving its share can still hold a burst of outstanding requests.
+- a sole copy moves only when its replica is over the load thresholds, receives more than its
+  share (structural: a hot prefix whose holder keeps *receiving* more, not noise) and carries
+  more than balance_exclusive_rel x the mean outstanding requests (seeding a second holder of a
+  hot prefix; after that its requests are free). Below that the replica sheds its free requests
+  instead. Without this rule the guard fired on the noise of outstanding counts (conversations
+  are sticky: at 64 replicas a replica's count sits 1.4x over the mean now and then) and moved
+  conversations whose whole history then missed: 10% of multi_turn requests moved at 64 replicas,
+  and those moves were the p99 (0.129 s, against 0.053 s since). The shared system prompts are
+  what needs spreading there (8 prompts on 64 replicas pin new chats to their holders; without
+  the guard some replicas get no chat at all), and their first turns are free requests.
+It cannot raise a score: more load or more routed rate on a replica can only switch its guard on,
+a longer match elsewhere only makes its requests free, and at equal loads and rates it never fires.
 
 Why these pieces
 ----------------
@@ -129,9 +157,14 @@ balance_rel          guard's relative threshold: load_reqs above this multiple o
                      holders settle just above 1.5x the mean request count)
 balance_abs_reqs     guard's absolute threshold: outstanding requests above the mean; requests,
                      >= 0 (default 4; SGLang uses 64 in-flight, far too coarse for small pools)
-balance_rate_rel     guard's structural condition: routed_rps above this multiple of the mean;
-                     >= 1 (1 = any above-mean share), inf disables the guard (default 1.25);
-                     ignored when the views do not carry routed_rps
+balance_rate_rel     guard's share condition: routed_rps above this multiple of the mean (rate_over,
+                     structural); >= 1 (1 = any above-mean share), inf switches rate_over off and
+                     keeps every sole copy (default 1.25); ignored when the views do not carry routed_rps
+balance_exclusive_rel  a sole copy's guard also needs load_reqs above this multiple of the mean;
+                     >= 1, inf: a sole copy never moves (default 2.0)
+routed_tau_s         time constant of the gateway's routed_rps EWMA (gateway.load.ROUTED_TAU_S): turns
+                     a rate excess into requests for rate_over's absolute threshold; seconds, > 0
+                     (default 10.0)
 
 Defaults (tuned with ``python -m loadtests.vtime_report``; see loadtests/results/vtime.md). The
 knife edge: at ~70% load on shared documents with KV for about a third of the working set, the
@@ -140,13 +173,14 @@ the pool tips into the thrash cascade (hit ratio 0.46, p99 > 20 s), at 1.9x it h
 (0.82), at 2x it holds (0.89). `evict_penalty_s` supplies most of that second prefill from the
 replicas' actual cache fill (about 0.8-0.85 in those runs), and w_cache = 2 keeps a margin on top
 (effective ~2.8x), because spilling a shared prefix is cheap to undo late and ruinous to do early.
-The guard (1.3x and 4 requests over the mean, and 1.25x the mean routed rate) then does the
-spreading the score deliberately does not.
+The guard (1.3x and 4 requests over the mean, or 1.25x the mean routed rate and 4 requests
+routed over the mean; a sole copy at 2x the mean) then does the spreading the score deliberately
+does not.
 
 Every candidate's `terms`: matched_blocks, matched_blocks_cpu, matched_tokens, uncached_tokens,
 cache_benefit_s, backlog_tokens, slots_full (0/1), output_tokens, slot_wait_s, queue_penalty_s,
 cache_fill, evict_penalty_s, kv_pressure, kv_penalty_s, load_reqs, mean_load_reqs (-1 when terms() ran without one), routed_rps (-1 when
-unknown), balance_guard (0/1),
+unknown), others_blocks (-1 when terms() ran without it), sole_copy (0/1), balance_guard (0/1),
 balance_penalty_s, score.
 Pure: no I/O, no state; `rng` is used for the final tie-break only (one draw per candidate).
 """
@@ -191,6 +225,8 @@ class CacheAwarePolicy(PolicyBase):
         balance_rel: float = 1.3,
         balance_abs_reqs: float = 4.0,
         balance_rate_rel: float = 1.25,
+        balance_exclusive_rel: float = 2.0,
+        routed_tau_s: float = 10.0,
         max_num_seqs: float = 256,
         prior_output_tokens: float = 256.0,
     ) -> None:
@@ -208,6 +244,10 @@ class CacheAwarePolicy(PolicyBase):
             raise ValueError(f"kv_threshold must be in [0, 1), got {kv_threshold!r}")
         if not balance_rate_rel >= 1.0:
             raise ValueError(f"balance_rate_rel must be >= 1 (inf disables the guard), got {balance_rate_rel!r}")
+        if not balance_exclusive_rel >= 1.0:
+            raise ValueError(f"balance_exclusive_rel must be >= 1 (inf: a sole copy never moves), got {balance_exclusive_rel!r}")
+        if not routed_tau_s > 0.0:
+            raise ValueError(f"routed_tau_s must be > 0, got {routed_tau_s!r}")
         if not max_num_seqs >= 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs!r}")
         if not balance_rel >= 1.0:
@@ -225,6 +265,8 @@ class CacheAwarePolicy(PolicyBase):
         self.balance_rel = float(balance_rel)
         self.balance_abs_reqs = float(balance_abs_reqs)
         self.balance_rate_rel = float(balance_rate_rel)
+        self.balance_exclusive_rel = float(balance_exclusive_rel)
+        self.routed_tau_s = float(routed_tau_s)
         self.max_num_seqs = float(max_num_seqs)
         self.prior_output_tokens = float(prior_output_tokens)
 
@@ -244,17 +286,20 @@ class CacheAwarePolicy(PolicyBase):
             "balance_rel": self.balance_rel,
             "balance_abs_reqs": self.balance_abs_reqs,
             "balance_rate_rel": self.balance_rate_rel,
+            "balance_exclusive_rel": self.balance_exclusive_rel,
+            "routed_tau_s": self.routed_tau_s,
             "max_num_seqs": self.max_num_seqs,
             "prior_output_tokens": self.prior_output_tokens,
         }
 
-    def terms(self, request: RequestView, v: ReplicaView, mean_load_reqs: float | None = None, mean_routed_rps: float | None = None) -> dict[str, float]:
+    def terms(self, request: RequestView, v: ReplicaView, mean_load_reqs: float | None = None, mean_routed_rps: float | None = None, others_blocks: float | None = None) -> dict[str, float]:
         """The score and its terms for one replica (see the module header).
 
         `mean_load_reqs` is the mean `load_reqs` over the healthy replicas of the decision (what
         the balance guard compares against); None switches the guard off for this call.
         `mean_routed_rps` is the mean `extra["routed_rps"]` over them (None: the signal is missing
-        and the guard uses the load condition alone).
+        and the guard uses the load condition alone). `others_blocks` is the longest match (capped
+        blocks, GPU or CPU) on any other healthy replica of the decision (None: not a sole copy).
         """
         bs = request.block_size
         cap_blocks = max(0, (request.prompt_tokens - 1) // bs) if bs > 0 else 0
@@ -288,12 +333,22 @@ class CacheAwarePolicy(PolicyBase):
         kv_penalty_s = kv_pressure * uncached_tokens * p
         lr = load_reqs(v)
         routed = float(extra.get(ROUTED_RATE_EXTRA, -1.0)) if extra else -1.0
-        guard = (
-            mean_load_reqs is not None
-            and lr > self.balance_rel * mean_load_reqs
-            and lr - mean_load_reqs >= self.balance_abs_reqs
-            and (mean_routed_rps is None or routed < 0.0 or routed > self.balance_rate_rel * mean_routed_rps)
-        )
+        rate_known = mean_routed_rps is not None and routed >= 0.0
+        if mean_load_reqs is None:
+            guard = False
+        else:
+            # outstanding requests, relative AND absolute
+            load_over = lr > self.balance_rel * mean_load_reqs and lr - mean_load_reqs >= self.balance_abs_reqs
+            # receiving more than its share (the structural sign of a hot prefix)
+            structural = not rate_known or routed > self.balance_rate_rel * mean_routed_rps
+            if others_blocks is None or any_blocks <= others_blocks:
+                # free to move (another replica matches as long): either imbalance sheds it; the
+                # share of arrivals also relative AND absolute (excess requests routed within the window)
+                rate_over = rate_known and structural and (routed - mean_routed_rps) * self.routed_tau_s >= self.balance_abs_reqs
+                guard = load_over or rate_over
+            else:
+                # the sole copy of its match: moves only on a structural, severe overload
+                guard = load_over and structural and lr > self.balance_exclusive_rel * mean_load_reqs
         # while the guard fires the replica's cache earns nothing: it competes on load alone
         balance_penalty_s = (self.w_cache + self.w_evict * cache_fill) * cache_benefit_s if guard else 0.0
         score = (
@@ -321,6 +376,8 @@ class CacheAwarePolicy(PolicyBase):
             "load_reqs": float(lr),
             "mean_load_reqs": float(mean_load_reqs) if mean_load_reqs is not None else -1.0,
             "routed_rps": routed,
+            "others_blocks": float(others_blocks) if others_blocks is not None else -1.0,
+            "sole_copy": 1.0 if (others_blocks is not None and any_blocks > others_blocks) else 0.0,
             "balance_guard": 1.0 if guard else 0.0,
             "balance_penalty_s": balance_penalty_s,
             "score": score,
@@ -332,8 +389,13 @@ class CacheAwarePolicy(PolicyBase):
         rates = [v.extra.get(ROUTED_RATE_EXTRA) if v.extra else None for v in live]
         mean_rate = sum(rates) / len(rates) if live and all(r is not None for r in rates) else None
         keyed = []
-        for v in live:
-            t = self.terms(request, v, mean, mean_rate)
+        bs = request.block_size
+        cap_blocks = max(0, (request.prompt_tokens - 1) // bs) if bs > 0 else 0
+        runs = [min(max(v.matched_blocks_cpu, v.matched_blocks_gpu), cap_blocks) if v.index_live else 0 for v in live]
+        top2 = sorted(runs, reverse=True)[:2] + [0, 0]
+        for i, v in enumerate(live):
+            others = top2[1] if runs[i] == top2[0] else top2[0]
+            t = self.terms(request, v, mean, mean_rate, others)
             keyed.append((-round(t["score"] / SCORE_RESOLUTION_S), t["queue_penalty_s"], t["load_reqs"], rng.random(), v.replica_id, t))
         keyed.sort(key=lambda k: k[:4])
         return Decision(self.name, tuple(Candidate(k[4], k[5]["score"], k[5]) for k in keyed))

@@ -191,16 +191,22 @@ def test_balance_guard_needs_both_thresholds_and_withdraws_the_cache_credit():
     # relative exceeded (3 vs mean 1.5) but not the absolute gap: the holder keeps its prefix
     d = pol.rank(req, [ReplicaView("holder", running_reqs=3, **hot), ReplicaView("cold", running_reqs=0)], random.Random(0))
     assert d.winner == "holder" and d.ranked[0].terms["balance_guard"] == 0.0
-    # both exceeded (30 vs mean 16, gap 14 >= 8, 30 > 1.5 x 16): no cache credit, load decides
+    # both exceeded (30 vs mean 16, gap 14 >= 8, 30 > 1.5 x 16), but it holds the only copy and is
+    # under balance_exclusive_rel x the mean: the sole copy stays
     d = pol.rank(req, [ReplicaView("holder", running_reqs=30, **hot), ReplicaView("a", running_reqs=2), ReplicaView("b", running_reqs=16)], random.Random(0))
+    assert d.winner == "holder" and d.ranked[0].terms["balance_guard"] == 0.0
+    # a severe overload (40 vs mean ~19.3, > 2 x): the sole copy loses its credit too, load decides
+    d = pol.rank(req, [ReplicaView("holder", running_reqs=40, **hot), ReplicaView("a", running_reqs=2), ReplicaView("b", running_reqs=16)], random.Random(0))
     t = {c.replica_id: c.terms for c in d.ranked}
     assert t["holder"]["balance_guard"] == 1.0 and t["a"]["balance_guard"] == 0.0
     credit = (pol.w_cache + pol.w_evict * t["holder"]["cache_fill"]) * t["holder"]["cache_benefit_s"]
     assert abs(t["holder"]["balance_penalty_s"] - credit) < 1e-12
     assert d.winner == "a"
     # a second holder under the threshold is preferred to a cold replica: the spill stays warm
+    # (with a second copy the request is free to move, so the plain thresholds fire)
     d = pol.rank(req, [ReplicaView("holder", running_reqs=30, **hot), ReplicaView("a", running_reqs=2), ReplicaView("holder2", running_reqs=16, **hot)], random.Random(0))
-    assert d.winner == "holder2"
+    assert d.ranked[-1].replica_id != "holder2" and d.winner == "holder2"
+    assert {c.replica_id: c.terms for c in d.ranked}["holder"]["balance_guard"] == 1.0
     # terms() without a mean never fires the guard
     assert pol.terms(req, ReplicaView("holder", running_reqs=300, **hot))["balance_guard"] == 0.0
 
@@ -221,7 +227,7 @@ def test_parameters_are_validated():
     import pytest
 
     for bad in (dict(w_evict=-1), dict(balance_rel=0.9), dict(balance_abs_reqs=-1), dict(default_cache_fill=2),
-                dict(max_num_seqs=0), dict(prior_output_tokens=-1)):
+                dict(max_num_seqs=0), dict(prior_output_tokens=-1), dict(balance_exclusive_rel=0.5), dict(routed_tau_s=0)):
         with pytest.raises(ValueError):
             CacheAwarePolicy(**bad)
 
@@ -245,3 +251,43 @@ def test_balance_guard_rate_condition_separates_hot_prefix_from_noise():
     assert t["holder"]["balance_guard"] == 0.0 and win == "holder" and t["holder"]["routed_rps"] == 10.0
     t, win = rank(20.0)  # 20 > 1.25 x mean 13.3: structural, spread it
     assert t["holder"]["balance_guard"] == 1.0 and win == "a"
+
+
+def test_balance_guard_sheds_free_requests_on_either_signal_and_keeps_sole_copies():
+    """A request another replica can serve with as long a match is free to move: the guard sheds it
+    on the outstanding-load thresholds OR on the routed share (relative AND absolute). A request
+    whose match only this replica holds (a conversation's history) stays below the severe threshold."""
+    pol = CacheAwarePolicy(balance_rel=1.3, balance_abs_reqs=4, balance_rate_rel=1.25, routed_tau_s=10.0)
+    req = RequestView(prompt_tokens=3201, block_size=16)
+    sys_only = dict(matched_blocks_gpu=90, matched_blocks_cpu=90)
+    history = dict(matched_blocks_gpu=180, matched_blocks_cpu=180)
+
+    def terms(holder_match, holder_rate, holder_load=10):
+        reps = [
+            ReplicaView("holder", running_reqs=holder_load, extra={ROUTED_RATE_EXTRA: holder_rate}, **holder_match),
+            ReplicaView("peer", running_reqs=10, extra={ROUTED_RATE_EXTRA: 10.0}, **sys_only),
+            ReplicaView("c", running_reqs=10, extra={ROUTED_RATE_EXTRA: 10.0}),
+        ]
+        d = pol.rank(req, reps, random.Random(0))
+        return {c.replica_id: c.terms for c in d.ranked}, d.winner
+
+    # equal loads, the holder receives twice its share (excess 10 rps x 10 s >> 4 requests): a free request moves
+    t, win = terms(sys_only, 20.0)
+    assert t["holder"]["balance_guard"] == 1.0 and win == "peer"
+    # the same share excess but below the absolute gap (0.3 rps x 10 s = 3 < 4 requests, rates small): stays
+    reps_small = [
+        ReplicaView("holder", running_reqs=10, extra={ROUTED_RATE_EXTRA: 0.6}, **sys_only),
+        ReplicaView("peer", running_reqs=10, extra={ROUTED_RATE_EXTRA: 0.3}, **sys_only),
+        ReplicaView("c", running_reqs=10, extra={ROUTED_RATE_EXTRA: 0.3}),
+    ]
+    t2 = {c.replica_id: c.terms for c in pol.rank(req, reps_small, random.Random(0)).ranked}
+    assert t2["holder"]["balance_guard"] == 0.0
+    # a conversation's history only the holder has: the routed share alone never moves it
+    t, win = terms(history, 20.0)
+    assert t["holder"]["balance_guard"] == 0.0 and win == "holder"
+    # nor a moderate outstanding overload (16 vs mean 12, < 2 x)
+    t, win = terms(history, 20.0, holder_load=16)
+    assert t["holder"]["balance_guard"] == 0.0 and win == "holder"
+    # a severe, structural overload (40 vs mean 20: 2 x) does
+    t, win = terms(history, 20.0, holder_load=41)
+    assert t["holder"]["balance_guard"] == 1.0 and win != "holder"
