@@ -2,6 +2,7 @@
 a missing redis-server or vLLM makes the test fail with the reason."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -29,6 +30,16 @@ def tokenizer_dir() -> Path:
     from gateway.default_tokenizer import default_tokenizer_dir
 
     return default_tokenizer_dir()
+
+
+@pytest.fixture(scope="session")
+def tok(tokenizer_dir):
+    """One gateway TokenizerService on the built-in tokenizer, shared by the tests that start gateways."""
+    from gateway.tokenization import TokenizerService
+
+    svc = TokenizerService(tokenizer_dir)
+    yield svc
+    svc.close()
 
 
 @pytest.fixture(scope="session")
@@ -87,9 +98,9 @@ class RedisServer:
             self.proc = None
 
 
-@pytest.fixture
-def redis_server():
-    """A fresh private redis-server per test (real Redis, not a mock)."""
+@contextlib.contextmanager
+def running_redis():
+    """A private redis-server for the `with` block; stopped and its directory removed after."""
     srv = RedisServer()
     srv.start()
     try:
@@ -97,3 +108,10 @@ def redis_server():
     finally:
         srv.stop()
         shutil.rmtree(srv.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_server():
+    """A fresh private redis-server per test (real Redis, not a mock)."""
+    with running_redis() as srv:
+        yield srv

@@ -27,15 +27,6 @@ LONG_DOC = " ".join(f"paragraph {i} of the shared document about routing." for i
 
 
 @pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    from gateway.tokenization import TokenizerService
-
-    svc = TokenizerService(tokenizer_dir)
-    yield svc
-    svc.close()
-
-
-@pytest.fixture(scope="module")
 def keys_file(tmp_path_factory):
     p = tmp_path_factory.mktemp("keys") / "keys.yaml"
     p.write_text("".join(f"{t}: [{', '.join(ks)}]\n" for t, ks in KEYS.items()))

@@ -38,15 +38,6 @@ OTHER_KEY, _ = _rsa()  # nobody trusts this one
 
 
 @pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    from gateway.tokenization import TokenizerService
-
-    svc = TokenizerService(tokenizer_dir)
-    yield svc
-    svc.close()
-
-
-@pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("auth")
     import hashlib

@@ -240,20 +240,13 @@ class WarmSystem:
 @pytest.fixture(scope="session")
 def e2e_redis():
     """A private redis-server for the whole session (the per-test `redis_server` is function-scoped)."""
-    import shutil
-
     try:
-        from tests.conftest import RedisServer
+        from tests.conftest import running_redis
     except ImportError:  # tests/ is not a package: its conftest is the top-level module "conftest"
-        from conftest import RedisServer
+        from conftest import running_redis
 
-    srv = RedisServer()
-    srv.start()
-    try:
+    with running_redis() as srv:
         yield srv
-    finally:
-        srv.stop()
-        shutil.rmtree(srv.dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
