@@ -394,9 +394,12 @@ def test_routing_sticks_then_spills_under_queue(vllm_replicas, e2e_system):
     # Build a real queue on the warm replica: long requests sent to it directly (the gateway only
     # learns of them through the agent's /metrics scrape: running and waiting counts). The engines
     # run with --max-num-seqs MAX_NUM_SEQS (8), so 18 held requests leave ~10 waiting for a slot,
-    # each of which must wait for running requests to finish their 250 tokens: seconds of queue.
-    # 18 short prompts x 250 forced output tokens: ~12 blocks each, so the document is not evicted.
-    futs = _hold(system.by_id[warm], 18, 100, 250, rng)
+    # each of which must wait for running requests to finish their 1200 tokens: seconds of queue.
+    # 18 short prompts x 1200 forced output tokens. On a quiet machine 250 tokens finished before
+    # the agent's 0.25 s scrapes ever saw the queue (CI flake), so the requests are long; the 8
+    # running ones take ~43 blocks each (344 + the document's 17 of 512), so the document is
+    # still cached when the decision is made.
+    futs = _hold(system.by_id[warm], 18, 100, 1200, rng)
     try:
         seen = []  # (running, waiting) of the reports read, for the failure message
 
@@ -410,6 +413,10 @@ def test_routing_sticks_then_spills_under_queue(vllm_replicas, e2e_system):
             rep = _wait(full_with_queue, 60, f"the agent to report a full replica with a queue on {warm}")
         except AssertionError as exc:
             raise AssertionError(f"{exc}; (running, waiting) reported: {seen[-40:]}") from None
+        # what the index held just before the decision, and the agent's state, for a failure message
+        ids = system.gateway.tokenizer.encode_prompt(body(98)["prompt"])
+        keys = KeyChain(system.model, 32).request_keys(ids, salt=system.salt("acme"))
+        before = f"index before the decision {_index_match(system, keys)}; agent {system.agents[warm].stats}"
         res = _via_gateway(system, "acme", body(99), timeout=600)
         assert res.status == 200
         span = _server_span(system, res.request_id)
@@ -424,7 +431,7 @@ def test_routing_sticks_then_spills_under_queue(vllm_replicas, e2e_system):
               f"penalty {c.get('warmroute.term.queue_penalty_s', 0.0):.4f} s; chose {res.replica}")
         print("routing: warm terms " + ", ".join(f"{k.split('.')[-1]}={v:.4g}" for k, v in sorted(w.items())
                                                if k.startswith("warmroute.term.")))
-        assert w["warmroute.matched_blocks_gpu"] > 0  # the warm replica still held the document
+        assert w["warmroute.matched_blocks_gpu"] > 0, before  # the warm replica still held the document
         assert w.get("warmroute.rank") is not None, f"the warm replica was not eligible (health/ejection): {w}"
         # the decision saw the queue the engine has: slots full, requests waiting for a completion
         assert w["warmroute.term.slots_full"] == 1.0, "the warm replica's full slots were not seen"
