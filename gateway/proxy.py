@@ -1,9 +1,8 @@
 """Upstream calls and the SSE relay.
 
 Rules:
-- One aiohttp ClientSession with a pooled connector serves every replica; connections are reused
-  (keep-alive) and aiohttp sets TCP_NODELAY on them (base_protocol.connection_made), as it does on
-  accepted sockets.
+- Proxied requests go through `gateway.upstream.UpstreamPool` (lean HTTP/1.1 keep-alive pool,
+  TCP_NODELAY); `make_session()` is the aiohttp session for the rest (health probes, discovery).
 - `attempt()` sends one request to one replica and returns once the *first byte the client would
   see* is in hand: for a stream, status 200 plus the first complete SSE event; otherwise the whole
   body. Anything that goes wrong before that (connect refused or timed out, 5xx, no first event
@@ -28,6 +27,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+
 __all__ = ["UpstreamFailure", "Attempt", "SseRelay", "attempt", "make_session"]
 
 _json_decode = msgspec.json.decode
@@ -49,7 +50,7 @@ class UpstreamFailure(Exception):
 class Attempt:
     status: int  # upstream HTTP status
     content_type: str  # upstream content type
-    resp: aiohttp.ClientResponse | None  # open response of a stream (None when body is complete)
+    resp: UpstreamResponse | None  # open response of a stream (None when body is complete)
     body: bytes  # whole body (non-stream) or the first event(s) of a stream, already relayed-filtered
     relay: "SseRelay | None"  # the stream's relay state
     t_sent: float  # perf_counter when the request was sent
@@ -141,23 +142,23 @@ class SseRelay:
         return rest
 
 
-async def attempt(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str], *,
+async def attempt(pool: UpstreamPool, base_url: str, path: str, body: bytes, headers: dict[str, str], *,
                   stream: bool, client_wants_usage: bool, first_byte_timeout_s: float, idle_timeout_s: float) -> Attempt:
     """One upstream try; see the module rules. Raises UpstreamFailure before the first byte."""
     t_sent = time.perf_counter()
-    resp: aiohttp.ClientResponse | None = None
+    resp: UpstreamResponse | None = None
     try:
         async with asyncio.timeout(first_byte_timeout_s):
             try:
-                resp = await session.post(url, data=body, headers=headers)
-            except aiohttp.ClientConnectorError as exc:
-                raise UpstreamFailure("connect", _short(exc)) from None
+                resp = await pool.request(base_url, "POST", path, body, headers)
+            except UpstreamError as exc:
+                raise UpstreamFailure("connect" if exc.phase == "connect" else "first_byte", exc.reason) from None
             status = resp.status
-            ctype = resp.headers.get("Content-Type", "application/json")
+            ctype = resp.content_type or "application/json"
             if status >= 500:
                 try:
                     await resp.read()
-                except Exception:  # noqa: BLE001
+                except UpstreamError:
                     pass
                 resp.release()
                 raise UpstreamFailure("status", f"status {status}", status)
@@ -168,7 +169,7 @@ async def attempt(session: aiohttp.ClientSession, url: str, body: bytes, headers
             relay = SseRelay(client_wants_usage)
             first = b""
             while not first:
-                chunk = await resp.content.readany()
+                chunk = await resp.readany()
                 if not chunk:  # EOF before any event
                     first = relay.tail()
                     if not first:
@@ -184,25 +185,14 @@ async def attempt(session: aiohttp.ClientSession, url: str, body: bytes, headers
         if resp is not None:
             resp.close()
         raise UpstreamFailure("first_byte", "timeout") from None
-    except (aiohttp.ClientError, OSError) as exc:
+    except UpstreamError as exc:
         if resp is not None:
             resp.close()
-        raise UpstreamFailure("first_byte", _short(exc)) from None
+        raise UpstreamFailure("first_byte", exc.reason) from None
     except BaseException:
         if resp is not None:
             resp.close()
         raise
-
-
-def _short(exc: BaseException) -> str:
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        err = exc.os_error
-        if isinstance(err, ConnectionRefusedError):
-            return "connection refused"
-        return f"connect error: {type(err).__name__}"
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return "server disconnected"
-    return type(exc).__name__
 
 
 def usage_numbers(usage: dict[str, Any] | None) -> tuple[int | None, int | None, int | None]:

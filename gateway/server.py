@@ -1,5 +1,9 @@
-"""The gateway service: aiohttp on uvloop; wires auth, salt, tokenizer, keys, index, load,
-membership, policy, proxy and telemetry into the request path (DESIGN.md "One request, end to end").
+"""The gateway service on uvloop; wires auth, salt, tokenizer, keys, index, load, membership,
+policy, proxy and telemetry into the request path (DESIGN.md "One request, end to end").
+
+The API port is served by `gateway.http_front` (httptools) and proxied requests go out through
+`gateway.upstream` (both lean HTTP/1.1, for the per-request CPU budget); the admin port, health
+probes and model discovery use aiohttp.
 
 This module owns the I/O and the order of steps; every decision is made by a pure module:
 `auth` (who, which model, limits), `salt` (the cache salt), `routing` (replica views and the
@@ -34,9 +38,11 @@ from gateway.auth import (ApiKeyStore, Authenticator, Identity, JwtVerifier, Ten
                           load_api_keys_file, load_jwks_file, parse_key_entry)
 from gateway.config import ConfigError, GatewayConfig, apply_args, check_files, load_config
 from gateway.errors import ApiError, sse_error_event
+from gateway.http_front import FrontRequest, FrontResponse, FrontServer, send_error as _send_error, start_front
 from gateway.load import LoadTracker
 from gateway.membership import Membership, MembershipRunner
 from gateway.proxy import Attempt, UpstreamFailure, attempt, make_session, usage_numbers
+from gateway.upstream import UpstreamError, UpstreamPool
 from gateway.routing import build_views, explain, predicted_matched_tokens
 from gateway.salt import NO_AUTH_DEFAULT_SECRET, SaltDeriver, load_salt_secret
 from gateway.telemetry import Metrics, StateCollector, build_tracer_provider, setup_logging
@@ -130,7 +136,9 @@ class Gateway:
         self.max_model_len: int | None = cfg.model.max_model_len
         self.keychain = None
         self._served: set[str] = set()
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # probes and model discovery
+        self.pool: UpstreamPool | None = None  # proxied requests (the hot path)
+        self._front: FrontServer | None = None  # the API port
         self._tasks: list[asyncio.Task] = []
         self._runners: list[web.AppRunner] = []
         self._req_ids = itertools.count(1)
@@ -164,6 +172,7 @@ class Gateway:
     async def start(self) -> None:
         cfg = self.cfg
         self.session = make_session(cfg.proxy.pool_limit, cfg.proxy.connect_timeout_s)
+        self.pool = UpstreamPool(connect_timeout_s=cfg.proxy.connect_timeout_s)
         # Admin first: /healthz answers while the tokenizer loads.
         admin = web.Application()
         admin.router.add_get("/metrics", self.h_metrics)
@@ -220,23 +229,16 @@ class Gateway:
                 self._tasks.append(asyncio.create_task(self._discover_loop(), name="discover"))
 
         # The API port last: bound once everything it needs exists.
-        app = web.Application(client_max_size=cfg.server.max_body_bytes)
-        app.router.add_route("*", "/v1/chat/completions", self.h_chat)
-        app.router.add_route("*", "/v1/completions", self.h_completions)
-        app.router.add_route("*", "/v1/models", self.h_models)
-        app.router.add_route("*", "/{tail:.*}", self.h_not_found)
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
-                               shutdown_timeout=cfg.server.shutdown_grace_s)
-        await runner.setup()
-        self._runners.insert(0, runner)
-        site = web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_port=self.reuse_port or None,
-                           backlog=1024)
-        await site.start()
-        self.url = f"http://{_host_for_url(cfg.server.host)}:{_bound_port(site)}"
+        self._front, port = await start_front(self.h_api, cfg.server.host, cfg.server.port,
+                                              max_body_bytes=cfg.server.max_body_bytes, reuse_port=self.reuse_port)
+        self.url = f"http://{_host_for_url(cfg.server.host)}:{port}"
 
     async def close(self) -> None:
         self.draining = True
-        # API runner first: stops accepting, waits for in-flight handlers up to shutdown_grace_s.
+        # API port first: stops accepting, waits for in-flight responses up to shutdown_grace_s.
+        if self._front is not None:
+            await self._front.close(self.cfg.server.shutdown_grace_s)
+            self._front = None
         for r in self._runners:
             await r.cleanup()
         self._runners.clear()
@@ -262,6 +264,8 @@ class Gateway:
                     pass
         if self.session is not None:
             await self.session.close()
+        if self.pool is not None:
+            await self.pool.close()
         if self._own_tokenizer and self._tokenizer is not None:
             self._tokenizer.close()
 
@@ -474,29 +478,30 @@ class Gateway:
             return _error_response(e)
 
     # ------------------------------------------------------------------ API handlers
-    async def h_not_found(self, request: web.Request) -> web.Response:
-        return _error_response(ApiError(404, f"unknown route {request.method} {request.path}", code="unknown_route"))
+    async def h_api(self, request: FrontRequest, resp: FrontResponse) -> None:
+        """The API port's one entry point (gateway.http_front calls it per request)."""
+        kind = _ROUTES.get(request.path)
+        if kind is not None:
+            await self._handle(request, resp, kind, request.path)
+        elif request.path == "/v1/models":
+            await self.h_models(request, resp)
+        else:
+            await _send_error(resp, ApiError(404, f"unknown route {request.method} {request.path}", code="unknown_route"))
 
-    async def h_models(self, request: web.Request) -> web.Response:
+    async def h_models(self, request: FrontRequest, resp: FrontResponse) -> None:
         if request.method != "GET":
-            return _method_not_allowed(request, "GET")
+            return await _method_not_allowed(request, resp, "GET")
         try:
             ident = self.auth.authenticate(request.headers)
         except ApiError as e:
-            return _error_response(e)
+            return await _send_error(resp, e)
         names = sorted(self._served) if self.model_name else []
         pol = self.auth.policies.get(ident.tenant_id)
         if pol is not None and pol.models is not None:
             names = [n for n in names if n in pol.models]
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "warmroute", "root": self.model_name,
                  "max_model_len": self.max_model_len} for n in names]
-        return web.json_response({"object": "list", "data": data})
-
-    async def h_chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "chat", "/v1/chat/completions")
-
-    async def h_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "completions", "/v1/completions")
+        await resp.send(200, {"Content-Type": _JSON}, _encode({"object": "list", "data": data}))
 
     def _check_model(self, payload: dict) -> str:
         model = payload.get("model")
@@ -616,11 +621,13 @@ class Gateway:
         decision = self.policy.rank(rv, views, self.rng)
         return rv, views, decision, time.perf_counter() - t0
 
-    async def _handle(self, request: web.Request, kind: str, route: str) -> web.StreamResponse:
+    async def _handle(self, request: FrontRequest, resp: FrontResponse, kind: str, route: str) -> None:
         t0 = time.perf_counter()
         if request.method != "POST":
-            return _method_not_allowed(request, "POST")
-        rid_req = request.headers.get("X-Request-Id") or f"wr-{self._id_prefix}-{next(self._req_ids)}"
+            return await _method_not_allowed(request, resp, "POST")
+        rid_req = request.headers.get("X-Request-Id")
+        if not rid_req or len(rid_req) > 128 or not rid_req.isprintable():
+            rid_req = f"wr-{self._id_prefix}-{next(self._req_ids)}"
         status = 500
         replica = "-"
         span = None
@@ -630,14 +637,7 @@ class Gateway:
         try:
             try:
                 ident = self.auth.authenticate(request.headers)
-                cl = request.content_length
-                if cl is not None and cl > self.cfg.server.max_body_bytes:
-                    raise ApiError(413, f"request body over {self.cfg.server.max_body_bytes} bytes", code="body_too_large")
-                try:
-                    raw = await request.read()
-                except web.HTTPRequestEntityTooLarge:
-                    raise ApiError(413, f"request body over {self.cfg.server.max_body_bytes} bytes", code="body_too_large") from None
-                payload = _parse_body(raw)
+                payload = _parse_body(request.body)  # the front end already bounded its size (413)
                 model = self._check_model(payload)
                 self.auth.authorize_model(ident, model)
                 limited = self.limiter.acquire(ident.tenant_id)
@@ -669,24 +669,24 @@ class Gateway:
                 body = _encode(payload)
                 trail = ["-"]
                 try:
-                    resp, status, replica = await self._proxy(request, route, body, prep, rv, views, decision, keys,
-                                                              client_usage, span, rid_req, t0, trail)
-                except asyncio.CancelledError:  # the client went away (handler cancellation)
+                    status, replica = await self._proxy(request, resp, route, body, prep, rv, views, decision, keys,
+                                                        client_usage, span, rid_req, t0, trail)
+                except (asyncio.CancelledError, ConnectionResetError):  # the client went away
                     status, replica = 499, trail[0]
                     raise
-                return resp
             except ApiError as e:
                 status = e.status
                 if span is not None:
                     span.set_attribute("http.response.status_code", status)
                     span.set_attribute("error.type", e.code or str(status))
-                return _error_response(e, rid_req)
+                await _send_error(resp, e, rid_req)
         except Exception as exc:  # noqa: BLE001 - never crash a connection on our own bug
             if isinstance(exc, (ConnectionResetError, asyncio.CancelledError)):
                 raise
             log.exception("internal error", extra={"fields": {"request_id": rid_req}})
             status = 500
-            return _error_response(ApiError(500, "internal error", code="internal_error"), rid_req)
+            if not resp.started:
+                await _send_error(resp, ApiError(500, "internal error", code="internal_error"), rid_req)
         finally:
             self.active_handlers -= 1
             if limited and ident is not None:
@@ -706,7 +706,8 @@ class Gateway:
                     "tenant_hash": ident.tenant_hash if ident is not None else None}})
 
     # ------------------------------------------------------------------ proxying
-    async def _proxy(self, request, route, body, prep, rv, views, decision, keys, client_usage, span, rid_req, t0, trail):
+    async def _proxy(self, request, resp, route, body, prep, rv, views, decision, keys, client_usage, span, rid_req, t0,
+                     trail):
         cfg = self.cfg.proxy
         ranked = decision.ranked[: cfg.max_attempts]
         view_of = {v.replica_id: v for v in views}
@@ -733,7 +734,7 @@ class Gateway:
                 if tp:
                     headers["traceparent"] = tp
             try:
-                at = await attempt(self.session, st.url + route, body, headers, stream=prep.stream,
+                at = await attempt(self.pool, st.url, route, body, headers, stream=prep.stream,
                                    client_wants_usage=client_usage, first_byte_timeout_s=cfg.first_byte_timeout_s,
                                    idle_timeout_s=cfg.idle_timeout_s)
             except UpstreamFailure as f:
@@ -760,22 +761,22 @@ class Gateway:
                 raise
             self.membership.report_success(rid)
             try:
-                resp, gone = await self._relay(request, at, prep, rid, view, predicted, uncached, flight, span, up_span,
-                                               t0, cand, rid_req)
+                gone = await self._relay(resp, at, prep, rid, view, predicted, uncached, flight, span, up_span,
+                                         t0, cand, rid_req)
             finally:
                 flight.finish()
                 if up_span is not None:
                     up_span.end()
-            return resp, (499 if gone else at.status), rid  # 499: client closed the request
+            return (499 if gone else at.status), rid  # 499: client closed the request
         msg = "no replica could take the request"
         if last_failure is not None:
             msg += f" (last error: {last_failure.reason})"
         raise ApiError(503 if last_failure is None or last_failure.phase != "first_byte" else 504 if last_failure.reason == "timeout" else 502,
                        msg, code="upstream_unavailable", headers={"Retry-After": "1"})
 
-    async def _relay(self, request, at: Attempt, prep, rid, view, predicted, uncached, flight, span, up_span, t0,
-                     cand, rid_req) -> tuple[web.StreamResponse, bool]:
-        """Send the attempt's answer to the client. Returns (response, client went away)."""
+    async def _relay(self, resp: FrontResponse, at: Attempt, prep, rid, view, predicted, uncached, flight, span, up_span,
+                     t0, cand, rid_req) -> bool:
+        """Send the attempt's answer to the client. Returns True when the client went away."""
         m = self.metrics
         hdrs = {"X-Request-Id": rid_req, "X-Warmroute-Replica": rid}
         if at.resp is None:
@@ -787,7 +788,11 @@ class Gateway:
             if at.status == 200:
                 # A non-streamed answer arrives whole: its time is not a TTFT, so no rate sample.
                 self._learn(rid, None, uncached, cand, view, span, up_span, predicted, _usage_from_body(at.body), None)
-            return web.Response(body=at.body, status=at.status, headers={**hdrs, "Content-Type": at.content_type}), False
+            try:
+                await resp.send(at.status, {**hdrs, "Content-Type": at.content_type}, at.body)
+            except ConnectionResetError:
+                return True
+            return False
         relay = at.relay
         flight.first_token()
         ttft = at.t_first - t0
@@ -795,7 +800,8 @@ class Gateway:
         if up_span is not None:
             up_span.set_attribute("warmroute.ttft_s", at.t_first - at.t_sent)
             up_span.set_attribute("http.response.status_code", at.status)
-        resp = _SseResponse(status=200, headers={**hdrs, "Content-Type": at.content_type, "Cache-Control": "no-cache"})
+        hdrs["Content-Type"] = at.content_type
+        hdrs["Cache-Control"] = "no-cache"
         upstream = at.resp
         # Idle timeout without a timer per chunk: one watchdog per stream, re-armed lazily from the
         # time of the last chunk; on expiry it cancels this task, and the cancel becomes a timeout.
@@ -814,19 +820,15 @@ class Gateway:
                 task.cancel()
 
         handle = [loop.call_later(idle, watchdog)]
-        content = upstream.content
         # `ended`: [DONE] went out together with the end of the chunked body (one send, not two);
         # the upstream is then only read to its end, so its connection goes back to the pool.
         ended = relay.done
         try:
-            await resp.prepare(request)
-            if ended:
-                await resp.write_eof(at.body)
-            else:
-                await resp.write(at.body)
+            # Headers and the first event(s) in one send (and the end of the body, if it came too).
+            await resp.start(200, hdrs, at.body, end=ended)
             while True:
                 try:
-                    chunk = await content.readany()
+                    chunk = await upstream.readany()
                     last[0] = loop.time()
                 except asyncio.CancelledError:
                     if not expired[0]:
@@ -838,8 +840,8 @@ class Gateway:
                     if not ended:
                         await resp.write(sse_error_event(f"upstream replica sent nothing for {idle:g}s"))
                     break
-                except (aiohttp.ClientError, OSError) as exc:
-                    reason = type(exc).__name__
+                except UpstreamError as exc:
+                    reason = exc.reason
                     m.child(m.upstream_errors, rid, "stream", reason).inc()
                     if span is not None:
                         span.set_attribute("error.type", reason)
@@ -859,15 +861,15 @@ class Gateway:
                     continue
                 if relay.done:
                     ended = True
-                    await resp.write_eof(out)
+                    await resp.end(out)
                 elif out:
                     await resp.write(out)
             handle[0].cancel()
-            await resp.write_eof()
+            await resp.end()
         except ConnectionResetError:
             # Client went away: closing the upstream response aborts the engine's request.
             upstream.close()
-            return resp, True
+            return True
         except asyncio.CancelledError:
             upstream.close()
             raise
@@ -879,7 +881,7 @@ class Gateway:
         if relay.content_events >= 3 and relay.t_last_event > relay.t_first_event:
             decode = (relay.t_last_event - relay.t_first_event) / (relay.content_events - 1)
         self._learn(rid, at.t_first - at.t_sent, uncached, cand, view, span, up_span, predicted, relay.usage, decode)
-        return resp, False
+        return False
 
     def _learn(self, rid, ttft_up_s, uncached, cand, view, span, up_span, predicted, usage, decode_s) -> None:
         """Feed calibration, the policy hook, metrics and span attributes from one finished request.
@@ -961,15 +963,6 @@ class Gateway:
             "warmroute.replica_id": rid, "url.full": url, "http.request.method": "POST", "warmroute.attempt": attempt_no})
 
 
-class _SseResponse(web.StreamResponse):
-    """A StreamResponse whose headers go out with the first event, in one send: aiohttp's
-    StreamResponse sends them on its own at prepare() (an extra syscall and TCP segment per
-    request, and the client wakes twice before its first byte). `web.Response` buffers the same
-    way; the attribute is aiohttp >= 3.12's switch (ignored by older versions)."""
-
-    _send_headers_immediately = False
-
-
 @dataclass(slots=True)
 class _Prepared:
     kind: str  # "chat" | "completions"
@@ -1038,10 +1031,10 @@ def _error_response(e: ApiError, request_id: str | None = None) -> web.Response:
     return web.Response(body=e.body(), status=e.status, headers=headers)
 
 
-def _method_not_allowed(request: web.Request, allowed: str) -> web.Response:
+async def _method_not_allowed(request: FrontRequest, resp: FrontResponse, allowed: str) -> None:
     e = ApiError(405, f"method {request.method} not allowed on {request.path} (use {allowed})",
                  code="method_not_allowed", headers={"Allow": allowed})
-    return _error_response(e)
+    await _send_error(resp, e)
 
 
 def _bound_port(site: web.TCPSite) -> int:

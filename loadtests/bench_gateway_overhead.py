@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import socket
@@ -43,20 +44,27 @@ def _free_port() -> int:
 # --------------------------------------------------------------------------- fake upstream
 def fake_upstream_main(port: int, interval_ms: float) -> None:
     """A minimal vLLM-shaped streaming replica (runs in its own process): the first event at once,
-    then `max_tokens` token events `interval_ms` apart (a decode step), usage if asked, [DONE]."""
+    then `max_tokens` token events `interval_ms` apart (a decode step), usage if asked, [DONE].
+    Served by gateway.http_front, the leanest HTTP server we have, so the replica's own CPU
+    disturbs the measurement as little as possible (the same replica serves both sides)."""
     import uvloop
-    from aiohttp import web
+
+    from gateway.http_front import start_front
 
     head = b'data: {"id":"c","object":"chat.completion.chunk","model":"bench-model","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
     tok = b'data: {"id":"c","object":"chat.completion.chunk","model":"bench-model","choices":[{"index":0,"delta":{"content":" tok"}}]}\n\n'
     done = b"data: [DONE]\n\n"
+    sse = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+    models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 4096}]}).encode()
 
-    async def chat(request: web.Request) -> web.StreamResponse:
-        body = json.loads(await request.read())
+    async def handle(req, resp) -> None:
+        if req.path == "/health":
+            return await resp.send(200, {}, b"")
+        if req.path == "/v1/models":
+            return await resp.send(200, {"Content-Type": "application/json"}, models)
+        body = json.loads(req.body)
         events = int(body.get("max_tokens") or 8)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        await resp.write(head)
+        await resp.start(200, sse, head)
         for _ in range(events):
             if interval_ms > 0:
                 await asyncio.sleep(interval_ms / 1000)
@@ -65,23 +73,10 @@ def fake_upstream_main(port: int, interval_ms: float) -> None:
         if (body.get("stream_options") or {}).get("include_usage"):
             tail = (b'data: {"id":"c","object":"chat.completion.chunk","model":"bench-model","choices":[],"usage":{"prompt_tokens":12,'
                     b'"completion_tokens":%d,"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":0}}}\n\n' % (events, events + 12)) + done
-        await resp.write(tail)
-        return resp
-
-    async def health(request):
-        return web.Response()
-
-    async def models(request):
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 4096}]})
+        await resp.end(tail)
 
     async def main():
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat)
-        app.router.add_get("/health", health)
-        app.router.add_get("/v1/models", models)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port, backlog=2048).start()
+        await start_front(handle, "127.0.0.1", port, max_body_bytes=1 << 20)
         await asyncio.Event().wait()
 
     uvloop.run(main())
@@ -127,25 +122,70 @@ async def _one(session, url: str, body: bytes, ttfts: list[float], errors: list[
         kinds[type(exc).__name__] = kinds.get(type(exc).__name__, 0) + 1
 
 
-async def run_level(base_url: str, concurrency: int, seconds: float, max_tokens: int, warmup_s: float = 1.0) -> dict:
+async def _one_lean(pool, base: str, body: bytes, ttfts: list[float], errors: list[int], kinds: dict) -> None:
+    t0 = time.perf_counter()
+    try:
+        r = await pool.request(base, "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        try:
+            if r.status != 200:
+                errors[0] += 1
+                kinds[f"status {r.status}"] = kinds.get(f"status {r.status}", 0) + 1
+                await r.read()
+                return
+            seen = b""
+            while True:
+                chunk = await r.readany()
+                if not chunk:
+                    errors[0] += 1
+                    kinds["empty stream"] = kinds.get("empty stream", 0) + 1
+                    return
+                seen += chunk
+                if b"data:" in seen:
+                    ttfts.append(time.perf_counter() - t0)
+                    break
+            rest = await r.read()
+            if b'"error"' in rest:
+                errors[0] += 1
+                kinds["error event"] = kinds.get("error event", 0) + 1
+        finally:
+            r.release()
+    except Exception as exc:  # noqa: BLE001
+        errors[0] += 1
+        kinds[type(exc).__name__] = kinds.get(type(exc).__name__, 0) + 1
+
+
+async def run_level(base_url: str, concurrency: int, seconds: float, max_tokens: int, warmup_s: float = 1.0,
+                    client: str = "lean") -> dict:
+    """`concurrency` streams back to back for warmup + `seconds`; TTFT of those that start after
+    the warmup. `client`: "lean" (gateway.upstream's pool: the load generator's own CPU per event
+    is small, so on a 2-core machine it steals less time from what is measured) or "aiohttp"."""
     import aiohttp
+
+    from gateway.upstream import UpstreamPool
 
     url = base_url + "/v1/chat/completions"
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hello in one word."}],
                        "max_tokens": max_tokens, "stream": True}).encode()
-    conn = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     ttfts: list[float] = []
     errors = [0]
     kinds: dict[str, int] = {}
     done = [0]
-    async with aiohttp.ClientSession(connector=conn) as session:
+    if client == "lean":
+        pool = UpstreamPool(connect_timeout_s=5.0, idle_keepalive_s=30.0)
+        session = None
+        one = functools.partial(_one_lean, pool, base_url)
+    else:
+        pool = None
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency, force_close=False))
+        one = functools.partial(_one, session, url)
+    try:
         stop_at = time.perf_counter() + warmup_s + seconds
         measure_from = time.perf_counter() + warmup_s
 
         async def worker():
             while time.perf_counter() < stop_at:
                 sink: list[float] = []
-                await _one(session, url, body, sink, errors, kinds)
+                await one(body, sink, errors, kinds)
                 if sink and time.perf_counter() >= measure_from:
                     ttfts.extend(sink)
                     done[0] += 1
@@ -153,6 +193,11 @@ async def run_level(base_url: str, concurrency: int, seconds: float, max_tokens:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - max(t0, measure_from - warmup_s) - warmup_s
+    finally:
+        if pool is not None:
+            await pool.close()
+        if session is not None:
+            await session.close()
     ttfts.sort()
 
     def pct(q):
@@ -190,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=6.0, help="measured seconds per phase and target")
     ap.add_argument("--saturate", type=int, default=128, help="concurrency of the peak-throughput phase (0: skip)")
     ap.add_argument("--upstream", choices=["fake", "sim"], default="fake")
+    ap.add_argument("--client", choices=["lean", "aiohttp"], default="lean",
+                    help="the load generator's HTTP client (see run_level)")
     ap.add_argument("--tokens", type=int, default=32, help="token events per stream in the latency phases")
     ap.add_argument("--interval-ms", type=float, default=15.0, help="fake decode step between token events")
     ap.add_argument("--gateway-cpu", type=int, default=-1,
@@ -219,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
          "--feed", "memory://", "--model", MODEL, "--max-model-len", "4096"],
         stdout=subprocess.DEVNULL, stderr=open(args.gateway_log, "w"),
         preexec_fn=(lambda: os.sched_setaffinity(0, {args.gateway_cpu})) if pin else None)
-    report: dict = {"command": " ".join(sys.argv), "upstream": args.upstream, "cpus": ncpu, "tokens_per_stream": args.tokens,
+    report: dict = {"command": " ".join(sys.argv), "upstream": args.upstream, "client": args.client, "cpus": ncpu, "tokens_per_stream": args.tokens,
                     "interval_ms": args.interval_ms, "loadavg_start": os.getloadavg(), "gateway_pinned_cpu": args.gateway_cpu if pin else None,
                     "seconds_per_phase": args.seconds, "levels": []}
     try:
@@ -228,9 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         for c in [int(x) for x in args.levels.split(",") if x]:
-            d = uvloop.run(run_level(direct, c, args.seconds, args.tokens))
+            d = uvloop.run(run_level(direct, c, args.seconds, args.tokens, client=args.client))
             cpu0 = _cpu_s(gw.pid)
-            g = uvloop.run(run_level(via, c, args.seconds, args.tokens))
+            g = uvloop.run(run_level(via, c, args.seconds, args.tokens, client=args.client))
             cpu1 = _cpu_s(gw.pid)
             row = {"concurrency": c, "direct": d, "gateway": g,
                    "added_ttft_ms": {k: g["ttft_ms"][k] - d["ttft_ms"][k] for k in ("p50", "p90", "p99", "mean")},
@@ -244,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         if args.saturate:
             cpu0, t0 = _cpu_s(gw.pid), time.perf_counter()
-            sat = uvloop.run(run_level(via, args.saturate, args.seconds, 1))
+            sat = uvloop.run(run_level(via, args.saturate, args.seconds, 1, client=args.client))
             cpu1, wall = _cpu_s(gw.pid), time.perf_counter() - t0
             cpu_per_req = (cpu1 - cpu0) / max(1, sat["requests"])
             report["saturation"] = {
