@@ -135,6 +135,28 @@ class FrontResponse:
             out += b"0\r\n\r\n"
         await self._conn.write(out)
 
+    # Synchronous variants for callback-driven relays (no await per chunk); they drop the data if
+    # the client is gone (its handler task is being cancelled then) and leave flow control to
+    # `on_flow()`.
+    def write_nowait(self, data: bytes) -> None:
+        if data and not self.finished and not self._conn.lost:
+            self._conn.transport.write(self._frame(data))
+
+    def end_nowait(self, last: bytes = b"") -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if not self._conn.lost:
+            out = self._frame(last)
+            self._conn.transport.write(out + b"0\r\n\r\n" if self._chunked else out)
+
+    def on_flow(self, pause, resume) -> None:
+        """Call `pause()` when the client stops keeping up (our send buffer is over its high-water
+        mark) and `resume()` when it has drained; None, None to stop."""
+        self._conn._flow = (pause, resume) if pause is not None else None
+        if pause is not None and self._conn._writable is not None and not self._conn._writable.done():
+            pause()
+
     def client_gone(self) -> bool:
         return self._conn.lost
 
@@ -145,7 +167,7 @@ Handler = Callable[[FrontRequest, FrontResponse], Awaitable[None]]
 class _Conn(asyncio.Protocol):
     __slots__ = ("server", "transport", "parser", "lost", "_url", "_headers", "_header_bytes", "_body",
                  "_body_size", "_reject", "_queue", "_task", "_writable", "_last_active", "_in_message",
-                 "_paused_reading", "_close_after", "_msg_start", "_dropped")
+                 "_paused_reading", "_close_after", "_msg_start", "_dropped", "_flow")
 
     def __init__(self, server: "FrontServer") -> None:
         self.server = server
@@ -155,6 +177,7 @@ class _Conn(asyncio.Protocol):
         self._queue: collections.deque[FrontRequest] = collections.deque()
         self._task: asyncio.Task | None = None
         self._writable: asyncio.Future | None = None  # set while the transport is paused
+        self._flow = None  # (pause, resume) of a callback-driven relay (FrontResponse.on_flow)
         self._last_active = time.monotonic()
         self._in_message = False
         self._msg_start = 0.0
@@ -195,11 +218,15 @@ class _Conn(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self._writable is None or self._writable.done():
             self._writable = asyncio.get_running_loop().create_future()
+        if self._flow is not None:
+            self._flow[0]()
 
     def resume_writing(self) -> None:
         w = self._writable
         if w is not None and not w.done():
             w.set_result(None)
+        if self._flow is not None:
+            self._flow[1]()
 
     def data_received(self, data: bytes) -> None:
         self._last_active = time.monotonic()
@@ -333,6 +360,7 @@ class _Conn(asyncio.Protocol):
             return
         finally:
             server.active -= 1
+            self._flow = None
             self._last_active = time.monotonic()
             if self.lost:
                 self._task = None

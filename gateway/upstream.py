@@ -40,7 +40,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = ("pool", "key", "loop", "high", "transport", "parser", "busy", "pooled", "idle_since",
                  "reused", "lost", "got_bytes", "head", "status", "headers", "informational", "until_eof",
-                 "done", "keep_alive", "exc", "chunks", "buffered", "paused", "waiter")
+                 "done", "keep_alive", "exc", "chunks", "buffered", "paused", "waiter", "sink")
 
     def __init__(self, pool: UpstreamPool, key: tuple[str, int]) -> None:
         self.pool = pool
@@ -56,6 +56,7 @@ class _Conn(asyncio.Protocol):
         self._reset(False)
 
     def _reset(self, head: bool) -> None:
+        self.sink = None  # (on_data, on_end) while a response is piped (UpstreamResponse.pipe)
         self.head = head
         self.got_bytes = self.informational = self.until_eof = self.done = self.keep_alive = self.paused = False
         self.status = 0
@@ -117,6 +118,10 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self.done:
             return
+        sink = self.sink
+        if sink is not None:
+            sink[0](body)
+            return
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > self.high and not self.paused and not self.transport.is_closing():
@@ -136,6 +141,10 @@ class _Conn(asyncio.Protocol):
 
     # -- internals --
     def _wake(self) -> None:
+        sink = self.sink
+        if sink is not None and (self.done or self.exc is not None):
+            self.sink = None
+            sink[1](self.exc if not self.done else None)
         w = self.waiter
         if w is not None:
             self.waiter = None
@@ -213,6 +222,37 @@ class UpstreamResponse:
             c._resume()
         return data
 
+    def pipe(self, on_data, on_end) -> None:
+        """Push mode: from now on every body chunk goes straight to `on_data(bytes)` from the
+        protocol callback (no task wake-up per chunk: for a token stream that is most of the
+        relay's cost), then `on_end(None)` once the body is complete or `on_end(UpstreamError)` if
+        the connection fails; chunks already buffered are delivered at once. `on_data` must not
+        raise. Flow control is the caller's: pause_reading()/resume_reading()."""
+        c = self._conn
+        if c is None:
+            on_end(None if self._consumed else UpstreamError("io", "response closed"))
+            return
+        if c.chunks:
+            data = b"".join(c.chunks)
+            c.chunks.clear()
+            c.buffered = 0
+            on_data(data)
+        if c.paused:
+            c._resume()
+        c.sink = (on_data, on_end)
+        c._wake()  # already complete or failed: on_end now
+
+    def pause_reading(self) -> None:
+        c = self._conn
+        if c is not None and not c.paused and not c.transport.is_closing():
+            c.paused = True
+            c.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        c = self._conn
+        if c is not None and c.paused:
+            c._resume()
+
     async def read(self) -> bytes:
         parts = []
         while True:
@@ -228,6 +268,7 @@ class UpstreamResponse:
             return
         self._conn = None
         self._consumed = c.done and not c.chunks
+        c.sink = None
         c.pool._release(c)
 
     def close(self) -> None:
@@ -236,6 +277,7 @@ class UpstreamResponse:
         if c is None:
             return
         self._conn = None
+        c.sink = None
         c._fail("connection closed")
 
     @property

@@ -5,8 +5,11 @@ Side by side in one run, against the same upstream:
   gateway  client -> `warmroute gateway` (one worker, uvloop, cache_aware, no auth) -> upstream
 at 1, 64 and 256 concurrent streams of short chat prompts, keep-alive connections; each stream
 is `--tokens` token events `--interval-ms` apart (a decode step), so concurrency means streams
-open at once, as in production, not a closed loop of instant requests. Added TTFT
-is the gateway's TTFT percentile minus the direct one at the same concurrency. Then a saturation
+open at once, as in production, not a closed loop of instant requests. Two arrival patterns
+(`--arrivals`): "steady" (streams start at independent times, as users' requests do) and "burst"
+(all streams start together and, being of equal length, keep restarting together: c requests
+in the same instant, the worst case for a single-threaded proxy). Added TTFT
+is the gateway's TTFT percentile minus the direct one at the same concurrency and arrivals. Then a saturation
 phase (one-token streams, closed loop) drives the gateway alone to find peak streamed requests/s, and reads the gateway process's
 CPU seconds (from /proc) to give CPU-ms per request and requests/s per core.
 
@@ -26,6 +29,7 @@ import asyncio
 import functools
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -155,10 +159,13 @@ async def _one_lean(pool, base: str, body: bytes, ttfts: list[float], errors: li
 
 
 async def run_level(base_url: str, concurrency: int, seconds: float, max_tokens: int, warmup_s: float = 1.0,
-                    client: str = "lean") -> dict:
+                    client: str = "lean", stagger_s: float = 0.0, seed: int = 0) -> dict:
     """`concurrency` streams back to back for warmup + `seconds`; TTFT of those that start after
     the warmup. `client`: "lean" (gateway.upstream's pool: the load generator's own CPU per event
-    is small, so on a 2-core machine it steals less time from what is measured) or "aiohttp"."""
+    is small, so on a 2-core machine it steals less time from what is measured) or "aiohttp".
+    `stagger_s`: each stream's first request waits uniform(0, stagger_s) (seeded), so streams
+    start and end independently ("steady" arrivals); 0 starts all at once, and streams of equal
+    length then keep restarting together ("burst": `concurrency` requests arriving at once)."""
     import aiohttp
 
     from gateway.upstream import UpstreamPool
@@ -182,7 +189,12 @@ async def run_level(base_url: str, concurrency: int, seconds: float, max_tokens:
         stop_at = time.perf_counter() + warmup_s + seconds
         measure_from = time.perf_counter() + warmup_s
 
-        async def worker():
+        rng = random.Random(seed)
+        delays = [rng.uniform(0, stagger_s) for _ in range(concurrency)]
+
+        async def worker(delay: float):
+            if delay > 0:
+                await asyncio.sleep(delay)
             while time.perf_counter() < stop_at:
                 sink: list[float] = []
                 await one(body, sink, errors, kinds)
@@ -191,7 +203,7 @@ async def run_level(base_url: str, concurrency: int, seconds: float, max_tokens:
                     done[0] += 1
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(d) for d in delays))
         wall = time.perf_counter() - max(t0, measure_from - warmup_s) - warmup_s
     finally:
         if pool is not None:
@@ -235,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=6.0, help="measured seconds per phase and target")
     ap.add_argument("--saturate", type=int, default=128, help="concurrency of the peak-throughput phase (0: skip)")
     ap.add_argument("--upstream", choices=["fake", "sim"], default="fake")
+    ap.add_argument("--arrivals", default="steady,burst",
+                    help="steady: streams start at independent times (each stream's first request after "
+                         "uniform(0, tokens*interval)); burst: all at once, and equal-length streams keep "
+                         "restarting together (c requests arriving in the same instant); comma-separated")
     ap.add_argument("--client", choices=["lean", "aiohttp"], default="lean",
                     help="the load generator's HTTP client (see run_level)")
     ap.add_argument("--tokens", type=int, default=32, help="token events per stream in the latency phases")
@@ -242,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateway-cpu", type=int, default=-1,
                     help="pin the gateway to this CPU and everything else to the others (-1: no pinning, the default: "
                          "on a shared machine other pinned work, e.g. vLLM's CPU worker threads, can starve a pinned gateway)")
+    ap.add_argument("--workers", type=int, default=1, help="gateway worker processes (CPU figures then count the supervisor only)")
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--gateway-log", default="/tmp/warmroute-bench-gateway.log", help="the gateway's stderr")
     args = ap.parse_args(argv)
@@ -263,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     gw = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "gateway", "--host", "127.0.0.1", "--port", str(gw_port),
          "--admin-port", str(gw_admin), "--replica", f"r0=http://127.0.0.1:{up_port}", "--no-auth",
-         "--feed", "memory://", "--model", MODEL, "--max-model-len", "4096"],
+         "--feed", "memory://", "--model", MODEL, "--max-model-len", "4096", "--workers", str(args.workers)],
         stdout=subprocess.DEVNULL, stderr=open(args.gateway_log, "w"),
         preexec_fn=(lambda: os.sched_setaffinity(0, {args.gateway_cpu})) if pin else None)
     report: dict = {"command": " ".join(sys.argv), "upstream": args.upstream, "client": args.client, "cpus": ncpu, "tokens_per_stream": args.tokens,
@@ -274,21 +291,24 @@ def main(argv: list[str] | None = None) -> int:
         direct, via = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{gw_port}"
         import uvloop
 
-        for c in [int(x) for x in args.levels.split(",") if x]:
-            d = uvloop.run(run_level(direct, c, args.seconds, args.tokens, client=args.client))
-            cpu0 = _cpu_s(gw.pid)
-            g = uvloop.run(run_level(via, c, args.seconds, args.tokens, client=args.client))
-            cpu1 = _cpu_s(gw.pid)
-            row = {"concurrency": c, "direct": d, "gateway": g,
-                   "added_ttft_ms": {k: g["ttft_ms"][k] - d["ttft_ms"][k] for k in ("p50", "p90", "p99", "mean")},
-                   "gateway_cpu_ms_per_request": (cpu1 - cpu0) * 1000 / max(1, g["requests"])}
-            report["levels"].append(row)
-            print(f"c={c:4d} n={g['requests']:5d}  direct p50 {d['ttft_ms']['p50']:7.2f} p99 {d['ttft_ms']['p99']:7.2f} ms | "
-                  f"gateway p50 {g['ttft_ms']['p50']:7.2f} p99 {g['ttft_ms']['p99']:7.2f} ms | added p50 "
-                  f"{row['added_ttft_ms']['p50']:6.2f} p99 {row['added_ttft_ms']['p99']:6.2f} ms | "
-                  f"gw {g['rps']:7.1f} req/s, {row['gateway_cpu_ms_per_request']:.3f} CPU-ms/req, errors {d['errors']}/{g['errors']}"
-                  + (f" {g['error_kinds']}" if g["errors"] else ""),
-                  flush=True)
+        stream_s = args.tokens * args.interval_ms / 1000
+        for arrivals in [a for a in args.arrivals.split(",") if a]:
+            stagger = stream_s if arrivals == "steady" else 0.0
+            for c in [int(x) for x in args.levels.split(",") if x]:
+                d = uvloop.run(run_level(direct, c, args.seconds, args.tokens, client=args.client, stagger_s=stagger))
+                cpu0 = _cpu_s(gw.pid)
+                g = uvloop.run(run_level(via, c, args.seconds, args.tokens, client=args.client, stagger_s=stagger))
+                cpu1 = _cpu_s(gw.pid)
+                row = {"arrivals": arrivals, "concurrency": c, "direct": d, "gateway": g,
+                       "added_ttft_ms": {k: g["ttft_ms"][k] - d["ttft_ms"][k] for k in ("p50", "p90", "p99", "mean")},
+                       "gateway_cpu_ms_per_request": (cpu1 - cpu0) * 1000 / max(1, g["requests"])}
+                report["levels"].append(row)
+                print(f"{arrivals:6s} c={c:4d} n={g['requests']:5d}  direct p50 {d['ttft_ms']['p50']:7.2f} p99 "
+                      f"{d['ttft_ms']['p99']:7.2f} ms | gateway p50 {g['ttft_ms']['p50']:7.2f} p99 {g['ttft_ms']['p99']:7.2f} ms | "
+                      f"added p50 {row['added_ttft_ms']['p50']:6.2f} p99 {row['added_ttft_ms']['p99']:6.2f} ms | "
+                      f"gw {g['rps']:7.1f} req/s, {row['gateway_cpu_ms_per_request']:.3f} CPU-ms/req, errors {d['errors']}/{g['errors']}"
+                      + (f" {g['error_kinds']}" if g["errors"] else ""),
+                      flush=True)
         if args.saturate:
             cpu0, t0 = _cpu_s(gw.pid), time.perf_counter()
             sat = uvloop.run(run_level(via, args.saturate, args.seconds, 1, client=args.client))

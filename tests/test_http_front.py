@@ -49,6 +49,28 @@ class App:
             for _ in range(n):
                 await resp.write(b"x" * 65536)
             await resp.end()
+        elif req.path == "/push":  # a callback-driven producer, as the gateway's relay is
+            paused = asyncio.Event()
+            resumed = asyncio.Event()
+            self.pauses = 0
+
+            def pause():
+                self.pauses += 1
+                paused.set()
+                resumed.clear()
+
+            def resume():
+                paused.clear()
+                resumed.set()
+
+            await resp.start(200, {"Content-Type": "application/octet-stream"})
+            resp.on_flow(pause, resume)
+            for _ in range(256):
+                if paused.is_set():
+                    await resumed.wait()
+                resp.write_nowait(b"y" * 65536)
+                await asyncio.sleep(0)
+            resp.end_nowait(b"end")
         elif req.path == "/bug":
             raise RuntimeError("handler bug")
         else:
@@ -274,3 +296,25 @@ async def test_graceful_drain_finishes_in_flight_and_stops_accepting():
     assert not app.cancelled.is_set()
     w.close()
     idle_w.close()
+
+
+async def test_callback_writes_get_flow_control_from_a_slow_reader():
+    app = App()
+    srv, port = await _front(app)
+    try:
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sock.sendall(b"GET /push HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")  # 16 MiB
+        await asyncio.sleep(0.5)
+        (conn,) = srv.conns
+        assert app.pauses >= 1
+        assert conn.transport.get_write_buffer_size() < 4 * 1024 * 1024
+        sock.setblocking(False)
+        data = bytearray()
+        loop = asyncio.get_running_loop()
+        while chunk := await loop.sock_recv(sock, 1 << 20):
+            data += chunk
+        sock.close()
+        assert data.partition(b"\r\n\r\n")[2].count(b"y") == 256 * 65536 and data.endswith(b"3\r\nend\r\n0\r\n\r\n")
+    finally:
+        await srv.close(1)

@@ -636,3 +636,62 @@ async def test_request_wire_format_and_bad_input():
             await pool.request("https://127.0.0.1:1", "GET", "/", b"", {})
         assert len(st.requests) == 3
         await pool.close()
+
+
+@on_both_loops
+async def test_pipe_pushes_chunks_then_ends_and_the_connection_is_reused():
+    async with aio_server() as (url, st):
+        pool = UpstreamPool()
+        for _ in range(2):
+            resp = await pool.request(url, "POST", "/stream", b"{}", {})
+            first = await resp.readany()  # pull mode first (the proxy reads the first event this way)
+            got, ended = [first], asyncio.get_running_loop().create_future()
+            resp.pipe(got.append, ended.set_result)
+            assert await asyncio.wait_for(ended, 5) is None
+            assert b"".join(got) == b"".join(PIECES)
+            assert len(got) >= 3  # pushed as they came, not at the end
+            resp.release()
+        assert pool.stats() == {"idle": 1, "in_use": 0, "opened_total": 1}
+        await pool.close()
+
+
+@on_both_loops
+async def test_pipe_reports_a_lost_connection_and_buffered_bytes_first():
+    async def handler(reader, writer, n, st):
+        await read_request(reader, st)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+
+    async with raw_server(handler) as (url, st):
+        pool = UpstreamPool()
+        resp = await pool.request(url, "GET", "/", b"", {})
+        await asyncio.sleep(0.05)  # "hello" is buffered before we pipe
+        got, ended = [], asyncio.get_running_loop().create_future()
+        resp.pipe(got.append, ended.set_result)
+        assert got == [b"hello"]
+        err = await asyncio.wait_for(ended, 5)
+        assert isinstance(err, UpstreamError) and (err.phase, err.reason) == ("io", "server disconnected")
+        resp.release()
+        assert pool.stats()["idle"] == 0
+        await pool.close()
+
+
+@on_both_loops
+async def test_pipe_pause_reading_holds_the_upstream_back():
+    async with aio_server() as (url, st):
+        pool = UpstreamPool(read_high_water=64 * 1024)
+        resp = await pool.request(url, "GET", "/big", b"", {})
+        got, ended = [], asyncio.get_running_loop().create_future()
+        resp.pipe(got.append, ended.set_result)
+        resp.pause_reading()
+        await asyncio.sleep(0.3)
+        held = sum(map(len, got))
+        assert held < len(BIG) // 2  # paused: the 4 MiB did not all come through
+        await asyncio.sleep(0.1)
+        assert sum(map(len, got)) - held <= 256 * 1024  # at most what one read had in hand
+        resp.resume_reading()
+        assert await asyncio.wait_for(ended, 10) is None
+        assert b"".join(got) == BIG
+        resp.release()
+        await pool.close()
