@@ -19,6 +19,7 @@ Public API: `start_gateway(cfg, *, feed=None, tracer_provider=None) -> RunningGa
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import os
@@ -1108,6 +1109,10 @@ async def _serve(cfg: GatewayConfig, reuse_port: bool) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await gw.start()
+        # Everything loaded so far (tokenizer, templates, modules) lives as long as the process:
+        # move it out of the collector's reach, or each full collection walks it all (65 ms
+        # measured with the default tokenizer) and stalls every stream in flight.
+        gc.freeze()
         log.info("gateway serving", extra={"fields": {"url": gw.url, "admin_url": gw.admin_url, "pid": os.getpid()}})
         await stop.wait()
         log.info("draining", extra={"fields": {"grace_s": cfg.server.shutdown_grace_s}})
