@@ -137,7 +137,7 @@ class ProxyConfig:
     first_byte_timeout_s: float = 300.0  # request sent -> first event of a stream; a non-streamed answer comes whole, so this bounds its generation
     idle_timeout_s: float = 120.0  # longest silence between two upstream chunks
     max_attempts: int = 2  # replicas tried before the first byte (1: no retry)
-    pool_limit: int = 4096  # upstream connections kept (all replicas)
+    pool_limit: int = 4096  # idle keep-alive connections kept per replica
     kv_cache_report_mode: str | None = None  # set vllm_xargs.kv_cache_report_mode (e.g. "full")
     force_include_usage: bool = True  # ask for usage upstream when streaming (stripped if unasked)
 

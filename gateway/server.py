@@ -173,7 +173,7 @@ class Gateway:
     async def start(self) -> None:
         cfg = self.cfg
         self.session = make_session(cfg.proxy.pool_limit, cfg.proxy.connect_timeout_s)
-        self.pool = UpstreamPool(connect_timeout_s=cfg.proxy.connect_timeout_s)
+        self.pool = UpstreamPool(connect_timeout_s=cfg.proxy.connect_timeout_s, max_idle_per_host=cfg.proxy.pool_limit)
         # Admin first: /healthz answers while the tokenizer loads.
         admin = web.Application()
         admin.router.add_get("/metrics", self.h_metrics)
@@ -688,6 +688,12 @@ class Gateway:
             status = 500
             if not resp.started:
                 await _send_error(resp, ApiError(500, "internal error", code="internal_error"), rid_req)
+            elif not resp.finished:  # mid-stream: say so, don't end the body as if it were whole
+                try:
+                    await resp.write(sse_error_event("gateway internal error", "internal_server_error", "internal_error"))
+                    await resp.end()
+                except ConnectionResetError:
+                    pass
         finally:
             self.active_handlers -= 1
             if limited and ident is not None:
@@ -858,6 +864,7 @@ class Gateway:
                 if not expired[0]:
                     raise
                 task.uncancel()
+                upstream.close()  # stop the engine's request, and the pipe: nothing more from it
                 m.child(m.upstream_errors, rid, "stream", "idle timeout").inc()
                 if span is not None:
                     span.set_attribute("error.type", "idle timeout")

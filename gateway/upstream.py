@@ -2,9 +2,10 @@
 
 Why this exists: aiohttp's ClientSession costs too much CPU per proxied request (measured ~2.5x this
 client on a 5-chunk SSE stream: ~0.17-0.2 ms vs ~0.06-0.08 ms), a large share of the gateway's own
-per-request budget. This client does only what the proxy needs: plain http://, HTTP/1.1, a
-keep-alive pool per (host, port), and streaming (chunked / content-length / read-until-close)
-response bodies, on `asyncio.Protocol` and httptools' C parser (llhttp). Anything else (health
+per-request budget. This client does only what the proxy needs: http:// and https:// (system
+trust store), an optional base path, HTTP/1.1, a keep-alive pool per (host, port, tls), and
+streaming (chunked / content-length / read-until-close) response bodies, on `asyncio.Protocol` and
+httptools' C parser (llhttp). Anything else (health
 probes, discovery) stays on aiohttp.
 
 Connection rules: a connection returns to the pool only through `UpstreamResponse.release()` after
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections import deque
 from urllib.parse import urlsplit
 
@@ -42,7 +44,7 @@ class _Conn(asyncio.Protocol):
                  "reused", "lost", "got_bytes", "head", "status", "headers", "informational", "until_eof",
                  "done", "keep_alive", "exc", "chunks", "buffered", "paused", "waiter", "sink")
 
-    def __init__(self, pool: UpstreamPool, key: tuple[str, int]) -> None:
+    def __init__(self, pool: UpstreamPool, key: tuple[str, int, bool]) -> None:
         self.pool = pool
         self.key = key
         self.loop = pool._loop
@@ -297,29 +299,33 @@ class UpstreamPool:
     """Keep-alive connections per upstream (host, port); LIFO reuse so hot connections stay hot."""
 
     __slots__ = ("_connect_timeout", "_max_idle", "_keepalive", "_high", "_loop", "_targets", "_idle", "_busy",
-                 "_timer", "_closed", "_opened")
+                 "_timer", "_closed", "_opened", "_ssl")
 
     def __init__(self, *, connect_timeout_s: float = 5.0, max_idle_per_host: int = 512,
-                 idle_keepalive_s: float = 4.0, read_high_water: int = 1 << 20) -> None:
+                 idle_keepalive_s: float = 4.0, read_high_water: int = 1 << 20,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self._connect_timeout = connect_timeout_s
         self._max_idle = max_idle_per_host
         self._keepalive = idle_keepalive_s
         self._high = read_high_water
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._targets: dict[str, tuple[tuple[str, int], str]] = {}
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}  # oldest first
+        self._targets: dict[str, tuple[tuple[str, int, bool], str, str]] = {}
+        self._idle: dict[tuple[str, int, bool], list[_Conn]] = {}  # oldest first
         self._busy: set[_Conn] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
         self._opened = 0
+        self._ssl = ssl_context  # for https:// replicas; None: the default context, made when first needed
 
-    def _target(self, base_url: str) -> tuple[tuple[str, int], str]:
+    def _target(self, base_url: str) -> tuple[tuple[str, int, bool], str, str]:
+        """((host, port, tls), Host header, path prefix) of a base URL like http://host:port[/prefix]."""
         u = urlsplit(base_url)
-        if u.scheme != "http":
-            raise ValueError(f"unsupported upstream URL scheme {u.scheme!r} (http only): {base_url!r}")
-        if not u.hostname or u.path not in ("", "/") or u.query or u.fragment:
-            raise ValueError(f"upstream base URL must be http://host[:port]: {base_url!r}")
-        t = ((u.hostname, u.port or 80), u.netloc.rpartition("@")[2])
+        if u.scheme not in ("http", "https"):
+            raise ValueError(f"unsupported upstream URL scheme {u.scheme!r} (http or https): {base_url!r}")
+        if not u.hostname or u.query or u.fragment:
+            raise ValueError(f"upstream base URL must be http(s)://host[:port][/prefix]: {base_url!r}")
+        tls = u.scheme == "https"
+        t = ((u.hostname, u.port or (443 if tls else 80), tls), u.netloc.rpartition("@")[2], u.path.rstrip("/"))
         if len(self._targets) > 4096:  # replica URLs are few; bound it anyway
             self._targets.clear()
         self._targets[base_url] = t
@@ -335,7 +341,7 @@ class UpstreamPool:
             self._loop = asyncio.get_running_loop()
         t = self._targets.get(base_url) or self._target(base_url)
         key = t[0]
-        head = f"{method} {path} HTTP/1.1\r\nHost: {t[1]}\r\n" + "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+        head = f"{method} {t[2]}{path} HTTP/1.1\r\nHost: {t[1]}\r\n" + "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
         lines = 3 + len(headers)
         if body or method != "GET":
             head += f"Content-Length: {len(body)}\r\n"
@@ -368,12 +374,23 @@ class UpstreamPool:
             raise
         return UpstreamResponse(conn)
 
-    async def _connect(self, key: tuple[str, int]) -> _Conn:
+    def _ssl_context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()  # the system's trust store, hostname checked
+        return self._ssl
+
+    async def _connect(self, key: tuple[str, int, bool]) -> _Conn:
         try:
             async with asyncio.timeout(self._connect_timeout):
-                _, conn = await self._loop.create_connection(lambda: _Conn(self, key), key[0], key[1])
+                if key[2]:
+                    _, conn = await self._loop.create_connection(lambda: _Conn(self, key), key[0], key[1],
+                                                                 ssl=self._ssl_context(), server_hostname=key[0])
+                else:
+                    _, conn = await self._loop.create_connection(lambda: _Conn(self, key), key[0], key[1])
         except ConnectionRefusedError:
             raise UpstreamError("connect", "connection refused") from None
+        except ssl.SSLError as e:  # certificate not trusted, handshake failure
+            raise UpstreamError("connect", f"tls error: {e.reason or type(e).__name__}") from None
         except TimeoutError:  # asyncio.timeout, or the kernel's ETIMEDOUT
             raise UpstreamError("connect", "connect timeout") from None
         except OSError as e:  # incl. DNS (gaierror), unreachable
@@ -384,7 +401,7 @@ class UpstreamPool:
             raise UpstreamError("connect", "pool closed")
         return conn
 
-    def _pop_idle(self, key: tuple[str, int]) -> _Conn | None:
+    def _pop_idle(self, key: tuple[str, int, bool]) -> _Conn | None:
         lst = self._idle.get(key)
         if not lst:
             return None

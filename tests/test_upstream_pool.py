@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import re
 import socket
 from types import SimpleNamespace
@@ -633,7 +634,7 @@ async def test_request_wire_format_and_bad_input():
         with pytest.raises(ValueError):
             await pool.request(url, "GET", "/", b"", {"X-Request-Id": "a\r\nX-Evil: 1"})
         with pytest.raises(ValueError):
-            await pool.request("https://127.0.0.1:1", "GET", "/", b"", {})
+            await pool.request("ftp://127.0.0.1:1", "GET", "/", b"", {})
         assert len(st.requests) == 3
         await pool.close()
 
@@ -695,3 +696,71 @@ async def test_pipe_pause_reading_holds_the_upstream_back():
         assert b"".join(got) == BIG
         resp.release()
         await pool.close()
+
+
+def _self_signed(tmp: "os.PathLike") -> tuple[str, str]:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_path, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_https_replica_with_a_base_path_and_an_untrusted_certificate(tmp_path):
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+
+    async def run():
+        seen = []
+
+        async def handler(request):
+            seen.append(request.path)
+            return web.Response(body=b"over tls")
+
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", handler)
+        runner = web.AppRunner(app, shutdown_timeout=0.2)
+        await runner.setup()
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_ctx.load_cert_chain(cert, key)
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ctx)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            client_ctx = ssl.create_default_context(cafile=cert)
+            pool = UpstreamPool(ssl_context=client_ctx)
+            for _ in range(2):
+                resp = await pool.request(f"https://localhost:{port}/engine/", "GET", "/v1/models", b"", {})
+                assert resp.status == 200 and await resp.read() == b"over tls"
+                resp.release()
+            assert seen == ["/engine/v1/models"] * 2
+            assert pool.stats()["opened_total"] == 1  # TLS connections are pooled too
+            await pool.close()
+            untrusting = UpstreamPool()  # the system store does not know our self-signed cert
+            with pytest.raises(UpstreamError) as ei:
+                await untrusting.request(f"https://localhost:{port}", "GET", "/", b"", {})
+            assert ei.value.phase == "connect" and ei.value.reason.startswith("tls error")
+            await untrusting.close()
+        finally:
+            await runner.cleanup()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
+        r.run(asyncio.wait_for(run(), 15))
