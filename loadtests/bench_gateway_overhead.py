@@ -99,31 +99,32 @@ def sim_upstream_main(port: int) -> None:
 
 
 # --------------------------------------------------------------------------- load generator
+def _fail(errors: list[int], kinds: dict, kind: str) -> None:
+    errors[0] += 1
+    kinds[kind] = kinds.get(kind, 0) + 1
+
+
 async def _one(session, url: str, body: bytes, ttfts: list[float], errors: list[int], kinds: dict) -> None:
     t0 = time.perf_counter()
     try:
         async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
             if r.status != 200:
-                errors[0] += 1
-                kinds[f"status {r.status}"] = kinds.get(f"status {r.status}", 0) + 1
+                _fail(errors, kinds, f"status {r.status}")
                 await r.read()
                 return
             while True:
                 line = await r.content.readline()
                 if not line:
-                    errors[0] += 1
-                    kinds["empty stream"] = kinds.get("empty stream", 0) + 1
+                    _fail(errors, kinds, "empty stream")
                     return
                 if line.startswith(b"data:"):
                     ttfts.append(time.perf_counter() - t0)
                     break
             rest = await r.read()
             if b'"error"' in rest:
-                errors[0] += 1
-                kinds["error event"] = kinds.get("error event", 0) + 1
+                _fail(errors, kinds, "error event")
     except Exception as exc:  # noqa: BLE001
-        errors[0] += 1
-        kinds[type(exc).__name__] = kinds.get(type(exc).__name__, 0) + 1
+        _fail(errors, kinds, type(exc).__name__)
 
 
 async def _one_lean(pool, base: str, body: bytes, ttfts: list[float], errors: list[int], kinds: dict) -> None:
@@ -132,16 +133,14 @@ async def _one_lean(pool, base: str, body: bytes, ttfts: list[float], errors: li
         r = await pool.request(base, "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
         try:
             if r.status != 200:
-                errors[0] += 1
-                kinds[f"status {r.status}"] = kinds.get(f"status {r.status}", 0) + 1
+                _fail(errors, kinds, f"status {r.status}")
                 await r.read()
                 return
             seen = b""
             while True:
                 chunk = await r.readany()
                 if not chunk:
-                    errors[0] += 1
-                    kinds["empty stream"] = kinds.get("empty stream", 0) + 1
+                    _fail(errors, kinds, "empty stream")
                     return
                 seen += chunk
                 if b"data:" in seen:
@@ -149,13 +148,11 @@ async def _one_lean(pool, base: str, body: bytes, ttfts: list[float], errors: li
                     break
             rest = await r.read()
             if b'"error"' in rest:
-                errors[0] += 1
-                kinds["error event"] = kinds.get("error event", 0) + 1
+                _fail(errors, kinds, "error event")
         finally:
             r.release()
     except Exception as exc:  # noqa: BLE001
-        errors[0] += 1
-        kinds[type(exc).__name__] = kinds.get(type(exc).__name__, 0) + 1
+        _fail(errors, kinds, type(exc).__name__)
 
 
 async def run_level(base_url: str, concurrency: int, seconds: float, max_tokens: int, warmup_s: float = 1.0,
