@@ -393,13 +393,14 @@ def test_routing_sticks_then_spills_under_queue(vllm_replicas, e2e_system):
 
     # Build a real queue on the warm replica: long requests sent to it directly (the gateway only
     # learns of them through the agent's /metrics scrape: running and waiting counts). The engines
-    # run with --max-num-seqs MAX_NUM_SEQS (8), so 18 held requests leave ~10 waiting for a slot,
+    # run with --max-num-seqs MAX_NUM_SEQS (8), so 24 held requests leave ~16 waiting for a slot,
     # each of which must wait for running requests to finish their 1200 tokens: seconds of queue.
-    # 18 short prompts x 1200 forced output tokens. On a quiet machine 250 tokens finished before
+    # 24 short prompts x 1200 forced output tokens (with 18, a busy machine admitted them so slowly
+    # that the agent never saw more than 5 waiting at once). On a quiet machine 250 tokens finished before
     # the agent's 0.25 s scrapes ever saw the queue (CI flake), so the requests are long; the 8
     # running ones take ~43 blocks each (344 + the document's 17 of 512), so the document is
     # still cached when the decision is made.
-    futs = _hold(system.by_id[warm], 18, 100, 1200, rng)
+    futs = _hold(system.by_id[warm], 24, 100, 1200, rng)
     try:
         seen = []  # (running, waiting) of the reports read, for the failure message
 
