@@ -24,6 +24,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+async def serve_app(app, *, ssl_context=None, shutdown_timeout: float = 60.0):
+    """Serve an aiohttp app on a free 127.0.0.1 port: (runner, base URL); `await runner.cleanup()`."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context).start()
+    scheme = "https" if ssl_context is not None else "http"
+    return runner, f"{scheme}://127.0.0.1:{runner.addresses[0][1]}"
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir() -> Path:
     """The built-in Qwen/ChatML tokenizer directory (built offline on first use)."""

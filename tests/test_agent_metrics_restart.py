@@ -13,6 +13,7 @@ from aiohttp import web
 
 from replica_agent.agent import AgentConfig, start_agent
 from replica_agent.feed import open_feed
+from tests.conftest import serve_app
 
 METRICS = """# TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{{engine="0",model_name="m"}} 0.0
@@ -43,11 +44,7 @@ async def test_metrics_counter_reset_clears_before_first_event(event_first):
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, url = await serve_app(app)
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")

@@ -17,6 +17,7 @@ from gateway.salt import derive_salt
 from gateway.server import start_gateway
 from loadtests.sim.scheduler import TimeModel
 from loadtests.sim.server import SimConfig, start_sim_server
+from tests.conftest import serve_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -168,11 +169,7 @@ class Recorder:
 
         app.router.add_post("/v1/chat/completions", chat)
         app.router.add_get("/health", health)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.runner, self.url = await serve_app(app)
         return self
 
     async def close(self):
@@ -458,11 +455,7 @@ class BrokenStream:
 
         app.router.add_post("/v1/chat/completions", chat)
         app.router.add_get("/health", health)
-        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.runner, self.url = await serve_app(app, shutdown_timeout=0.1)
         return self
 
     async def close(self):
@@ -508,11 +501,7 @@ async def test_gateways_share_inflight_load_through_redis(tok, redis_server):
 
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    runner, url = await serve_app(app, shutdown_timeout=0.1)
     over = {"model": {"name": MODEL, "max_model_len": 4096}, "feed": {"url": redis_server.url, "inflight_poll_s": 0.05}}
     g1 = await start_gateway(_cfg([f"r={url}"], **over), tokenizer=tok)
     g2 = await start_gateway(_cfg([f"r={url}"], **over), tokenizer=tok)

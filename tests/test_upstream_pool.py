@@ -16,6 +16,7 @@ import uvloop
 from aiohttp import web
 
 from gateway.upstream import UpstreamError, UpstreamPool
+from tests.conftest import serve_app
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -95,13 +96,9 @@ async def aio_server():
     app.router.add_get("/status/{code}", status)
     app.router.add_get("/forever", forever)
     app.router.add_get("/big", big)
-    runner = web.AppRunner(app, shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, url = await serve_app(app, shutdown_timeout=0.5)
     try:
-        yield f"http://127.0.0.1:{port}", st
+        yield url, st
     finally:
         await runner.cleanup()
 
@@ -737,13 +734,10 @@ def test_https_replica_with_a_base_path_and_an_untrusted_certificate(tmp_path):
 
         app = web.Application()
         app.router.add_get("/{tail:.*}", handler)
-        runner = web.AppRunner(app, shutdown_timeout=0.2)
-        await runner.setup()
         server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         server_ctx.load_cert_chain(cert, key)
-        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ctx)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, url = await serve_app(app, ssl_context=server_ctx, shutdown_timeout=0.2)
+        port = url.rsplit(":", 1)[1]
         try:
             client_ctx = ssl.create_default_context(cafile=cert)
             pool = UpstreamPool(ssl_context=client_ctx)
