@@ -319,47 +319,33 @@ def load_config(path: str | None, env: Mapping[str, str] | None = None) -> Gatew
     return config_from_dict(data, dict(os.environ) if env is None else env)
 
 
+# `warmroute gateway` flags that set one config field: (flag dest, section, field). A flag left
+# unset is None; 0 is a value (e.g. --port 0: any free port).
+_FLAG_FIELDS = (
+    ("host", "server", "host"), ("port", "server", "port"), ("admin_port", "server", "admin_port"),
+    ("workers", "server", "workers"), ("dns_service", "membership", "dns_service"),
+    ("dns_port", "membership", "dns_port"), ("feed", "feed", "url"), ("policy", "policy", "name"),
+    ("tokenizer", "model", "tokenizer_dir"), ("block_size", "model", "block_size"), ("model", "model", "name"),
+    ("max_model_len", "model", "max_model_len"), ("api_keys", "auth", "api_keys_file"),
+    ("salt_secret_file", "salt", "secret_file"),
+)
+# store_true switches: (flag dest, section, field, value when given)
+_FLAG_SWITCHES = (("load_only", "feed", "load_only", True), ("no_auth", "auth", "enabled", False),
+                  ("access_log", "telemetry", "access_log", True))
+
+
 def apply_args(cfg: GatewayConfig, args: Any) -> GatewayConfig:
     """Flags of `warmroute gateway` over a config; re-validates."""
-    def has(name: str) -> bool:
-        return getattr(args, name, None) not in (None, [], False)
-
-    if has("host"):
-        cfg.server.host = args.host
-    if getattr(args, "port", None) is not None:
-        cfg.server.port = args.port
-    if getattr(args, "admin_port", None) is not None:
-        cfg.server.admin_port = args.admin_port
-    if getattr(args, "workers", None) is not None:
-        cfg.server.workers = args.workers
-    if has("replica"):
-        cfg.membership.replicas = [ReplicaSpec(**parse_replica_arg(r)) for r in args.replica]
-    if has("dns_service"):
-        cfg.membership.dns_service = args.dns_service
-    if getattr(args, "dns_port", None) is not None:
-        cfg.membership.dns_port = args.dns_port
-    if has("feed"):
-        cfg.feed.url = args.feed
-    if has("load_only"):
-        cfg.feed.load_only = True
-    if has("policy"):
-        cfg.policy.name = args.policy
-    if has("tokenizer"):
-        cfg.model.tokenizer_dir = args.tokenizer
-    if getattr(args, "block_size", None) is not None:
-        cfg.model.block_size = args.block_size
-    if has("model"):
-        cfg.model.name = args.model
-    if getattr(args, "max_model_len", None) is not None:
-        cfg.model.max_model_len = args.max_model_len
-    if has("api_keys"):
-        cfg.auth.api_keys_file = args.api_keys
-    if has("no_auth"):
-        cfg.auth.enabled = False
-    if has("salt_secret_file"):
-        cfg.salt.secret_file = args.salt_secret_file
-    if has("access_log"):
-        cfg.telemetry.access_log = True
+    for dest, section, field in _FLAG_FIELDS:
+        value = getattr(args, dest, None)
+        if value is not None:
+            setattr(getattr(cfg, section), field, value)
+    for dest, section, field, value in _FLAG_SWITCHES:
+        if getattr(args, dest, False):
+            setattr(getattr(cfg, section), field, value)
+    replicas = getattr(args, "replica", None)
+    if replicas:
+        cfg.membership.replicas = [ReplicaSpec(**parse_replica_arg(r)) for r in replicas]
     validate(cfg)
     return cfg
 
