@@ -111,20 +111,21 @@ class StateCollector:
     def describe(self):
         return []
 
+    # (family, name, help, state key) of the unlabelled index figures
+    _SCALARS = (
+        (GaugeMetricFamily, "warmroute_gateway_index_entries", "KV index entries (key, replica, medium)", "index_entries"),
+        (GaugeMetricFamily, "warmroute_gateway_index_bytes", "Estimated KV index memory", "index_bytes"),
+        (CounterMetricFamily, "warmroute_gateway_index_evictions", "Index entries evicted by the budget", "index_evictions"),
+        (GaugeMetricFamily, "warmroute_gateway_index_speculative_entries", "Speculative (key, replica) entries",
+         "index_speculative"),
+    )
+
     def collect(self):
         s = self.state_fn()
-        g = GaugeMetricFamily("warmroute_gateway_index_entries", "KV index entries (key, replica, medium)")
-        g.add_metric([], s.get("index_entries", 0))
-        yield g
-        g = GaugeMetricFamily("warmroute_gateway_index_bytes", "Estimated KV index memory")
-        g.add_metric([], s.get("index_bytes", 0))
-        yield g
-        c = CounterMetricFamily("warmroute_gateway_index_evictions", "Index entries evicted by the budget")
-        c.add_metric([], s.get("index_evictions", 0))
-        yield c
-        g = GaugeMetricFamily("warmroute_gateway_index_speculative_entries", "Speculative (key, replica) entries")
-        g.add_metric([], s.get("index_speculative", 0))
-        yield g
+        for family, name, help_, key in self._SCALARS:
+            f = family(name, help_)
+            f.add_metric([], s.get(key, 0))
+            yield f
         lag = GaugeMetricFamily("warmroute_gateway_feed_lag_seconds", "Publish-to-apply lag of each replica's feed", labels=["replica"])
         for rid, v in s.get("feed_lag", {}).items():
             lag.add_metric([rid], v)
