@@ -45,6 +45,12 @@ class ApiError(Exception):
     def body(self) -> bytes:
         return error_body(self.message, self.type, self.param, self.code)
 
+    def response_headers(self, request_id: str | None = None) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", **self.headers}
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        return headers
+
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()

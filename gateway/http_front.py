@@ -413,10 +413,7 @@ _REJECT_REQ = FrontRequest("POST", "", "", CIMultiDict(), b"", "1.1", False)
 
 async def send_error(resp: FrontResponse, e: ApiError, request_id: str | None = None) -> None:
     """`e` as a whole response in OpenAI's error shape."""
-    headers = {"Content-Type": "application/json", **e.headers}
-    if request_id:
-        headers["X-Request-Id"] = request_id
-    await resp.send(e.status, headers, e.body())
+    await resp.send(e.status, e.response_headers(request_id), e.body())
 
 
 class FrontServer:

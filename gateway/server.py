@@ -1044,11 +1044,8 @@ def _usage_from_body(body: bytes):
     return obj.get("usage") if isinstance(obj, dict) else None
 
 
-def _error_response(e: ApiError, request_id: str | None = None) -> web.Response:
-    headers = {"Content-Type": _JSON, **e.headers}
-    if request_id:
-        headers["X-Request-Id"] = request_id
-    return web.Response(body=e.body(), status=e.status, headers=headers)
+def _error_response(e: ApiError) -> web.Response:
+    return web.Response(body=e.body(), status=e.status, headers=e.response_headers())
 
 
 async def _method_not_allowed(request: FrontRequest, resp: FrontResponse, allowed: str) -> None:
