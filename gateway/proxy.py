@@ -143,7 +143,7 @@ class SseRelay:
 
 
 async def attempt(pool: UpstreamPool, base_url: str, path: str, body: bytes, headers: dict[str, str], *,
-                  stream: bool, client_wants_usage: bool, first_byte_timeout_s: float, idle_timeout_s: float) -> Attempt:
+                  stream: bool, client_wants_usage: bool, first_byte_timeout_s: float) -> Attempt:
     """One upstream try; see the module rules. Raises UpstreamFailure before the first byte."""
     t_sent = time.perf_counter()
     resp: UpstreamResponse | None = None

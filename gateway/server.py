@@ -742,8 +742,7 @@ class Gateway:
                     headers["traceparent"] = tp
             try:
                 at = await attempt(self.pool, st.url, route, body, headers, stream=prep.stream,
-                                   client_wants_usage=client_usage, first_byte_timeout_s=cfg.first_byte_timeout_s,
-                                   idle_timeout_s=cfg.idle_timeout_s)
+                                   client_wants_usage=client_usage, first_byte_timeout_s=cfg.first_byte_timeout_s)
             except UpstreamFailure as f:
                 flight.finish()
                 last_failure = f
@@ -811,20 +810,18 @@ class Gateway:
         hdrs["Cache-Control"] = "no-cache"
         upstream = at.resp
         # Idle timeout without a timer per chunk: one watchdog per stream, re-armed lazily from the
-        # time of the last chunk; on expiry it cancels this task, and the cancel becomes a timeout.
+        # time of the last chunk; on expiry it ends the relay as an idle timeout.
         loop = asyncio.get_running_loop()
         idle = self.cfg.proxy.idle_timeout_s
-        task = asyncio.current_task()
+        idle_expired = UpstreamError("io", "idle timeout")
         last = [loop.time()]
-        expired = [False]
 
         def watchdog() -> None:
             remaining = last[0] + idle - loop.time()
             if remaining > 0:
                 handle[0] = loop.call_later(remaining, watchdog)
             else:
-                expired[0] = True
-                task.cancel()
+                on_end(idle_expired)
 
         handle = [loop.call_later(idle, watchdog)]
         # `ended`: [DONE] went out together with the end of the chunked body (one send, not two);
@@ -858,31 +855,22 @@ class Gateway:
             await resp.start(200, hdrs, at.body, end=ended[0])
             resp.on_flow(upstream.pause_reading, upstream.resume_reading)
             upstream.pipe(on_data, on_end)
-            try:
-                err = await done
-            except asyncio.CancelledError:
-                if not expired[0]:
-                    raise
-                task.uncancel()
+            err = await done
+            if err is idle_expired:
                 upstream.close()  # stop the engine's request, and the pipe: nothing more from it
-                m.child(m.upstream_errors, rid, "stream", "idle timeout").inc()
+            if err is not None:
+                m.child(m.upstream_errors, rid, "stream", err.reason).inc()
                 if span is not None:
-                    span.set_attribute("error.type", "idle timeout")
+                    span.set_attribute("error.type", err.reason)
                 if not ended[0]:
-                    await resp.write(sse_error_event(f"upstream replica sent nothing for {idle:g}s"))
-            else:
-                if err is not None:
-                    m.child(m.upstream_errors, rid, "stream", err.reason).inc()
-                    if span is not None:
-                        span.set_attribute("error.type", err.reason)
-                    if not ended[0]:
-                        await resp.write(sse_error_event(f"upstream replica failed mid-stream ({err.reason})"))
-                elif not ended[0]:
-                    tail = relay.tail()
-                    if tail:
-                        await resp.write(tail)
-                    m.child(m.upstream_errors, rid, "stream", "truncated").inc()
-                    await resp.write(sse_error_event("upstream stream ended without [DONE]"))
+                    await resp.write(sse_error_event(f"upstream replica sent nothing for {idle:g}s" if err is idle_expired
+                                                     else f"upstream replica failed mid-stream ({err.reason})"))
+            elif not ended[0]:
+                tail = relay.tail()
+                if tail:
+                    await resp.write(tail)
+                m.child(m.upstream_errors, rid, "stream", "truncated").inc()
+                await resp.write(sse_error_event("upstream stream ended without [DONE]"))
             handle[0].cancel()
             await resp.end()
         except ConnectionResetError:
