@@ -169,6 +169,16 @@ class _Conn(asyncio.Protocol):
             self.transport.abort()
         self._wake()
 
+    def _take(self) -> bytes:
+        """Every buffered body byte, at once; reading resumes if it was paused for them."""
+        chunks = self.chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self.buffered = 0
+        if self.paused:
+            self._resume()
+        return data
+
     def _resume(self) -> None:
         self.paused = False
         if not self.transport.is_closing():
@@ -214,15 +224,7 @@ class UpstreamResponse:
             await c._wait()
             if self._conn is None:  # released/closed by another task while we waited
                 raise UpstreamError("io", "response closed")
-        if len(chunks) == 1:
-            data = chunks.popleft()
-        else:
-            data = b"".join(chunks)
-            chunks.clear()
-        c.buffered = 0
-        if c.paused:
-            c._resume()
-        return data
+        return c._take()
 
     def pipe(self, on_data, on_end) -> None:
         """Push mode: from now on every body chunk goes straight to `on_data(bytes)` from the
@@ -235,11 +237,8 @@ class UpstreamResponse:
             on_end(None if self._consumed else UpstreamError("io", "response closed"))
             return
         if c.chunks:
-            data = b"".join(c.chunks)
-            c.chunks.clear()
-            c.buffered = 0
-            on_data(data)
-        if c.paused:
+            on_data(c._take())
+        elif c.paused:
             c._resume()
         c.sink = (on_data, on_end)
         c._wake()  # already complete or failed: on_end now
