@@ -19,6 +19,9 @@ from typing import Any, Mapping
 
 import yaml
 
+from gateway.auth import parse_key_entry
+from policies.registry import POLICY_NAMES, get_policy
+
 __all__ = [
     "ConfigError", "GatewayConfig", "ServerConfig", "ModelConfig", "ReplicaSpec", "MembershipConfig",
     "FeedConfig", "PolicyConfig", "AuthConfig", "JwtConfig", "TenantConfig", "SaltConfig", "ProxyConfig",
@@ -356,6 +359,12 @@ def _err(path: str, msg: str) -> ConfigError:
 
 def validate(cfg: GatewayConfig) -> None:
     """Checks that types alone do not catch. Raises ConfigError naming the field."""
+    for check in (_check_server, _check_model, _check_membership, _check_feed, _check_policy, _check_auth,
+                  _check_proxy_and_telemetry):
+        check(cfg)
+
+
+def _check_server(cfg: GatewayConfig) -> None:
     s = cfg.server
     for name in ("port", "admin_port"):
         v = getattr(s, name)
@@ -369,6 +378,9 @@ def validate(cfg: GatewayConfig) -> None:
         raise _err("server.max_body_bytes", "must be >= 1024")
     if s.shutdown_grace_s < 0:
         raise _err("server.shutdown_grace_s", "must be >= 0")
+
+
+def _check_model(cfg: GatewayConfig) -> None:
     m = cfg.model
     if m.block_size <= 0:
         raise _err("model.block_size", f"must be > 0, got {m.block_size}")
@@ -376,6 +388,9 @@ def validate(cfg: GatewayConfig) -> None:
         raise _err("model.max_model_len", "must be > 0")
     if m.tokenizer_workers < 1:
         raise _err("model.tokenizer_workers", "must be >= 1")
+
+
+def _check_membership(cfg: GatewayConfig) -> None:
     mem = cfg.membership
     seen = set()
     for i, r in enumerate(mem.replicas):
@@ -397,6 +412,9 @@ def validate(cfg: GatewayConfig) -> None:
         raise _err("membership.health_timeouts_to_down", "must be >= 1")
     if mem.eject_max_s < mem.eject_base_s:
         raise _err("membership.eject_max_s", "must be >= eject_base_s")
+
+
+def _check_feed(cfg: GatewayConfig) -> None:
     f = cfg.feed
     if not (f.url.startswith("memory://") or f.url.startswith("redis://") or f.url.startswith("rediss://")):
         raise _err("feed.url", f"must be memory:// or redis://HOST:PORT/DB, got {f.url!r}")
@@ -405,34 +423,31 @@ def validate(cfg: GatewayConfig) -> None:
     for name in ("stale_after_s", "inflight_poll_s", "speculative_ttl_s"):
         if getattr(f, name) <= 0:
             raise _err(f"feed.{name}", "must be > 0")
+
+
+def _check_policy(cfg: GatewayConfig) -> None:
     p = cfg.policy
     if not p.name:
         raise _err("policy.name", "must not be empty")
-    try:
-        from policies.registry import POLICY_NAMES  # type: ignore
-    except ImportError:  # registry not installed: checked when the policy is built
-        POLICY_NAMES = None
-    if POLICY_NAMES is not None and p.name not in POLICY_NAMES:
+    if p.name not in POLICY_NAMES:
         raise _err("policy.name", f"unknown policy {p.name!r} (known: {', '.join(sorted(POLICY_NAMES))})")
     for k, v in p.params.items():
         if isinstance(v, bool) or not isinstance(v, (int, float, str)):
             raise _err(f"policy.params.{k}", f"must be a number or string, got {v!r}")
-    if POLICY_NAMES is not None:
-        from policies.registry import get_policy
-
-        try:
-            get_policy(p.name, **p.params)  # policies are pure: building one checks its parameters
-        except (TypeError, ValueError) as exc:
-            raise _err("policy.params", str(exc)) from None
+    try:
+        get_policy(p.name, **p.params)  # policies are pure: building one checks its parameters
+    except (TypeError, ValueError) as exc:
+        raise _err("policy.params", str(exc)) from None
     if p.prior_prefill_s_per_token <= 0:
         raise _err("policy.prior_prefill_s_per_token", "must be > 0")
     if p.prior_decode_step_s <= 0:
         raise _err("policy.prior_decode_step_s", "must be > 0")
+
+
+def _check_auth(cfg: GatewayConfig) -> None:
     a = cfg.auth
     for tenant, keys in a.api_keys.items():
         for i, k in enumerate(keys):
-            from gateway.auth import parse_key_entry
-
             try:
                 parse_key_entry(k, allow_plain=False, where=f"auth.api_keys.{tenant}[{i}]")
             except ValueError as exc:
@@ -450,6 +465,9 @@ def validate(cfg: GatewayConfig) -> None:
             raise _err(f"auth.tenants.{tenant}.max_rps", "must be > 0")
     if cfg.salt.scope not in ("tenant", "user"):
         raise _err("salt.scope", f"must be 'tenant' or 'user', got {cfg.salt.scope!r}")
+
+
+def _check_proxy_and_telemetry(cfg: GatewayConfig) -> None:
     px = cfg.proxy
     for name in ("connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s"):
         if getattr(px, name) <= 0:

@@ -2,6 +2,8 @@
 
 Rule: a client mistake is a 4xx with `{"error": {"message", "type", "param", "code"}}` (OpenAI's
 shape); the gateway's own trouble (no replica, upstream down) is a 502/503/504 in the same shape.
+An engine's own 4xx (vLLM's shapes: `{"error": {...}}` now, `{"object": "error", "message"...}`
+before) is re-shaped by `engine_error` so clients see one shape; its message is the engine's.
 Nothing here does I/O; the server turns an `ApiError` into a response, and the proxy turns a
 failure after the first streamed byte into `sse_error_event(...)`.
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["ApiError", "error_body", "sse_error_event"]
+__all__ = ["ApiError", "error_body", "sse_error_event", "engine_error"]
 
 # status -> OpenAI error "type"
 _TYPES = {
@@ -59,3 +61,20 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 def sse_error_event(message: str, type_: str = "upstream_error", code: str | None = "upstream_failed") -> bytes:
     """The event that ends a stream that failed after its first byte (then `data: [DONE]`)."""
     return b"data: " + error_body(message, type_, None, code) + b"\n\ndata: [DONE]\n\n"
+
+
+def engine_error(status: int, body: bytes) -> ApiError:
+    """An engine's error answer as an ApiError in OpenAI's shape (its message, param and code kept)."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        obj = None
+    err = obj.get("error") if isinstance(obj, dict) else None
+    src = err if isinstance(err, dict) else obj if isinstance(obj, dict) else {}
+    message = src.get("message") if isinstance(src.get("message"), str) else ""
+    if not message:
+        text = body[:200].decode("utf-8", "replace").strip() if body else ""
+        message = f"the engine refused the request (HTTP {status})" + (f": {text}" if text else "")
+    param = src.get("param") if isinstance(src.get("param"), str) else None
+    code = src.get("code") if isinstance(src.get("code"), str) else None
+    return ApiError(status, message, code=code or "engine_error", param=param)

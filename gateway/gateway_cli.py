@@ -1,4 +1,4 @@
-"""Flags of `warmroute gateway` (DESIGN.md "Operating it"); the service is built in gateway.server.
+"""Flags of `warmroute gateway`; the process is gateway.serve, the service gateway.server.
 
 Flags override the YAML config (--config) and its WARMROUTE_<SECTION>__<FIELD> environment
 overrides; see gateway/config.py for every field."""
@@ -30,8 +30,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-only", action="store_true", help="no feed: route by load only (explicit mode)")
     p.add_argument("--access-log", action="store_true", help="one JSON log line per request (costs CPU)")
 
-
-def run(args: argparse.Namespace) -> int:
-    from gateway.server import main_from_args
-
-    return main_from_args(args)

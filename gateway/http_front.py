@@ -46,7 +46,7 @@ MAX_PIPELINED = 8  # queued requests per connection before we stop reading from 
 class FrontRequest:
     __slots__ = ("method", "path", "query_string", "headers", "body", "http_version", "keep_alive")
 
-    def __init__(self, method: str, path: str, query_string: str, headers: CIMultiDict, body: bytes,
+    def __init__(self, method: str, path: str, query_string: str, headers: CIMultiDict, body: bytes, *,
                  http_version: str, keep_alive: bool) -> None:
         self.method = method
         self.path = path
@@ -309,7 +309,8 @@ class _Conn(asyncio.Protocol):
                     pass
             body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
             req = FrontRequest(p.get_method().decode("latin-1"), path.decode("latin-1"), query.decode("latin-1"),
-                               CIMultiDict(self._headers), body, p.get_http_version(), p.should_keep_alive())
+                               CIMultiDict(self._headers), body, http_version=p.get_http_version(),
+                               keep_alive=p.should_keep_alive())
             self._reset_message()
             self._queue.append(req)
         if len(self._queue) >= MAX_PIPELINED and not self._paused_reading:
@@ -408,7 +409,7 @@ class _Rejected:
         self.error = error
 
 
-_REJECT_REQ = FrontRequest("POST", "", "", CIMultiDict(), b"", "1.1", False)
+_REJECT_REQ = FrontRequest("POST", "", "", CIMultiDict(), b"", http_version="1.1", keep_alive=False)
 
 
 async def send_error(resp: FrontResponse, e: ApiError, request_id: str | None = None) -> None:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Callable, Sequence
 
-from replica_agent.feed.records import MEDIUM_GPU, FeedEvent, Hello, LoadReport, Snapshot
+from replica_agent.feed import MEDIUM_GPU, FeedEvent, Hello, LoadReport, Snapshot
 
 __all__ = ["KVIndex", "Match", "IndexStats"]
 

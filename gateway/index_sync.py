@@ -19,8 +19,7 @@ import logging
 import time
 from typing import Callable, Iterable
 
-from replica_agent.feed.base import Feed, FeedUnavailable
-from replica_agent.feed.records import INVALID_KIND, FeedEvent
+from replica_agent.feed import INVALID_KIND, FeedEvent, FeedReader, FeedUnavailable
 
 from .index import KVIndex
 
@@ -30,7 +29,7 @@ log = logging.getLogger("warmroute.index_sync")
 
 
 class IndexSync:
-    def __init__(self, feed: Feed, index: KVIndex, *, replicas: Iterable[str] | None = None,
+    def __init__(self, feed: FeedReader, index: KVIndex, *, replicas: Iterable[str] | None = None,
                  discover_every_s: float = 2.0, check_every_s: float = 5.0, block_s: float = 0.5,
                  batch_records: int = 2000, wall_clock: Callable[[], float] = time.time) -> None:
         self.feed = feed

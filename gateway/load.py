@@ -17,7 +17,6 @@ prices the wait on a replica whose sequence slots are full (a wait for completio
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -26,7 +25,7 @@ __all__ = ["LoadTracker", "ReplicaLoad", "Flight"]
 _EWMA_ALPHA = 0.1  # weight of a new request in the mean uncached tokens
 
 
-ROUTED_TAU_S = 10.0  # time constant of the routed-rate EWMA (as loadtests/vtime.py models it)
+ROUTED_TAU_S = 10.0  # default time constant of the routed-rate EWMA (a policy that reads the rate may set its own)
 
 
 @dataclass(slots=True)
@@ -66,7 +65,10 @@ class Flight:
 
 
 class LoadTracker:
-    def __init__(self) -> None:
+    def __init__(self, *, routed_tau_s: float = ROUTED_TAU_S) -> None:
+        if not routed_tau_s > 0:
+            raise ValueError(f"routed_tau_s must be > 0, got {routed_tau_s!r}")
+        self.routed_tau_s = routed_tau_s  # time constant of routed_rps (seconds)
         self._loads: dict[str, ReplicaLoad] = {}
         self._pending: dict[str, list[int]] = {}  # replica -> [reqs, tokens] not yet flushed to the feed
         self._flushed: dict[str, list[int]] = {}  # replica -> [reqs, tokens] flushed so far (net)
@@ -101,7 +103,7 @@ class LoadTracker:
         """Count a request sent to `replica_id`; `max_tokens` (0: not given) feeds mean_output_tokens."""
         ld = self._get(replica_id)
         if now is not None:
-            ld.routed_rps = self.routed_rps(replica_id, now) + 1.0 / ROUTED_TAU_S
+            ld.routed_rps = self.routed_rps(replica_id, now) + 1.0 / self.routed_tau_s
             ld.routed_t = now
         ld.inflight_reqs += 1
         ld.inflight_tokens += uncached_tokens
@@ -141,12 +143,12 @@ class LoadTracker:
             ld.others_tokens = max(0, int(tokens) - mine[1])
 
     def routed_rps(self, replica_id: str, now: float) -> float:
-        """Requests routed here per second, an EWMA with time constant ROUTED_TAU_S, decayed to `now`
+        """Requests routed here per second, an EWMA with time constant routed_tau_s, decayed to `now`
         (the cache_aware balance guard compares it across replicas)."""
         ld = self._loads.get(replica_id)
         if ld is None or ld.routed_rps == 0.0:
             return 0.0
-        return ld.routed_rps * math.exp(-max(0.0, now - ld.routed_t) / ROUTED_TAU_S)
+        return ld.routed_rps * math.exp(-max(0.0, now - ld.routed_t) / self.routed_tau_s)
 
     def get(self, replica_id: str) -> ReplicaLoad:
         return self._loads.get(replica_id) or ReplicaLoad()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 import msgspec
@@ -193,14 +192,3 @@ async def attempt(pool: UpstreamPool, base_url: str, path: str, body: bytes, hea
         if resp is not None:
             resp.close()
         raise
-
-
-def usage_numbers(usage: dict[str, Any] | None) -> tuple[int | None, int | None, int | None]:
-    """(prompt_tokens, completion_tokens, cached_tokens) from a usage object; None when absent."""
-    if not isinstance(usage, dict):
-        return None, None, None
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    return (pt if isinstance(pt, int) else None, ct if isinstance(ct, int) else None,
-            cached if isinstance(cached, int) else None)

@@ -1,5 +1,10 @@
-"""Routing assembly (pure): from a request's keys and what the gateway knows of each replica, the
-`ReplicaView`s a policy ranks, and the explanation of its decision.
+"""The decide stage (pure): from a request's keys and what the gateway knows of each replica, the
+`ReplicaView`s a policy ranks, the ranking, and the explanation of the decision.
+
+`RoutingState` owns that knowledge (the KV index, the load tracker, the calibrated rates) and is
+the one place both fronts and the virtual-time simulator (loadtests/vtime.py) decide through:
+`decide()` assembles the views and ranks them, `dispatched()` records where a request went (its
+in-flight work, and its keys speculatively in the index). Time comes from the injected clock.
 
 Per replica r (DESIGN.md "One request, end to end", steps 5-6):
 - matched blocks: the index's leading run for r (GPU, and GPU-or-CPU); 0 when r is absent;
@@ -15,16 +20,75 @@ Nothing here does I/O or reads a clock except through the arguments.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import random
+import time
+from typing import Any, Callable, Mapping, Sequence
 
-from policies.base import Decision, ReplicaView, RequestView
+from gateway.context import Routing
+from gateway.index import KVIndex
+from gateway.load import Flight, LoadTracker
+from policies.base import Decision, Policy, ReplicaView, RequestView
+from policies.calibration import Calibrator
 
-__all__ = ["build_views", "explain", "MEAN_UNCACHED_EXTRA", "CACHE_FILL_EXTRA", "ROUTED_RATE_EXTRA", "MEAN_OUTPUT_EXTRA"]
+__all__ = ["RoutingState", "build_views", "explain", "predicted_matched_tokens",
+           "MEAN_UNCACHED_EXTRA", "CACHE_FILL_EXTRA", "ROUTED_RATE_EXTRA", "MEAN_OUTPUT_EXTRA"]
 
 MEAN_UNCACHED_EXTRA = "mean_uncached_prefill_tokens"  # policies.cache_aware reads these extras
 CACHE_FILL_EXTRA = "kv_cached_frac"  # share of the replica's KV blocks holding indexed prefixes
 ROUTED_RATE_EXTRA = "routed_rps"  # requests routed to the replica per second (EWMA)
 MEAN_OUTPUT_EXTRA = "mean_output_tokens"  # mean max_tokens of requests routed to the replica (EWMA)
+
+
+class RoutingState:
+    """Index, load and rates of the pool's replicas, read at decision time (module header)."""
+
+    def __init__(self, index: KVIndex, load: LoadTracker, calibrator: Calibrator, *, speculative_ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.index = index  # which replica holds which block keys (fed by the replicas' agents)
+        self.load = load  # in-flight and routed work per replica (this gateway's and the others')
+        self.calibrator = calibrator  # prefill and decode rates per replica
+        self.speculative_ttl_s = speculative_ttl_s  # lifetime of a routed request's speculative keys
+        self.clock = clock  # monotonic seconds (virtual in the simulator)
+
+    def views(self, replica_ids: Sequence[str], keys: Sequence[int], available: Mapping[str, bool]) -> list[ReplicaView]:
+        """One view per replica for a request with `keys`; `available`: rid -> passes health."""
+        index, cal, load = self.index, self.calibrator, self.load
+        reports = {rid: index.last_load(rid) for rid in replica_ids}
+        now = self.clock()
+        return build_views(
+            replica_ids,
+            matches=index.match(keys) if keys else {},
+            available=available,
+            live={rid: index.is_live(rid) for rid in replica_ids},
+            reports=reports,
+            loads={rid: load.get(rid) for rid in replica_ids},
+            rates={rid: (cal.prefill_s_per_token(rid), cal.decode_step_s(rid)) for rid in replica_ids},
+            cached_frac={rid: min(1.0, index.entries_of(rid) / rep.num_gpu_blocks)
+                         for rid, rep in reports.items() if rep is not None and rep.num_gpu_blocks},
+            routed_rps={rid: load.routed_rps(rid, now) for rid in replica_ids},
+        )
+
+    def decide(self, request: RequestView, available: Mapping[str, bool], policy: Policy,
+               rng: random.Random) -> Routing:
+        """Rank the replicas named in `available` for `request` (their order is the views' order)."""
+        t0 = time.perf_counter()
+        views = self.views(list(available), request.keys, available)
+        decision = policy.rank(request, views, rng)
+        return Routing(request, tuple(views), decision, time.perf_counter() - t0)
+
+    def dispatched(self, replica_id: str, keys: Sequence[int], uncached_tokens: int, max_tokens: int) -> Flight:
+        """A request goes to `replica_id`: count its work there until `Flight.finish()`, and expect
+        its keys there (speculatively, until the engine's events confirm or the TTL passes)."""
+        flight = self.load.dispatch(replica_id, uncached_tokens, self.clock(), max_tokens)
+        if keys:
+            self.index.insert_speculative(replica_id, keys, self.speculative_ttl_s)
+        return flight
+
+    def forget(self, replica_id: str) -> None:
+        """The replica left the pool: purge what is known of it."""
+        self.index.purge(replica_id)
+        self.load.forget(replica_id)
+        self.calibrator.forget(replica_id)
 
 
 def build_views(

@@ -89,6 +89,18 @@ class Metrics:
             c = self._children[key] = metric.labels(*labels)
         return c
 
+    def record_lesson(self, lesson) -> float | None:
+        """Count one answer's tokens (a gateway.learn.Lesson); the index agreement, when the
+        engine reported cached tokens."""
+        rid = lesson.replica_id
+        if lesson.prompt_tokens is not None:
+            self.child(self.prompt_tokens, rid).inc(lesson.prompt_tokens)
+        if lesson.completion_tokens is not None:
+            self.child(self.output_tokens, rid).inc(lesson.completion_tokens)
+        if lesson.cached_tokens is None:
+            return None
+        return self.cache_outcome(rid, lesson.predicted_cached_tokens, lesson.cached_tokens)
+
     def cache_outcome(self, replica: str, predicted: int, reported: int) -> float:
         self.child(self.predicted_cached, replica).inc(predicted)
         self.child(self.engine_cached, replica).inc(reported)

@@ -23,7 +23,7 @@ Why the fast path is still exact
    ``encode(s0 + T1 + s1 + ...) == encode(s0) + [id(T1)] + encode(s1) + ...``: we do that split
    ourselves (same leftmost-longest rule) and the per-piece ids can be cached by piece text.
    This holds only for pre-tokenisers without position-dependent behaviour (e.g. Metaspace with
-   ``prepend_scheme="first"`` looks at the piece's offset); ``_segment_safe`` admits a tokenizer
+   ``prepend_scheme="first"`` looks at the piece's offset); ``token_backends.segment_safe`` admits a tokenizer
    only if its normaliser and pre-tokeniser are from a known position-free set.
 2. tiktoken for the pieces. When the directory carries ``warmroute_tokenizer.json`` (BPE ranks +
    split regex + special tokens) and the HF tokenizer is exactly that vocabulary (same added
@@ -41,46 +41,40 @@ cost of tokenizing, so a per-message render cache would add risk for no gain.
 
 Tests (tests/test_tokenization.py) compare against plain ``AutoTokenizer`` (hypothesis property
 tests over random messages with special-token strings, unicode, whitespace runs) and against the
-real engine's ``/tokenize`` captured in shared/fixtures.
+real engine's ``/tokenize`` captured from vLLM (tests/fixtures).
 """
 from __future__ import annotations
 
 import asyncio
-import base64
 import copy
 import functools
-import inspect
 import json
 import logging
 import os
 import re
-import sys
 import threading
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TokenizationError", "TokenizerService", "SegmentCache"]
+from transformers import AutoTokenizer
+
+from gateway.chat_messages import detect_content_format, hf_base_params, template_variables, to_conversation
+from gateway.default_tokenizer import default_tokenizer_dir
+from gateway.token_backends import SegmentCache, load_tiktoken, segment_safe
+from gateway.token_errors import TokenizationError, check_unicode
+
+__all__ = ["TokenizationError", "TokenizerService", "SegmentCache", "detect_content_format"]
 
 log = logging.getLogger(__name__)
 
 
-class TokenizationError(ValueError):
-    """Bad input for tokenization (the gateway answers HTTP 400)."""
-
-
-# Text part types vLLM turns into plain text (vllm/entrypoints/chat_utils.py MM_PARSER_MAP).
-_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
 # apply_chat_template kwargs that change tokenization rather than rendering: such requests take
 # the plain HF path (tokenize=True), which is exact by construction.
 _TOKENIZER_KWARGS = frozenset(
     {"padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
      "tokenizer_kwargs", "sanitize_control_tokens"}
 )
-# Pre-tokenizers / normalizers whose result on a piece does not depend on where the piece sits.
-_SAFE_PRETOKENIZERS = frozenset({"ByteLevel", "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit", "Sequence"})
-_SAFE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Sequence", "Strip", "Replace", "Prepend"})
 # Code points where tiktoken's regex engine and HF's (onig) split differently for the shipped
 # Qwen pattern: none found by the exhaustive scan (all 1,112,064 scalar values, each in a dozen contexts).
 # Kept as a hook: a piece containing any of these is encoded by HF.
@@ -90,287 +84,6 @@ _SELF_TEST_TEXT = (
     "It's I'M we'LL they'Re 'S 'ſ e\u0301 é ﬁ 😀👍🏽 👨‍👩‍👧 \u00a0\u2003x \r\n\r\n  \t\n"
     "def f(x):\n    return x**2  # comment\n<|im_end|><|endoftext|> العربية हिन्दी ру́сский\u200b\ufeff"
 )
-
-
-def _as_text(value: Any, what: str) -> str:
-    if not isinstance(value, str):
-        raise TokenizationError(f"{what} must be a string, got {type(value).__name__}")
-    return value
-
-
-def _check_unicode(text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise TokenizationError(
-            f"text is not valid Unicode (lone surrogate at position {e.start}); it cannot be tokenized"
-        ) from None
-
-
-class SegmentCache:
-    """Thread-safe LRU of token ids per text segment, bounded by entries and approximate bytes."""
-
-    def __init__(self, max_entries: int = 8192, max_bytes: int = 256 * 2**20) -> None:
-        self.max_entries = max(0, int(max_entries))
-        self.max_bytes = max(0, int(max_bytes))
-        self._d: OrderedDict[str, tuple[list[int], int]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
-
-    @staticmethod
-    def entry_size(text: str, ids: list[int]) -> int:
-        # str object + list of pointers + int objects (ids above 256 are not interned).
-        return sys.getsizeof(text) + 64 + 36 * len(ids)
-
-    def __len__(self) -> int:
-        return len(self._d)
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_entries > 0 and self.max_bytes > 0
-
-    def get(self, text: str) -> list[int] | None:
-        with self._lock:
-            item = self._d.get(text)
-            if item is None:
-                self.misses += 1
-                return None
-            self._d.move_to_end(text)
-            self.hits += 1
-            return item[0]
-
-    def put(self, text: str, ids: list[int]) -> None:
-        size = self.entry_size(text, ids)
-        if size > self.max_bytes or not self.enabled:
-            return
-        with self._lock:
-            old = self._d.pop(text, None)
-            if old is not None:
-                self.bytes -= old[1]
-            self._d[text] = (ids, size)
-            self.bytes += size
-            while len(self._d) > self.max_entries or self.bytes > self.max_bytes:
-                _, (_, sz) = self._d.popitem(last=False)
-                self.bytes -= sz
-
-    def clear(self) -> None:
-        with self._lock:
-            self._d.clear()
-            self.bytes = 0
-
-
-# ---------------------------------------------------------------------------------------------
-# chat message normalisation, as vLLM's parse_chat_messages + _postprocess_messages
-# ---------------------------------------------------------------------------------------------
-
-def _is_access(node: Any, names: set[str], key: str | None = None) -> bool:
-    """Does `node` read one of `names` (optionally its `key` item/attribute), possibly through
-    filters, tests or slices? Mirrors vLLM's content-format detection."""
-    import jinja2.nodes as jn
-
-    if isinstance(node, jn.Filter):
-        return node.node is not None and _is_access(node.node, names, key)
-    if isinstance(node, jn.Test):
-        return _is_access(node.node, names, key)
-    if isinstance(node, jn.Getitem) and isinstance(node.arg, jn.Slice):
-        return _is_access(node.node, names, key)
-    if key is None:
-        return isinstance(node, jn.Name) and node.ctx == "load" and node.name in names
-    if isinstance(node, jn.Getitem):
-        return _is_access(node.node, names) and isinstance(node.arg, jn.Const) and node.arg.value == key
-    if isinstance(node, jn.Getattr):
-        return _is_access(node.node, names) and node.attr == key
-    return False
-
-
-@functools.lru_cache(maxsize=32)
-def detect_content_format(chat_template: str) -> str:
-    """"openai" if the template loops over a message's content (list of parts), else "string"."""
-    try:
-        import jinja2.nodes as jn
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        ast = _compile_jinja_template(chat_template).environment.parse(chat_template)
-        msgs = {"messages"}
-        changed = True
-        while changed:  # variables assigned from `messages` (or slices / filters of it)
-            changed = False
-            for a in ast.find_all(jn.Assign):
-                if isinstance(a.target, jn.Name) and a.target.name not in msgs and _is_access(a.node, msgs):
-                    msgs.add(a.target.name)
-                    changed = True
-        loop_vars = {
-            f.target.name for f in ast.find_all(jn.For) if isinstance(f.target, jn.Name) and _is_access(f.iter, msgs)
-        }
-        for f in ast.find_all(jn.For):
-            if loop_vars and _is_access(f.iter, loop_vars, "content"):
-                return "openai"
-        return "string"
-    except Exception:  # pragma: no cover - vLLM falls back to "string" as well
-        log.debug("chat template content-format detection failed", exc_info=True)
-        return "string"
-
-
-def _parse_content(content: Any, role: str, fmt: str, index: int) -> Any:
-    if content is None:
-        parts: list[Any] = []
-    elif isinstance(content, str):
-        parts = [content]
-    elif isinstance(content, list):
-        parts = content
-    else:
-        raise TokenizationError(
-            f"messages[{index}].content must be a string, a list of content parts or null, got {type(content).__name__}"
-        )
-    texts: list[str] = []
-    for j, part in enumerate(parts):
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        if not isinstance(part, dict):
-            raise TokenizationError(f"messages[{index}].content[{j}] must be an object, got {type(part).__name__}")
-        ptype = part.get("type")
-        if ptype is None:
-            raise TokenizationError(f"messages[{index}].content[{j}] has no 'type'")
-        if ptype not in _TEXT_PART_KEYS:
-            raise TokenizationError(
-                f"messages[{index}].content[{j}]: content part type {ptype!r} is not supported "
-                "(text-only model; supported: " + ", ".join(sorted(_TEXT_PART_KEYS)) + ")"
-            )
-        text = part.get(_TEXT_PART_KEYS[ptype])
-        if text is None:  # vLLM skips text/refusal parts without content
-            continue
-        texts.append(_as_text(text, f"messages[{index}].content[{j}].{_TEXT_PART_KEYS[ptype]}"))
-    if fmt == "openai":
-        return [{"type": "text", "text": t} for t in texts]
-    return "\n".join(texts)
-
-
-def to_conversation(messages: Any, content_format: str) -> list[dict[str, Any]]:
-    """The conversation vLLM hands to the chat template for these OpenAI-style messages."""
-    if not isinstance(messages, list):
-        raise TokenizationError(f"messages must be a list, got {type(messages).__name__}")
-    if not messages:
-        raise TokenizationError("messages must not be empty")
-    conv: list[dict[str, Any]] = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise TokenizationError(f"messages[{i}] must be an object, got {type(msg).__name__}")
-        role = msg.get("role")
-        if not isinstance(role, str):
-            raise TokenizationError(f"messages[{i}].role must be a string")
-        out: dict[str, Any] = {"role": role, "content": _parse_content(msg.get("content"), role, content_format, i)}
-        if role == "assistant":
-            tool_calls = msg.get("tool_calls")
-            if tool_calls is not None:
-                if not isinstance(tool_calls, list):
-                    raise TokenizationError(f"messages[{i}].tool_calls must be a list")
-                tool_calls = copy.deepcopy(tool_calls)
-                if tool_calls:
-                    for item in tool_calls:
-                        fn = item.get("function") if isinstance(item, dict) else None
-                        if not isinstance(fn, dict):
-                            raise TokenizationError(f"messages[{i}].tool_calls[*].function must be an object")
-                        args = fn.get("arguments")
-                        if isinstance(args, str):
-                            try:
-                                fn["arguments"] = json.loads(args)
-                            except json.JSONDecodeError:
-                                fn["arguments"] = {}
-                        elif not isinstance(args, (dict, list)):
-                            fn["arguments"] = {}
-                    out["tool_calls"] = tool_calls
-            reasoning = msg.get("reasoning")
-            if reasoning is not None:
-                out["reasoning"] = reasoning
-                out["reasoning_content"] = reasoning
-        elif role == "tool":
-            if "tool_call_id" in msg:
-                out["tool_call_id"] = msg["tool_call_id"]
-            c = out["content"]
-            if isinstance(c, list):  # tool results are flattened to a string even for "openai"
-                out["content"] = "\n".join(p["text"] for p in c) if c else ""
-        if isinstance(msg.get("name"), str):
-            out["name"] = msg["name"]
-        if isinstance(msg.get("task"), str):
-            out["task"] = msg["task"]
-        if role == "developer":
-            out["tools"] = msg.get("tools")
-        conv.append(out)
-    return conv
-
-
-@functools.lru_cache(maxsize=32)
-def _template_variables(chat_template: str) -> frozenset[str]:
-    import jinja2.meta
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
-    env = _compile_jinja_template(chat_template).environment
-    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(chat_template)))
-
-
-@functools.lru_cache(maxsize=1)
-def _hf_base_params() -> frozenset[str]:
-    from transformers import PreTrainedTokenizerBase
-
-    sig = inspect.signature(PreTrainedTokenizerBase.apply_chat_template)
-    return frozenset(
-        p.name for p in sig.parameters.values()
-        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# backends
-# ---------------------------------------------------------------------------------------------
-
-def _segment_safe(tokenizer_json: dict) -> tuple[bool, str]:
-    """Can ids be computed per piece between added tokens? (see module docstring, point 1)"""
-    for t in tokenizer_json.get("added_tokens", []):
-        if t.get("lstrip") or t.get("rstrip") or t.get("single_word"):
-            return False, f"added token {t.get('content')!r} has strip/single_word flags"
-        if t.get("normalized") and tokenizer_json.get("normalizer") is not None:
-            return False, f"added token {t.get('content')!r} is matched after normalisation"
-
-    def types(node: Any, key: str) -> list[str]:
-        if node is None:
-            return []
-        out = [node.get("type", "?")]
-        for child in node.get(key, []) or []:
-            out += types(child, key)
-        return out
-
-    for typ in types(tokenizer_json.get("pre_tokenizer"), "pretokenizers"):
-        if typ not in _SAFE_PRETOKENIZERS:
-            return False, f"pre-tokenizer {typ} may depend on the piece's position"
-    for typ in types(tokenizer_json.get("normalizer"), "normalizers"):
-        if typ not in _SAFE_NORMALIZERS:
-            return False, f"normalizer {typ} may depend on the piece's position"
-    if tokenizer_json.get("model", {}).get("type") not in ("BPE", "WordPiece", "Unigram", "WordLevel"):
-        return False, "unknown model type"
-    return True, ""
-
-
-def _load_tiktoken(tokenizer_dir: Path):
-    cfg_path = tokenizer_dir / "warmroute_tokenizer.json"
-    if not cfg_path.exists():
-        return None, "no warmroute_tokenizer.json"
-    import tiktoken
-
-    cfg = json.loads(cfg_path.read_text())["tiktoken"]
-    ranks: dict[bytes, int] = {}
-    with open(tokenizer_dir / cfg["ranks_file"], "rb") as f:
-        for line in f:
-            if line.strip():
-                tok, rank = line.split()
-                ranks[base64.b64decode(tok)] = int(rank)
-    enc = tiktoken.Encoding(
-        f"warmroute:{tokenizer_dir.name}", pat_str=cfg["pat_str"], mergeable_ranks=ranks,
-        special_tokens={k: int(v) for k, v in cfg["special_tokens"].items()},
-    )
-    return enc, ""
 
 
 class TokenizerService:
@@ -395,11 +108,7 @@ class TokenizerService:
         possible) or "hf". `segment_cache_entries=0` disables the segment cache.
         `chat_template_content_format` / `default_chat_template_kwargs` mirror the engine's
         `--chat-template-content-format` / `--default-chat-template-kwargs`."""
-        from transformers import AutoTokenizer
-
         if tokenizer_dir is None:
-            from gateway.default_tokenizer import default_tokenizer_dir
-
             tokenizer_dir = default_tokenizer_dir()
         self._dir = Path(tokenizer_dir)
         if backend not in ("auto", "tiktoken", "hf"):
@@ -417,40 +126,46 @@ class TokenizerService:
         self._closed = False
         self._slow_lock = threading.Lock()
         self._slow_hf = None  # private transformers copy for requests whose kwargs change tokenization
+        tj = self._init_segments()
+        self._tt = self._init_tiktoken(backend, tj)
+        self._backend_name = "tiktoken" if self._tt is not None else "hf-tokenizers"
 
-        # Added tokens: the split points (module docstring, point 1).
-        added = {t.content: i for i, t in self._hf.added_tokens_decoder.items()} if hasattr(self._hf, "added_tokens_decoder") else {}
-        self._added = added
+    def _init_segments(self) -> dict:
+        """The added tokens as split points (module docstring, point 1); the parsed tokenizer.json."""
+        hf = self._hf
+        self._added = {t.content: i for i, t in hf.added_tokens_decoder.items()} if hasattr(hf, "added_tokens_decoder") else {}
         tj: dict = {}
         tj_path = self._dir / "tokenizer.json"
         if tj_path.exists():
             tj = json.loads(tj_path.read_text())
-        safe, why = _segment_safe(tj) if (self._fast is not None and tj) else (False, "no fast tokenizer.json")
-        if getattr(self._hf, "split_special_tokens", False):
+        safe, why = segment_safe(tj) if (self._fast is not None and tj) else (False, "no fast tokenizer.json")
+        if getattr(hf, "split_special_tokens", False):
             safe, why = False, "tokenizer splits special tokens"
         self._segmented = safe
         if not safe:
             log.info("tokenizer %s: no per-segment caching (%s)", self._dir, why)
+        added = self._added
         self._split_re = (
             re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
             if added else None
         )
         # BOS/EOS that add_special_tokens=True puts around a completion prompt (e.g. Llama's BOS).
         self._adds_specials = self._hf_encode("a", True) != self._hf_encode("a", False)
+        return tj
 
-        self._tt = None
-        reason = "backend='hf'"
-        if backend != "hf":
-            enc, reason = _load_tiktoken(self._dir)
-            if enc is not None:
-                reason = self._tiktoken_mismatch(enc, tj)
-                if not reason:
-                    self._tt = enc
-            if self._tt is None and backend == "tiktoken":
-                raise ValueError(f"tiktoken backend not usable for {self._dir}: {reason}")
-        if self._tt is None and backend == "auto":
-            log.info("tokenizer %s: using HF tokenizers (%s)", self._dir, reason)
-        self._backend_name = "tiktoken" if self._tt is not None else "hf-tokenizers"
+    def _init_tiktoken(self, backend: str, tj: dict):
+        """The tiktoken encoding when it provably equals HF on this vocabulary (point 2), else None."""
+        if backend == "hf":
+            return None
+        enc, reason = load_tiktoken(self._dir)
+        if enc is not None:
+            reason = self._tiktoken_mismatch(enc, tj)
+            if not reason:
+                return enc
+        if backend == "tiktoken":
+            raise ValueError(f"tiktoken backend not usable for {self._dir}: {reason}")
+        log.info("tokenizer %s: using HF tokenizers (%s)", self._dir, reason)
+        return None
 
     # -- properties -------------------------------------------------------------------------
 
@@ -517,7 +232,7 @@ class TokenizerService:
 
     def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
         if not self._segmented or (add_special_tokens and self._adds_specials):
-            _check_unicode(text)
+            check_unicode(text)
             return self._hf_encode(text, add_special_tokens)
         added = self._added
         pieces = self._split_re.split(text) if self._split_re is not None else [text]
@@ -533,7 +248,7 @@ class TokenizerService:
                 continue
             ids = cache.get(piece) if use_cache else None
             if ids is None:
-                _check_unicode(piece)
+                check_unicode(piece)
                 ids = self._encode_piece(piece)
                 if use_cache:
                     cache.put(piece, ids)
@@ -597,7 +312,7 @@ class TokenizerService:
             template = self._hf.get_chat_template(None, tools)
         except Exception as e:
             raise TokenizationError(f"no chat template: {e}") from None
-        accept = (_template_variables(template) | _hf_base_params()) - {"chat_template", "tokenize"}
+        accept = (template_variables(template) | hf_base_params()) - {"chat_template", "tokenize"}
         kwargs = {k: v for k, v in kwargs.items() if k in accept}
         fmt = self._content_format if self._content_format != "auto" else detect_content_format(template)
         conversation = to_conversation(messages, fmt)

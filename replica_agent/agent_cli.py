@@ -19,8 +19,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-host", default="127.0.0.1", help="address of the agent's /healthz and /metrics")
     p.add_argument("--admin-port", type=int, default=None, help="port of the agent's /healthz and /metrics (default: none)")
 
-
-def run(args: argparse.Namespace) -> int:
-    from replica_agent.agent import main_from_args
-
-    return main_from_args(args)

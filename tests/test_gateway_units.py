@@ -14,7 +14,8 @@ from gateway.config import ConfigError, config_from_dict, env_overrides
 from gateway.errors import ApiError
 from gateway.load import LoadTracker
 from gateway.membership import Membership
-from gateway.proxy import SseRelay, usage_numbers
+from gateway.learn import usage_numbers
+from gateway.proxy import SseRelay
 from gateway.routing import build_views, predicted_matched_tokens
 from gateway.salt import NO_AUTH_DEFAULT_SECRET, SaltDeriver, derive_salt, load_salt_secret
 

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.token_backends import segment_safe as _segment_safe
 from gateway.tokenization import (
     SegmentCache,
     TokenizationError,
     TokenizerService,
-    _segment_safe,
     detect_content_format,
 )
 

@@ -1,5 +1,7 @@
-"""The feed between replica agents and gateways: records, interface, transports."""
-from .base import Feed, FeedUnavailable, open_feed
-from .records import FeedEvent, Hello, Inflight, LoadReport, Snapshot
+"""The feed between replica agents and gateways: records, the three role interfaces, transports.
+Everything outside this package imports from here (replica_agent.feed), never its modules."""
+from .base import Feed, FeedReader, FeedUnavailable, FeedWriter, InflightBoard, open_feed
+from .records import INVALID_KIND, MEDIUM_GPU, FeedEvent, Hello, Inflight, LoadReport, Snapshot
 
-__all__ = ["Feed", "FeedEvent", "FeedUnavailable", "Hello", "Inflight", "LoadReport", "Snapshot", "open_feed"]
+__all__ = ["Feed", "FeedReader", "FeedWriter", "InflightBoard", "FeedEvent", "FeedUnavailable", "Hello", "Inflight",
+           "LoadReport", "Snapshot", "open_feed", "INVALID_KIND", "MEDIUM_GPU"]

@@ -1,6 +1,14 @@
-"""The feed interface (DESIGN.md "The feed"): one Protocol, one `open_feed(url)`, two transports.
+"""The feed between replica agents and gateways: three small interfaces, one `open_feed(url)`, two
+transports (in-process memory, and Redis Streams).
 
-Rules every transport keeps (tests/test_feed_conformance.py checks them on each):
+What it carries (the contract): per replica, an ordered stream of records with dense, increasing
+offsets (`stored(keys, medium)`, `removed(keys, medium)`, `cleared`, `load(...)`, `hello(block
+size, model, agent epoch)`) and a snapshot (the replica's whole key set with the offset it is
+valid at), so a gateway that starts late or falls behind rebuilds without replaying history; and
+in-flight counters shared by every gateway. Roles: an agent is a `FeedWriter`, a gateway's index
+consumer a `FeedReader`, the gateways share an `InflightBoard`; a transport (`Feed`) is all three.
+
+Rules every transport keeps (tests/test_feed_conformance.py checks them on each, per role):
   - `publish(replica_id, drafts)` assigns each record the next offset of that replica's stream
     (dense: last + 1, starting after whatever the feed already holds) and returns the stored records;
     it raises `FeedUnavailable` if the records may not have been stored (the publisher must then
@@ -12,8 +20,8 @@ Rules every transport keeps (tests/test_feed_conformance.py checks them on each)
   - `write_snapshot` replaces the replica's snapshot; `read_snapshot` returns it or None.
   - `last_offset(replica)` is the newest offset stored (0 when none), so a restarted publisher
     continues the sequence and a consumer can see that a feed was wiped (last_offset < its position).
-  - liveness/load (`set_live`, `live`) expire after their TTL; in-flight counters
-    (`incr_inflight`, `inflight`) are shared by every process using the same feed.
+  - in-flight counters (`incr_inflight`, `inflight`) are shared by every process using the same
+    feed, and a process's own counts expire when it stops refreshing them (Redis: a TTL).
 Constructors do no I/O; connections open on first use, in the caller's event loop.
 """
 from __future__ import annotations
@@ -22,7 +30,7 @@ from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 from .records import FeedEvent, Inflight, LoadReport, Snapshot
 
-__all__ = ["Feed", "FeedUnavailable", "open_feed"]
+__all__ = ["Feed", "FeedReader", "FeedWriter", "InflightBoard", "FeedUnavailable", "open_feed"]
 
 
 class FeedUnavailable(ConnectionError):
@@ -30,12 +38,27 @@ class FeedUnavailable(ConnectionError):
 
 
 @runtime_checkable
-class Feed(Protocol):
+class FeedWriter(Protocol):
+    """What a replica's agent needs: publish its records and snapshots, continue its sequence."""
+
     url: str
 
     async def publish(self, replica_id: str, drafts: Sequence[FeedEvent]) -> list[FeedEvent]: ...
 
     async def write_snapshot(self, snapshot: Snapshot) -> None: ...
+
+    async def last_offset(self, replica_id: str) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class FeedReader(Protocol):
+    """What a gateway's index consumer needs: every replica's stream, in order, and snapshots."""
+
+    url: str
+
+    async def read(self, positions: Mapping[str, int], *, block_s: float = 1.0, count: int = 1000) -> list[FeedEvent]: ...
 
     async def read_snapshot(self, replica_id: str) -> Snapshot | None: ...
 
@@ -43,17 +66,23 @@ class Feed(Protocol):
 
     async def replicas(self) -> list[str]: ...
 
-    async def read(self, positions: Mapping[str, int], *, block_s: float = 1.0, count: int = 1000) -> list[FeedEvent]: ...
+    async def close(self) -> None: ...
 
-    async def set_live(self, replica_id: str, load: LoadReport | None, ttl_s: float) -> None: ...
 
-    async def live(self) -> dict[str, LoadReport | None]: ...
+@runtime_checkable
+class InflightBoard(Protocol):
+    """Counters of requests sent to each replica and not yet started, shared by every gateway."""
 
     async def incr_inflight(self, replica_id: str, reqs: int, tokens: int) -> None: ...
 
     async def inflight(self) -> dict[str, Inflight]: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Feed(FeedWriter, FeedReader, InflightBoard, Protocol):
+    """A transport: all three roles on one backend (memory or Redis)."""
 
 
 def open_feed(url: str, **options) -> Feed:

@@ -1,0 +1,178 @@
+"""Chat messages as vLLM hands them to the chat template (pure): the normalisation of vLLM's
+`parse_chat_messages` + `_postprocess_messages`, the template's content format ("string" joins a
+message's text parts with a newline, "openai" keeps them as `{"type": "text"}` parts), and which
+template kwargs a template reads. gateway.tokenization renders and encodes the result.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import json
+import logging
+from typing import Any
+
+import jinja2.meta
+import jinja2.nodes as jn
+
+from gateway.token_errors import TokenizationError, as_text
+
+__all__ = ["detect_content_format", "to_conversation", "template_variables", "hf_base_params", "TEXT_PART_KEYS"]
+
+log = logging.getLogger("warmroute.gateway.tokenization")
+
+# Text part types vLLM turns into plain text (vllm/entrypoints/chat_utils.py MM_PARSER_MAP).
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+
+
+def _is_access(node: Any, names: set[str], key: str | None = None) -> bool:
+    """Does `node` read one of `names` (optionally its `key` item/attribute), possibly through
+    filters, tests or slices? Mirrors vLLM's content-format detection."""
+    if isinstance(node, jn.Filter):
+        return node.node is not None and _is_access(node.node, names, key)
+    if isinstance(node, jn.Test):
+        return _is_access(node.node, names, key)
+    if isinstance(node, jn.Getitem) and isinstance(node.arg, jn.Slice):
+        return _is_access(node.node, names, key)
+    if key is None:
+        return isinstance(node, jn.Name) and node.ctx == "load" and node.name in names
+    if isinstance(node, jn.Getitem):
+        return _is_access(node.node, names) and isinstance(node.arg, jn.Const) and node.arg.value == key
+    if isinstance(node, jn.Getattr):
+        return _is_access(node.node, names) and node.attr == key
+    return False
+
+
+@functools.lru_cache(maxsize=32)
+def detect_content_format(chat_template: str) -> str:
+    """"openai" if the template loops over a message's content (list of parts), else "string"."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        ast = _compile_jinja_template(chat_template).environment.parse(chat_template)
+        msgs = {"messages"}
+        changed = True
+        while changed:  # variables assigned from `messages` (or slices / filters of it)
+            changed = False
+            for a in ast.find_all(jn.Assign):
+                if isinstance(a.target, jn.Name) and a.target.name not in msgs and _is_access(a.node, msgs):
+                    msgs.add(a.target.name)
+                    changed = True
+        loop_vars = {
+            f.target.name for f in ast.find_all(jn.For) if isinstance(f.target, jn.Name) and _is_access(f.iter, msgs)
+        }
+        for f in ast.find_all(jn.For):
+            if loop_vars and _is_access(f.iter, loop_vars, "content"):
+                return "openai"
+        return "string"
+    except Exception:  # pragma: no cover - vLLM falls back to "string" as well
+        log.debug("chat template content-format detection failed", exc_info=True)
+        return "string"
+
+
+def _parse_content(content: Any, role: str, fmt: str, index: int) -> Any:
+    if content is None:
+        parts: list[Any] = []
+    elif isinstance(content, str):
+        parts = [content]
+    elif isinstance(content, list):
+        parts = content
+    else:
+        raise TokenizationError(
+            f"messages[{index}].content must be a string, a list of content parts or null, got {type(content).__name__}"
+        )
+    texts: list[str] = []
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise TokenizationError(f"messages[{index}].content[{j}] must be an object, got {type(part).__name__}")
+        ptype = part.get("type")
+        if ptype is None:
+            raise TokenizationError(f"messages[{index}].content[{j}] has no 'type'")
+        if ptype not in TEXT_PART_KEYS:
+            raise TokenizationError(
+                f"messages[{index}].content[{j}]: content part type {ptype!r} is not supported "
+                "(text-only model; supported: " + ", ".join(sorted(TEXT_PART_KEYS)) + ")"
+            )
+        text = part.get(TEXT_PART_KEYS[ptype])
+        if text is None:  # vLLM skips text/refusal parts without content
+            continue
+        texts.append(as_text(text, f"messages[{index}].content[{j}].{TEXT_PART_KEYS[ptype]}"))
+    if fmt == "openai":
+        return [{"type": "text", "text": t} for t in texts]
+    return "\n".join(texts)
+
+
+def to_conversation(messages: Any, content_format: str) -> list[dict[str, Any]]:
+    """The conversation vLLM hands to the chat template for these OpenAI-style messages."""
+    if not isinstance(messages, list):
+        raise TokenizationError(f"messages must be a list, got {type(messages).__name__}")
+    if not messages:
+        raise TokenizationError("messages must not be empty")
+    conv: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise TokenizationError(f"messages[{i}] must be an object, got {type(msg).__name__}")
+        role = msg.get("role")
+        if not isinstance(role, str):
+            raise TokenizationError(f"messages[{i}].role must be a string")
+        out: dict[str, Any] = {"role": role, "content": _parse_content(msg.get("content"), role, content_format, i)}
+        if role == "assistant":
+            tool_calls = msg.get("tool_calls")
+            if tool_calls is not None:
+                if not isinstance(tool_calls, list):
+                    raise TokenizationError(f"messages[{i}].tool_calls must be a list")
+                tool_calls = copy.deepcopy(tool_calls)
+                if tool_calls:
+                    for item in tool_calls:
+                        fn = item.get("function") if isinstance(item, dict) else None
+                        if not isinstance(fn, dict):
+                            raise TokenizationError(f"messages[{i}].tool_calls[*].function must be an object")
+                        args = fn.get("arguments")
+                        if isinstance(args, str):
+                            try:
+                                fn["arguments"] = json.loads(args)
+                            except json.JSONDecodeError:
+                                fn["arguments"] = {}
+                        elif not isinstance(args, (dict, list)):
+                            fn["arguments"] = {}
+                    out["tool_calls"] = tool_calls
+            reasoning = msg.get("reasoning")
+            if reasoning is not None:
+                out["reasoning"] = reasoning
+                out["reasoning_content"] = reasoning
+        elif role == "tool":
+            if "tool_call_id" in msg:
+                out["tool_call_id"] = msg["tool_call_id"]
+            c = out["content"]
+            if isinstance(c, list):  # tool results are flattened to a string even for "openai"
+                out["content"] = "\n".join(p["text"] for p in c) if c else ""
+        if isinstance(msg.get("name"), str):
+            out["name"] = msg["name"]
+        if isinstance(msg.get("task"), str):
+            out["task"] = msg["task"]
+        if role == "developer":
+            out["tools"] = msg.get("tools")
+        conv.append(out)
+    return conv
+
+
+@functools.lru_cache(maxsize=32)
+def template_variables(chat_template: str) -> frozenset[str]:
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    env = _compile_jinja_template(chat_template).environment
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(chat_template)))
+
+
+@functools.lru_cache(maxsize=1)
+def hf_base_params() -> frozenset[str]:
+    from transformers import PreTrainedTokenizerBase
+
+    sig = inspect.signature(PreTrainedTokenizerBase.apply_chat_template)
+    return frozenset(
+        p.name for p in sig.parameters.values()
+        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"
+    )

@@ -1,0 +1,118 @@
+"""The per-request record every pipeline stage reads and writes, and the records stages hand on.
+
+Rule: one `RequestContext` per proxied request, created by a front (the HTTP port, or the Envoy
+picker) and filled in stage by stage (gateway.pipeline lists the order): each field is written by
+one stage and read by the later ones, so a stage's inputs are visible in its signature's
+`ctx` and nowhere else. The stage records (`ParsedRequest`, `Prompt`, `Routing`, `Try`,
+`Outcome`) are plain data; nothing here does I/O.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from gateway.auth import Identity
+from gateway.load import Flight
+from policies.base import Candidate, Decision, ReplicaView, RequestView
+
+__all__ = ["ParsedRequest", "Prompt", "Routing", "Try", "Outcome", "RequestContext", "CHAT", "COMPLETIONS"]
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A validated OpenAI request: what tokenization and the rewrite need (gateway.parse)."""
+
+    kind: str  # CHAT | COMPLETIONS
+    model: str  # the model name the client asked for
+    stream: bool  # SSE response
+    client_wants_usage: bool  # stream_options.include_usage was set by the client
+    max_tokens: int  # max_tokens / max_completion_tokens; 0 when not given
+    messages: list | None = None  # chat: the messages
+    add_generation_prompt: bool = True  # chat template option (vLLM default True)
+    continue_final_message: bool = False  # chat template option
+    chat_template_kwargs: dict | None = None  # extra template variables
+    tools: list | None = None  # tools rendered by the template (None when tool_choice drops them)
+    prompts: list | None = None  # completions: each prompt (str or token-id list); a batch has several
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """The request's prompt as the engine will count it (gateway.encode)."""
+
+    first_ids: list  # token ids of the (first) prompt: the one routed on
+    total_tokens: int  # every prompt's tokens (a completions batch counts them all)
+    tokenize_s: float  # seconds spent tokenizing
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """The routing decision and what it was made from (gateway.decide)."""
+
+    request: RequestView  # the request's keys and token counts
+    views: tuple[ReplicaView, ...]  # every replica as the decision saw it
+    decision: Decision  # the policy's ranking
+    decision_s: float  # seconds spent assembling views and ranking
+
+    def view_of(self, replica_id: str) -> ReplicaView | None:
+        for v in self.views:
+            if v.replica_id == replica_id:
+                return v
+        return None
+
+
+@dataclass(slots=True)
+class Try:
+    """One attempt on one replica (gateway.dispatch)."""
+
+    number: int  # 0 for the first-ranked replica
+    candidate: Candidate  # its rank entry (score terms)
+    view: ReplicaView | None  # its view at decision time
+    predicted_cached_tokens: int  # what the index says the engine will find cached
+    uncached_tokens: int  # prompt tokens it must prefill (all prompts, minus the predicted hit)
+    flight: Flight  # its in-flight accounting; finished by dispatch on every path
+
+    @property
+    def replica_id(self) -> str:
+        return self.candidate.replica_id
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a finished request tells the learner (gateway.learn); the relay fills it in."""
+
+    replica_id: str  # the replica that served it
+    ttft_s: float | None  # upstream send -> first event of a stream; None for a whole answer
+    predicted_cached_tokens: int  # the index's prediction at dispatch
+    uncached_tokens: int  # the predicted uncached prompt tokens at dispatch
+    backlog_tokens: float  # the queued prefill the policy saw ahead of it
+    running_reqs: int  # the running requests the policy saw
+    usage: Mapping[str, Any] | None  # the engine's usage object, when it sent one
+    decode_step_s: float | None  # mean inter-event interval of the stream; None when too short
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """One request through the pipeline; fields in the order the stages fill them."""
+
+    request_id: str  # the client's X-Request-Id when sane, else our own
+    route: str  # the API path, e.g. "/v1/chat/completions"
+    kind: str  # CHAT | COMPLETIONS
+    headers: Mapping[str, str]  # the client's request headers
+    t0: float  # perf_counter at arrival
+    identity: Identity | None = None  # who asked (authenticate)
+    payload: dict | None = None  # the JSON body; rewritten in place for the upstream (rewrite)
+    request: ParsedRequest | None = None  # the validated request (parse)
+    prompt: Prompt | None = None  # token ids (tokenize)
+    salt: str = ""  # the derived cache salt (salt)
+    keys: list = field(default_factory=list)  # block keys of the first prompt (key)
+    routing: Routing | None = None  # the decision (decide)
+    body: bytes = b""  # the upstream request body (rewrite)
+    attempt: Try | None = None  # the attempt under way or the one that answered (dispatch)
+    status: int = 500  # the HTTP status the client got (499: it went away first)
+    error: str = ""  # the error code when the gateway answered with an error itself
+    replica: str = "-"  # the replica that answered (or was tried last)
+    span: Any = None  # the request's trace span (gateway.tracing; a no-op span when tracing is off)
+    limited: bool = False  # a tenant limiter slot is held (released at the end)

@@ -1,0 +1,105 @@
+"""Dispatch stage: try the ranked replicas in order until one answers.
+
+Rules:
+- At most `proxy.max_attempts` replicas, best first. Before each try the request's work is
+  counted on that replica (`RoutingState.dispatched`: in flight until its first token, its keys
+  speculatively in the index), and that count ends in a `finally` around the try *and* the
+  answer, so no failure path (refusal, timeout, cancellation, a bug) leaves it behind.
+- A failure before the first byte (`proxy.UpstreamFailure`: refused, 5xx, no first event in
+  `first_byte_timeout_s`) ejects the replica with backoff (`Membership.report_failure`) and the
+  next one is tried: the client has seen nothing yet. When every try failed the client gets
+  503 (nothing tried), 504 (the last one timed out) or 502, with `Retry-After`.
+- The first answer goes to `answer(ctx, attempt, upstream_span)` (the front's relay), whose
+  result (the HTTP status the client got) is returned.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Awaitable, Callable
+
+from gateway.config import ProxyConfig
+from gateway.context import RequestContext, Try
+from gateway.errors import ApiError
+from gateway.membership import Membership
+from gateway.proxy import Attempt, UpstreamFailure, attempt
+from gateway.routing import RoutingState, predicted_matched_tokens
+from gateway.telemetry import Metrics
+from gateway.upstream import UpstreamPool
+
+__all__ = ["Dispatcher", "Answer"]
+
+log = logging.getLogger("warmroute.gateway")
+
+Answer = Callable[[RequestContext, Attempt, object], Awaitable[int]]
+
+
+class Dispatcher:
+    def __init__(self, pool: UpstreamPool, membership: Membership, routing: RoutingState, metrics: Metrics,
+                 proxy: ProxyConfig) -> None:
+        self.pool = pool
+        self.membership = membership
+        self.routing = routing
+        self.metrics = metrics
+        self.proxy = proxy
+
+    async def run(self, ctx: RequestContext, answer: Answer) -> int:
+        """Send `ctx.body` to the ranked replicas in turn (module rules); the client's status."""
+        ranked = ctx.routing.decision.ranked[: self.proxy.max_attempts]
+        last: UpstreamFailure | None = None
+        for n, cand in enumerate(ranked):
+            st = self.membership.get(cand.replica_id)
+            if st is None:  # left the pool since the decision
+                continue
+            tr = self._start(ctx, n, cand)
+            up_span = ctx.span.upstream(cand.replica_id, st.url + ctx.route, n)
+            headers = {"Content-Type": "application/json", "X-Request-Id": ctx.request_id,
+                       "Accept-Encoding": "identity"}
+            up_span.inject(headers, ctx.headers)
+            try:
+                try:
+                    at = await attempt(self.pool, st.url, ctx.route, ctx.body, headers, stream=ctx.request.stream,
+                                       client_wants_usage=ctx.request.client_wants_usage,
+                                       first_byte_timeout_s=self.proxy.first_byte_timeout_s)
+                except UpstreamFailure as f:
+                    last = f
+                    self._failed(ctx, f, up_span, retrying=n + 1 < len(ranked))
+                    continue
+                except BaseException:
+                    up_span.error("cancelled")
+                    raise
+                self.membership.report_success(cand.replica_id)
+                return await answer(ctx, at, up_span)
+            finally:
+                tr.flight.finish()
+                up_span.end()
+        raise _exhausted(last)
+
+    def _start(self, ctx: RequestContext, n: int, cand) -> Try:
+        view = ctx.routing.view_of(cand.replica_id)
+        predicted = predicted_matched_tokens(ctx.routing.request, view)
+        uncached = max(0, ctx.prompt.total_tokens - predicted)
+        flight = self.routing.dispatched(cand.replica_id, ctx.keys, uncached, ctx.request.max_tokens)
+        ctx.attempt = Try(n, cand, view, predicted, uncached, flight)
+        ctx.replica = cand.replica_id
+        return ctx.attempt
+
+    def _failed(self, ctx: RequestContext, f: UpstreamFailure, up_span, *, retrying: bool) -> None:
+        rid = ctx.replica
+        backoff = self.membership.report_failure(rid, f.reason)
+        m = self.metrics
+        m.child(m.ejections, rid).inc()
+        m.child(m.upstream_errors, rid, f.phase, f.reason).inc()
+        log.warning("replica failed before first byte", extra={"fields": {
+            "request_id": ctx.request_id, "replica": rid, "phase": f.phase, "reason": f.reason, "ejected_s": backoff}})
+        up_span.error(f.reason, f.status)
+        if retrying:
+            m.child(m.retries, f.phase).inc()
+
+
+def _exhausted(last: UpstreamFailure | None) -> ApiError:
+    msg = "no replica could take the request"
+    if last is None:
+        return ApiError(503, msg, code="upstream_unavailable", headers={"Retry-After": "1"})
+    msg += f" (last error: {last.reason})"
+    status = 504 if last.phase == "first_byte" and last.reason == "timeout" else 502 if last.phase == "first_byte" else 503
+    return ApiError(status, msg, code="upstream_unavailable", headers={"Retry-After": "1"})

@@ -1,0 +1,49 @@
+"""Tokenize stage: a parsed request's prompt as the engine will tokenize it (gateway.tokenization).
+
+Rule: chat applies the model's chat template with the request's template options; completions
+encode each prompt with special tokens (a token-id prompt is taken as is). Short inputs tokenize
+inline and long ones on the tokenizer's worker threads: a thread hop for a short input costs more
+than the encoding, and with a busy loop the worker waits for the GIL up to a switch interval. A
+tokenizer refusal (unknown token id, invalid text) is the client's error (400 invalid_prompt); the
+context length check (gateway.parse) runs on the result.
+"""
+from __future__ import annotations
+
+import time
+
+from gateway.context import CHAT, ParsedRequest, Prompt
+from gateway.errors import ApiError
+from gateway.parse import chat_chars, check_context_length
+from gateway.tokenization import TokenizationError, TokenizerService
+
+__all__ = ["tokenize"]
+
+
+async def tokenize(tok: TokenizerService, req: ParsedRequest, *, inline_max_chars: int,
+                   max_model_len: int | None) -> Prompt:
+    t0 = time.perf_counter()
+    try:
+        if req.kind == CHAT:
+            prompts = [await _chat(tok, req, inline_max_chars)]
+        else:
+            prompts = [await _prompt(tok, p, inline_max_chars, batch=len(req.prompts) > 1) for p in req.prompts]
+    except TokenizationError as exc:
+        raise ApiError(400, f"invalid input: {exc}", param="messages" if req.kind == CHAT else "prompt",
+                       code="invalid_prompt") from None
+    n_tokens = max(len(p) for p in prompts)
+    check_context_length(req.kind, n_tokens, req.max_tokens, max_model_len)
+    return Prompt(prompts[0], sum(len(p) for p in prompts), time.perf_counter() - t0)
+
+
+async def _chat(tok: TokenizerService, req: ParsedRequest, inline_max_chars: int) -> list[int]:
+    kw = dict(add_generation_prompt=req.add_generation_prompt, chat_template_kwargs=req.chat_template_kwargs,
+              tools=req.tools, continue_final_message=req.continue_final_message)
+    if chat_chars(req.messages) <= inline_max_chars and not req.tools:
+        return tok.encode_chat(req.messages, **kw)
+    return await tok.encode_chat_async(req.messages, **kw)
+
+
+async def _prompt(tok: TokenizerService, prompt, inline_max_chars: int, *, batch: bool) -> list[int]:
+    if not batch and (not isinstance(prompt, str) or len(prompt) <= inline_max_chars):
+        return tok.encode_prompt(prompt)
+    return await tok.encode_prompt_async(prompt)

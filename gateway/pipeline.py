@@ -1,0 +1,219 @@
+"""The request pipeline: one request's stages, in order, over one `RequestContext`.
+
+    admit      authenticate (gateway.auth), parse the body and check the model (gateway.parse),
+               tenant limits, start the trace span (gateway.tracing)
+    plan       validate the request (gateway.parse), tokenize (gateway.encode), derive the salt
+               (gateway.salt), block keys (hashing.keys), decide (gateway.routing)
+    rewrite    the engine's body (gateway.rewrite)
+    dispatch   the ranked retry loop (gateway.dispatch)
+    relay      the answer to the client (gateway.relay)
+    learn      rates, policy hook, index accuracy (gateway.learn)
+    finish     metrics, span end, logs, limiter release
+
+Both fronts run these stages and no copy of them: the HTTP port calls `handle()`; the Envoy
+picker calls `admit`/`plan`/`rewrite` through `prepare()`, lets Envoy proxy, and calls `learn()`
+and `finish()` from the response it observes. Every error the gateway answers itself is an
+`ApiError` in OpenAI's shape; a bug in a stage answers 500 (or ends a started stream with an error
+event) and loses nothing else.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import random
+import time
+from functools import partial
+from typing import Mapping
+
+from gateway.auth import Authenticator, Identity, TenantLimiter
+from gateway.config import GatewayConfig
+from gateway.context import Outcome, RequestContext
+from gateway.dispatch import Dispatcher
+from gateway.encode import tokenize
+from gateway.errors import ApiError, sse_error_event
+from gateway.http_front import FrontRequest, FrontResponse, send_error
+from gateway.learn import learn
+from gateway.membership import Membership
+from gateway.model import ModelInfo
+from gateway.parse import check_model, parse_body, parse_request
+from gateway.proxy import Attempt
+from gateway.relay import relay, send_whole
+from gateway.rewrite import upstream_body
+from gateway.routing import RoutingState
+from gateway.salt import SaltDeriver
+from gateway.telemetry import Metrics
+from gateway.tokenization import TokenizerService
+from gateway.tracing import NO_SPAN, Tracing
+from policies.base import Policy, RequestView
+
+__all__ = ["Pipeline", "ROUTES"]
+
+log = logging.getLogger("warmroute.gateway")
+access_log = logging.getLogger("warmroute.gateway.access")
+
+ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}  # API path -> request kind
+
+
+class Pipeline:
+    """The stages of the module header, with what they need."""
+
+    def __init__(self, cfg: GatewayConfig, *, auth: Authenticator, limiter: TenantLimiter, salter: SaltDeriver,
+                 model: ModelInfo, tokenizer: TokenizerService, routing: RoutingState, membership: Membership,
+                 policy: Policy, dispatcher: Dispatcher, metrics: Metrics, tracing: Tracing) -> None:
+        self.cfg = cfg
+        self.auth = auth
+        self.limiter = limiter
+        self.salter = salter
+        self.model = model
+        self.tokenizer = tokenizer
+        self.routing = routing
+        self.membership = membership
+        self.policy = policy
+        self.rng = random.Random(cfg.policy.seed)  # the policy's tie-breaks
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.tracing = tracing
+        self._ids = itertools.count(1)
+        self._id_prefix = os.urandom(4).hex()
+
+    # ------------------------------------------------------------------ the HTTP front
+    async def handle(self, request: FrontRequest, resp: FrontResponse) -> None:
+        """A chat or completions request on the API port, answered on `resp`."""
+        if request.method != "POST":
+            return await send_error(resp, ApiError(405, f"method {request.method} not allowed on {request.path} (use POST)",
+                                                   code="method_not_allowed", headers={"Allow": "POST"}))
+        ctx = self.new_context(request.path, request.headers)
+        try:
+            await self._serve(ctx, request.body, resp)
+        finally:
+            self.finish(ctx)
+
+    async def _serve(self, ctx: RequestContext, body: bytes, resp: FrontResponse) -> None:
+        try:
+            try:
+                await self.prepare(ctx, body)
+                ctx.status = await self.dispatcher.run(ctx, partial(self._answer, resp))
+            except (asyncio.CancelledError, ConnectionResetError):  # the client went away
+                ctx.status = 499
+                raise
+            except ApiError as e:
+                ctx.status, ctx.error = e.status, e.code or ""
+                ctx.span.error(e.code or str(e.status), e.status)
+                await send_error(resp, e, ctx.request_id)
+        except Exception as exc:  # noqa: BLE001 - never crash a connection on our own bug
+            if isinstance(exc, ConnectionResetError):
+                raise
+            log.exception("internal error", extra={"fields": {"request_id": ctx.request_id}})
+            ctx.status = 500
+            await _internal_error(resp, ctx.request_id)
+
+    async def _answer(self, resp: FrontResponse, ctx: RequestContext, at: Attempt, up_span) -> int:
+        """Relay stage for the HTTP front: send the attempt's answer, then learn from it."""
+        tr = ctx.attempt
+        tr.flight.first_token()
+        up_span.set("warmroute.ttft_s", at.t_first - at.t_sent)
+        up_span.set("http.response.status_code", at.status)
+        headers = {"X-Request-Id": ctx.request_id, "X-Warmroute-Replica": tr.replica_id}
+        if at.resp is None:
+            r = await send_whole(resp, at, headers)
+            ttft_s = None  # a whole answer's time is not a time to first token
+        else:
+            m = self.metrics
+            m.child(m.ttft, tr.replica_id).observe(at.t_first - ctx.t0)
+            r = await relay(resp, at, headers, idle_timeout_s=self.cfg.proxy.idle_timeout_s, request_id=ctx.request_id)
+            if r.error is not None:
+                m.child(m.upstream_errors, tr.replica_id, "stream", r.error).inc()
+                ctx.span.error(r.error)
+            ttft_s = at.t_first - at.t_sent
+        if r.client_gone:
+            return 499  # the client closed the request
+        if at.status == 200:
+            terms = tr.candidate.terms
+            self.learn(ctx, Outcome(tr.replica_id, ttft_s, tr.predicted_cached_tokens, tr.uncached_tokens,
+                                    float(terms.get("backlog_tokens", 0.0)) if terms else 0.0,
+                                    tr.view.running_reqs if tr.view is not None else 0, r.usage, r.decode_step_s))
+        return at.status
+
+    # ------------------------------------------------------------------ the stages
+    def new_context(self, route: str, headers: Mapping[str, str]) -> RequestContext:
+        rid = headers.get("X-Request-Id")
+        if not rid or len(rid) > 128 or not rid.isprintable():
+            rid = f"wr-{self._id_prefix}-{next(self._ids)}"
+        return RequestContext(rid, route, ROUTES[route], headers, time.perf_counter(), span=NO_SPAN)
+
+    async def prepare(self, ctx: RequestContext, raw_body: bytes) -> None:
+        """admit, plan and rewrite: afterwards `ctx.body` goes to `ctx.routing`'s ranked replicas."""
+        await self.admit(ctx, raw_body)
+        await self.plan(ctx)
+        routing = ctx.routing
+        self.metrics.decision.observe(routing.decision_s)
+        self.metrics.tokenize.observe(ctx.prompt.tokenize_s)
+        ctx.span.decision(routing)
+        if not routing.decision.ranked:
+            raise ApiError(503, "no replica available", code="no_replica_available", headers={"Retry-After": "1"})
+        p = self.cfg.proxy
+        ctx.body = upstream_body(ctx.payload, ctx.request, salt=ctx.salt, model_name=self.model.name,
+                                 force_include_usage=p.force_include_usage, kv_cache_report_mode=p.kv_cache_report_mode)
+
+    async def admit(self, ctx: RequestContext, raw_body: bytes) -> None:
+        """Who asks, for which model, within the tenant's limits; the trace span starts here."""
+        ctx.identity = self.auth.authenticate(ctx.headers)
+        ctx.payload = parse_body(raw_body)  # the front already bounded its size (413)
+        model = check_model(ctx.payload, self.model.served, self.model.known)
+        self.auth.authorize_model(ctx.identity, model)
+        ctx.limited = self.limiter.acquire(ctx.identity.tenant_id)
+        ctx.span = self.tracing.request_span(ctx, model)
+
+    async def plan(self, ctx: RequestContext) -> None:
+        """Validate, tokenize, salt, key and decide (`ctx.identity` and `ctx.payload` are set)."""
+        ident: Identity = ctx.identity
+        ctx.request = parse_request(ctx.kind, ctx.payload, ctx.payload["model"])
+        ctx.prompt = await tokenize(self.tokenizer, ctx.request, inline_max_chars=self.cfg.model.inline_tokenize_max_chars,
+                                    max_model_len=self.model.max_model_len)
+        ctx.salt = self.salter.salt_for(ident.tenant_id, ident.user_id)
+        ctx.keys = self.model.keychain.request_keys(ctx.prompt.first_ids, salt=ctx.salt)
+        rv = RequestView(prompt_tokens=len(ctx.prompt.first_ids), block_size=self.model.block_size,
+                         keys=tuple(ctx.keys), max_output_tokens=ctx.request.max_tokens,
+                         tenant_hash=ident.tenant_hash if self.auth.enabled else "", request_id=ctx.request_id)
+        now = self.membership.clock()
+        available = {st.replica_id: st.available(now) for st in self.membership.all()}
+        ctx.routing = self.routing.decide(rv, available, self.policy, self.rng)
+
+    def learn(self, ctx: RequestContext, outcome: Outcome) -> None:
+        """Learn stage: rates, the policy's hook, metrics and span attributes of one answer."""
+        lesson = learn(outcome, self.routing.calibrator, self.policy)
+        agreement = self.metrics.record_lesson(lesson)
+        ctx.span.outcome(lesson, agreement)
+
+    def finish(self, ctx: RequestContext) -> None:
+        """Release the tenant's slot; count, trace and log the request (whatever happened)."""
+        ident = ctx.identity
+        if ctx.limited:
+            self.limiter.release(ident.tenant_id)
+        elapsed = time.perf_counter() - ctx.t0
+        m = self.metrics
+        m.request_done(ctx.route, ctx.status, ctx.replica)
+        m.child(m.e2e, ctx.route).observe(elapsed)
+        if ident is not None and self.auth.enabled:
+            m.child(m.tenant_requests, ident.tenant_hash).inc()
+        ctx.span.set("http.response.status_code", ctx.status)
+        ctx.span.end()
+        fields = {"request_id": ctx.request_id, "route": ctx.route, "status": ctx.status, "replica": ctx.replica,
+                  "duration_s": round(elapsed, 6), "tenant_hash": ident.tenant_hash if ident is not None else None}
+        if self.cfg.telemetry.access_log:
+            access_log.info("request", extra={"fields": fields})
+        elif ctx.status in (401, 403, 429):  # refusals are worth a line even with the access log off
+            log.info("request refused", extra={"fields": {**fields, "error": ctx.error}})
+
+
+async def _internal_error(resp: FrontResponse, request_id: str) -> None:
+    if not resp.started:
+        await send_error(resp, ApiError(500, "internal error", code="internal_error"), request_id)
+    elif not resp.finished:  # mid-stream: say so, don't end the body as if it were whole
+        try:
+            await resp.write(sse_error_event("gateway internal error", "internal_server_error", "internal_error"))
+            await resp.end()
+        except ConnectionResetError:
+            pass

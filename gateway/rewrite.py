@@ -1,0 +1,32 @@
+"""Rewrite stage (pure): the body the engine gets.
+
+Rule: the derived `cache_salt` replaces any the client sent (a client never chooses its salt),
+`model` becomes the canonical served name (aliases resolve), and the engine options the gateway
+needs for its own accounting are added: `stream_options.include_usage` on streams (the relay
+strips the usage chunk again when the client did not ask for it), and
+`vllm_xargs.kv_cache_report_mode` when configured (hits re-reported as KV events). Everything else
+passes through as the client sent it.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from gateway.context import ParsedRequest
+
+__all__ = ["upstream_body"]
+
+_encode = msgspec.json.encode
+
+
+def upstream_body(payload: dict, req: ParsedRequest, *, salt: str, model_name: str, force_include_usage: bool,
+                  kv_cache_report_mode: str | None) -> bytes:
+    """The upstream JSON body; `payload` (the client's parsed body) is updated in place."""
+    payload["cache_salt"] = salt
+    payload["model"] = model_name
+    if req.stream and force_include_usage:
+        so = payload.get("stream_options")
+        payload["stream_options"] = {**(so or {}), "include_usage": True}
+    if kv_cache_report_mode:
+        xa = payload.get("vllm_xargs")
+        payload["vllm_xargs"] = {**(xa if isinstance(xa, dict) else {}), "kv_cache_report_mode": kv_cache_report_mode}
+    return _encode(payload)

@@ -1,0 +1,75 @@
+"""Read-only views of a running gateway's state: readiness, the scrape-time metrics state and the
+`/debug/index` description (pure reads of a `gateway.server.Gateway`; no I/O).
+
+Readiness (`/readyz` 200) needs: the tokenizer loaded, the model's name and context length known,
+at least one replica, one of them available, the feed usable (unless load-only), not draining.
+"""
+from __future__ import annotations
+
+__all__ = ["readiness", "state_for_metrics", "describe"]
+
+
+def readiness(gw) -> tuple[bool, list[str]]:
+    why = []
+    if gw.tokenizer is None:
+        why.append("tokenizer not loaded")
+    if not gw.model.known:
+        why.append("model name unknown (set model.name or make a replica answer /v1/models)")
+    if gw.model.max_model_len is None:
+        why.append("max_model_len unknown")
+    if not gw.membership.ids():
+        why.append("no replicas")
+    elif not gw.membership.any_available():
+        why.append("no replica available")
+    if not gw.cfg.feed.load_only and not gw.feed_ok:
+        why.append("feed not usable")
+    if gw.draining:
+        why.append("draining")
+    return not why, why
+
+
+def state_for_metrics(gw) -> dict:
+    index, load, cal = gw.routing.index, gw.routing.load, gw.routing.calibrator
+    st = index.stats()
+    now = gw.membership.clock()
+    reps = {}
+    for s in gw.membership.all():
+        ld = load.get(s.replica_id)
+        reps[s.replica_id] = {"available": s.available(now), "index_live": index.is_live(s.replica_id),
+                              "inflight_reqs": ld.inflight_reqs, "active_reqs": ld.active_reqs}
+    rates = {rid: (cal.prefill_s_per_token(rid), cal.decode_step_s(rid)) for rid in gw.membership.ids()}
+    return {"index_entries": st.entries, "index_bytes": st.bytes_estimate, "index_evictions": st.evictions,
+            "index_speculative": st.speculative_entries, "feed_lag": st.feed_lag_s_by_replica,
+            "entries_by_replica": st.entries_by_replica, "rates": rates, "replicas": reps,
+            "ready": readiness(gw)[0]}
+
+
+def describe(gw) -> dict:
+    index = gw.routing.index
+    st = index.stats()
+    return {
+        "model": gw.model.name, "block_size": gw.cfg.model.block_size, "policy": gw.cfg.policy.name,
+        "index": {"entries": st.entries, "bytes_estimate": st.bytes_estimate, "evictions": st.evictions,
+                  "replicas": st.replicas, "live_replicas": st.live_replicas,
+                  "speculative_entries": st.speculative_entries, "max_entries": gw.cfg.feed.index_max_entries},
+        "replicas": [_replica(gw, s, st) for s in gw.membership.all()],
+    }
+
+
+def _replica(gw, s, st) -> dict:
+    index, load, cal = gw.routing.index, gw.routing.load, gw.routing.calibrator
+    now = gw.membership.clock()
+    ld = load.get(s.replica_id)
+    rep = index.last_load(s.replica_id)
+    return {
+        "replica_id": s.replica_id, "url": s.url, "available": s.available(now), "probe_ok": s.probe_ok,
+        "failures": s.failures, "ejected_for_s": max(0.0, s.ejected_until - now), "last_error": s.last_error,
+        "index_live": index.is_live(s.replica_id), "entries": st.entries_by_replica.get(s.replica_id, 0),
+        "feed_lag_s": st.feed_lag_s_by_replica.get(s.replica_id),
+        "load_report": None if rep is None else {"running_reqs": rep.running_reqs, "waiting_reqs": rep.waiting_reqs,
+                                                 "kv_usage": rep.kv_usage},
+        "inflight_reqs": ld.inflight_reqs, "inflight_tokens": ld.inflight_tokens, "active_reqs": ld.active_reqs,
+        "others_inflight_reqs": ld.others_reqs,
+        "prefill_s_per_token": cal.prefill_s_per_token(s.replica_id),
+        "decode_step_s": cal.decode_step_s(s.replica_id),
+    }

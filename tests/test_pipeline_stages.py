@@ -1,0 +1,419 @@
+"""The request pipeline's stages reached directly, without sockets: parse, decide, rewrite, relay
+(idle timeout, truncation, client gone), learn, and dispatch's in-flight accounting on every
+failure path."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import msgspec
+import pytest
+
+import gateway.dispatch as dispatch_mod
+from gateway.config import ProxyConfig
+from gateway.context import Outcome, ParsedRequest, Prompt, RequestContext, Routing
+from gateway.dispatch import Dispatcher
+from gateway.errors import ApiError, engine_error
+from gateway.index import KVIndex
+from gateway.learn import learn
+from gateway.load import LoadTracker
+from gateway.membership import Membership
+from gateway.parse import check_context_length, check_model, parse_body, parse_request
+from gateway.proxy import Attempt, SseRelay, UpstreamFailure
+from gateway.relay import relay, send_whole
+from gateway.rewrite import upstream_body
+from gateway.routing import RoutingState
+from gateway.telemetry import Metrics
+from gateway.tracing import NO_SPAN
+from gateway.upstream import UpstreamError
+from policies.base import Candidate, Decision, PolicyBase, RequestView
+from policies.calibration import Calibrator
+from policies.registry import get_policy
+from replica_agent.feed import FeedEvent, LoadReport
+
+# ----------------------------------------------------------------------------------- parse
+
+
+def test_parse_refuses_with_the_field_named():
+    cases = [
+        (b"", "invalid_json", None), (b"[1]", "invalid_json", None), (b"{", "invalid_json", None),
+        (b'{"a": "\xff"}', "invalid_encoding", None),
+    ]
+    for raw, code, _ in cases:
+        with pytest.raises(ApiError) as e:
+            parse_body(raw)
+        assert e.value.status == 400 and e.value.code == code
+    with pytest.raises(ApiError) as e:
+        check_model({"model": 3}, {"m"}, True)
+    assert (e.value.status, e.value.param) == (400, "model")
+    with pytest.raises(ApiError) as e:
+        check_model({"model": "other"}, {"m"}, True)
+    assert (e.value.status, e.value.code) == (404, "model_not_found")
+    with pytest.raises(ApiError) as e:
+        check_model({"model": "m"}, set(), False)
+    assert e.value.status == 503
+    bad = [({"messages": []}, "messages"), ({"messages": [{"content": "x"}]}, "messages"),
+           ({"messages": [{"role": "user"}], "stream": "yes"}, "stream"),
+           ({"messages": [{"role": "user"}], "max_tokens": 0}, "max_tokens"),
+           ({"messages": [{"role": "user"}], "max_completion_tokens": True}, "max_tokens"),
+           ({"messages": [{"role": "user"}], "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+           ({"messages": [{"role": "user"}], "stream_options": 1}, "stream_options")]
+    for payload, param in bad:
+        with pytest.raises(ApiError) as e:
+            parse_request("chat", payload, "m")
+        assert (e.value.status, e.value.param) == (400, param), payload
+    for prompt in (None, 5, [], [1, "a", 2.5]):
+        with pytest.raises(ApiError) as e:
+            parse_request("completions", {"prompt": prompt}, "m")
+        assert e.value.param == "prompt"
+
+
+def test_parse_reads_what_the_gateway_needs():
+    r = parse_request("chat", {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                               "stream_options": {"include_usage": True}, "max_completion_tokens": 7,
+                               "tools": [{"type": "function"}], "tool_choice": "none"}, "m")
+    assert (r.stream, r.client_wants_usage, r.max_tokens, r.tools) == (True, True, 7, None)  # tool_choice none drops tools
+    r = parse_request("completions", {"prompt": ["a", [1, 2]], "max_tokens": 3}, "m")
+    assert r.prompts == ["a", [1, 2]] and r.max_tokens == 3 and not r.stream
+    assert parse_request("completions", {"prompt": [1, 2, 3]}, "m").prompts == [[1, 2, 3]]
+
+
+def test_context_length_uses_vllm_wording():
+    check_context_length("chat", 10, 0, 100)
+    with pytest.raises(ApiError) as e:
+        check_context_length("chat", 90, 20, 100)
+    assert e.value.code == "context_length_exceeded" and "110 tokens" in e.value.message and e.value.param == "messages"
+    with pytest.raises(ApiError) as e:
+        check_context_length("completions", 0, 0, None)
+    assert e.value.param == "prompt"
+
+
+# ----------------------------------------------------------------------------------- rewrite
+
+
+def test_rewrite_replaces_the_salt_and_adds_accounting_options():
+    payload = {"model": "alias", "messages": [], "cache_salt": "client-chosen", "stream": True,
+               "stream_options": {"continuous_usage_stats": True}, "vllm_xargs": {"x": 1}}
+    req = ParsedRequest("chat", "alias", True, False, 0, messages=[])
+    body = msgspec.json.decode(upstream_body(payload, req, salt="S", model_name="real", force_include_usage=True,
+                                             kv_cache_report_mode="full"))
+    assert body["cache_salt"] == "S" and body["model"] == "real"
+    assert body["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
+    assert body["vllm_xargs"] == {"x": 1, "kv_cache_report_mode": "full"}
+    body = msgspec.json.decode(upstream_body({"model": "m"}, ParsedRequest("chat", "m", False, False, 0), salt="S",
+                                             model_name="m", force_include_usage=True, kv_cache_report_mode=None))
+    assert "stream_options" not in body and "vllm_xargs" not in body
+
+
+def test_engine_errors_are_reshaped():
+    e = engine_error(400, b'{"object": "error", "message": "n must be 1", "type": "BadRequestError", "code": 400}')
+    assert e.status == 400 and e.message == "n must be 1" and e.code == "engine_error"
+    doc = msgspec.json.decode(e.body())
+    assert set(doc["error"]) == {"message", "type", "param", "code"} and doc["error"]["type"] == "invalid_request_error"
+    e = engine_error(422, b"<html>nope</html>")
+    assert "HTTP 422" in e.message and "nope" in e.message
+
+
+# ----------------------------------------------------------------------------------- decide
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _state(clock) -> RoutingState:
+    return RoutingState(KVIndex(clock=clock, stale_after_s=5.0), LoadTracker(), Calibrator(), speculative_ttl_s=2.0,
+                        clock=clock)
+
+
+def test_decide_follows_the_index_and_its_clock():
+    clock = _Clock()
+    st = _state(clock)
+    keys = list(range(1, 41))
+    st.index.apply(FeedEvent("b", 1, "stored", tuple(keys)))
+    st.index.apply(FeedEvent("b", 2, "load", (), load=LoadReport(0, 0, 0.1, 0.0, 0.0, 1000, 16, 0.0)))
+    rv = RequestView(prompt_tokens=641, block_size=16, keys=tuple(keys))
+    pol = get_policy("cache_aware")
+    r = st.decide(rv, {"a": True, "b": True}, pol, random.Random(0))
+    assert r.decision.winner == "b" and r.view_of("b").matched_blocks_gpu == 40
+    assert r.view_of("b").extra["kv_cached_frac"] == pytest.approx(0.04)
+    clock.t += 6.0  # b's feed went silent: its matches stop counting
+    r = st.decide(rv, {"a": True, "b": True}, pol, random.Random(0))
+    assert r.view_of("b").index_live is False
+    # an unavailable replica is never ranked
+    r = st.decide(rv, {"a": False, "b": True}, pol, random.Random(0))
+    assert [c.replica_id for c in r.decision.ranked] == ["b"]
+
+
+def test_dispatched_counts_work_and_speculates_until_the_ttl():
+    clock = _Clock()
+    st = _state(clock)
+    f = st.dispatched("a", [7, 8, 9], 300, 16)
+    ld = st.load.get("a")
+    assert (ld.inflight_reqs, ld.inflight_tokens) == (1, 300)
+    assert st.index.match([7, 8, 9])["a"].gpu_blocks == 3
+    clock.t += 2.5
+    assert "a" not in st.index.match([7, 8, 9])
+    f.first_token()
+    f.finish()
+    ld = st.load.get("a")
+    assert (ld.inflight_reqs, ld.active_reqs) == (0, 0)
+
+
+# ----------------------------------------------------------------------------------- learn
+
+
+class _Observer(PolicyBase):
+    name = "observer"
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    def observe(self, replica_id, ttft_s, uncached_tokens):
+        self.seen.append((replica_id, ttft_s, uncached_tokens))
+
+
+def _outcome(**kw):
+    base = dict(replica_id="r", ttft_s=0.5, predicted_cached_tokens=96, uncached_tokens=500, backlog_tokens=0.0,
+                running_reqs=0, usage={"prompt_tokens": 600, "completion_tokens": 4,
+                                       "prompt_tokens_details": {"cached_tokens": 64}}, decode_step_s=0.02)
+    base.update(kw)
+    return Outcome(**base)
+
+
+def test_learn_uses_the_engines_numbers_when_it_has_them():
+    cal, pol = Calibrator(min_samples=1), _Observer()
+    lesson = learn(_outcome(), cal, pol)
+    assert (lesson.prompt_tokens, lesson.cached_tokens, lesson.uncached_tokens) == (600, 64, 536)
+    assert pol.seen == [("r", 0.5, 536)]
+    assert cal.prefill_s_per_token("r") == pytest.approx(0.5 / 536)
+    assert cal.decode_step_s("r") == pytest.approx(0.02)
+    # a whole answer: no rate sample; no usage: the prediction stands in
+    cal2, pol2 = Calibrator(min_samples=1), _Observer()
+    lesson = learn(_outcome(ttft_s=None, usage=None, decode_step_s=None), cal2, pol2)
+    assert lesson.cached_tokens is None and lesson.uncached_tokens == 500 and pol2.seen == []
+    assert cal2.prefill_s_per_token("r") == Calibrator().prefill_s_per_token("r")  # still the prior
+
+
+# ----------------------------------------------------------------------------------- relay
+
+
+class FakeClient:
+    """The FrontResponse surface the relay uses; records what the client received."""
+
+    def __init__(self, gone_after: int | None = None) -> None:
+        self.data = b""
+        self.status = None
+        self.ended = False
+        self.flow = None
+        self.gone_after = gone_after  # raise ConnectionResetError on this write
+
+    def _check(self):
+        if self.gone_after is not None:
+            self.gone_after -= 1
+            if self.gone_after < 0:
+                raise ConnectionResetError("client gone")
+
+    async def send(self, status, headers, body):
+        self._check()
+        self.status, self.headers, self.data, self.ended = status, headers, body, True
+
+    async def start(self, status, headers, first=b"", *, end=False):
+        self._check()
+        self.status, self.headers = status, headers
+        self.data += first
+        self.ended = end
+
+    def on_flow(self, pause, resume):
+        self.flow = (pause, resume) if pause else None
+
+    def write_nowait(self, data):
+        self.data += data
+
+    def end_nowait(self, last=b""):
+        self.data += last
+        self.ended = True
+
+    async def write(self, data):
+        self._check()
+        self.data += data
+
+    async def end(self, last=b""):
+        self.data += last
+        self.ended = True
+
+
+class FakeUpstream:
+    """The UpstreamResponse surface the relay uses; the test pushes chunks through `sink`."""
+
+    def __init__(self) -> None:
+        self.sink = None
+        self.closed = False
+        self.released = False
+
+    def pipe(self, on_data, on_end):
+        self.sink = (on_data, on_end)
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+    def release(self):
+        self.released = True
+        self.closed = True
+
+
+def _stream_attempt(first: bytes, up: FakeUpstream) -> Attempt:
+    r = SseRelay(client_wants_usage=False)
+    out = r.feed(first)
+    return Attempt(200, "text/event-stream", up, out, r, 0.0, 0.0)
+
+
+EV = b'data: {"choices": [{"text": "x"}]}\n\n'
+USAGE = b'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}\n\n'
+
+
+async def test_relay_whole_stream_strips_usage_and_reports_it():
+    up = FakeUpstream()
+    at = _stream_attempt(EV, up)
+    client = FakeClient()
+    task = asyncio.create_task(relay(client, at, {}, idle_timeout_s=5.0))
+    await asyncio.sleep(0)
+    on_data, on_end = up.sink
+    on_data(EV + EV)
+    on_data(USAGE + b"data: [DONE]\n\n")
+    on_end(None)
+    r = await task
+    assert r.error is None and not r.client_gone and r.usage["completion_tokens"] == 3
+    assert client.data == EV * 3 + b"data: [DONE]\n\n" and client.ended and up.released
+    assert r.decode_step_s is not None and client.flow is None
+
+
+async def test_relay_idle_timeout_ends_the_stream_with_an_error_and_aborts_the_engine():
+    up = FakeUpstream()
+    client = FakeClient()
+    r = await asyncio.wait_for(relay(client, _stream_attempt(EV, up), {}, idle_timeout_s=0.05), 2.0)
+    assert r.error == "idle timeout" and up.closed and not up.released
+    assert b"sent nothing for 0.05s" in client.data and client.data.endswith(b"data: [DONE]\n\n") and client.ended
+
+
+async def test_relay_truncated_stream_says_so():
+    up = FakeUpstream()
+    client = FakeClient()
+    task = asyncio.create_task(relay(client, _stream_attempt(EV, up), {}, idle_timeout_s=5.0))
+    await asyncio.sleep(0)
+    up.sink[0](b'data: {"partial')
+    up.sink[1](None)  # body ended without [DONE]
+    r = await task
+    assert r.error == "truncated" and b'data: {"partial' in client.data and b"without [DONE]" in client.data
+
+
+async def test_relay_upstream_failure_mid_stream():
+    up = FakeUpstream()
+    client = FakeClient()
+    task = asyncio.create_task(relay(client, _stream_attempt(EV, up), {}, idle_timeout_s=5.0))
+    await asyncio.sleep(0)
+    up.sink[1](UpstreamError("io", "connection lost"))
+    r = await task
+    assert r.error == "connection lost" and b"failed mid-stream (connection lost)" in client.data
+
+
+async def test_relay_client_gone_closes_the_upstream():
+    up = FakeUpstream()
+    client = FakeClient(gone_after=0)  # the very first send fails
+    r = await relay(client, _stream_attempt(EV, up), {}, idle_timeout_s=5.0)
+    assert r.client_gone and up.closed and not up.released
+
+
+async def test_send_whole_reshapes_engine_errors():
+    client = FakeClient()
+    at = Attempt(400, "application/json", None, b'{"error": {"message": "bad n", "type": "BadRequestError", "param": "n", "code": 400}}',
+                 None, 0.0, 0.0)
+    r = await send_whole(client, at, {"X-Request-Id": "q"})
+    doc = msgspec.json.decode(client.data)
+    assert client.status == 400 and doc["error"]["message"] == "bad n" and doc["error"]["param"] == "n"
+    assert doc["error"]["type"] == "invalid_request_error" and r.usage is None
+
+
+# ----------------------------------------------------------------------------------- dispatch
+
+
+class _Pool:
+    pass
+
+
+def _ctx(ranked) -> RequestContext:
+    req = ParsedRequest("chat", "m", True, False, 8, messages=[])
+    rv = RequestView(prompt_tokens=100, block_size=16, keys=(1, 2, 3))
+    routing = Routing(rv, (), Decision("t", tuple(Candidate(r, 0.0, {}) for r in ranked)), 0.0)
+    ctx = RequestContext("q", "/v1/chat/completions", "chat", {}, 0.0, request=req, routing=routing,
+                         prompt=Prompt([0] * 100, 100, 0.0), keys=[1, 2, 3], body=b"{}", span=NO_SPAN)
+    return ctx
+
+
+@pytest.mark.parametrize("failure", ["refused_then_ok", "all_refused", "answer_raises", "cancelled", "client_gone"])
+async def test_dispatch_leaves_no_inflight_count_behind(monkeypatch, failure):
+    clock = _Clock()
+    st = _state(clock)
+    mem = Membership()
+    mem.set_members({"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"})
+    d = Dispatcher(_Pool(), mem, st, Metrics(), ProxyConfig())
+    calls = []
+
+    async def fake_attempt(pool, base_url, path, body, headers, **kw):
+        calls.append(base_url)
+        if failure == "all_refused" or (failure == "refused_then_ok" and len(calls) == 1):
+            raise UpstreamFailure("connect", "connection refused")
+        if failure == "cancelled":
+            raise asyncio.CancelledError()
+        return Attempt(200, "application/json", None, b"{}", None, 0.0, 0.0)
+
+    async def answer(ctx, at, up_span):
+        assert st.load.get(ctx.replica).inflight_reqs == 1  # counted while answering
+        ctx.attempt.flight.first_token()
+        if failure == "answer_raises":
+            raise RuntimeError("relay bug")
+        if failure == "client_gone":
+            raise ConnectionResetError()
+        return 200
+
+    monkeypatch.setattr(dispatch_mod, "attempt", fake_attempt)
+    ctx = _ctx(["a", "b"])
+    if failure == "refused_then_ok":
+        assert await d.run(ctx, answer) == 200 and ctx.replica == "b" and len(calls) == 2
+        assert not mem.available("a")  # ejected
+    else:
+        exc = {"all_refused": ApiError, "answer_raises": RuntimeError, "cancelled": asyncio.CancelledError,
+               "client_gone": ConnectionResetError}[failure]
+        with pytest.raises(exc):
+            await d.run(ctx, answer)
+    for rid in ("a", "b"):
+        ld = st.load.get(rid)
+        assert (ld.inflight_reqs, ld.inflight_tokens, ld.active_reqs) == (0, 0, 0), (failure, rid)
+
+
+async def test_dispatch_exhausted_answers_by_the_last_failure(monkeypatch):
+    st = _state(_Clock())
+    mem = Membership()
+    mem.set_members({"a": "http://127.0.0.1:1"})
+    d = Dispatcher(_Pool(), mem, st, Metrics(), ProxyConfig())
+
+    async def timeout_attempt(*a, **kw):
+        raise UpstreamFailure("first_byte", "timeout")
+
+    monkeypatch.setattr(dispatch_mod, "attempt", timeout_attempt)
+    with pytest.raises(ApiError) as e:
+        await d.run(_ctx(["a"]), None)
+    assert e.value.status == 504 and e.value.headers["Retry-After"] == "1"
+    with pytest.raises(ApiError) as e:
+        await d.run(_ctx(["gone"]), None)  # left the pool since the decision: nothing tried
+    assert e.value.status == 503
