@@ -20,8 +20,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=256, help="KV capacity per simulated replica, in blocks")
     p.add_argument("--model", default="warmroute-sim", help="model name sent in requests")
 
-
-def run(args: argparse.Namespace) -> int:
-    from loadtests.bench import main_from_args
-
-    return main_from_args(args)

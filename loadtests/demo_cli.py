@@ -9,8 +9,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
 
-
-def run(args: argparse.Namespace) -> int:
-    from loadtests.demo import main_from_args
-
-    return main_from_args(args)

@@ -35,8 +35,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--fault-stall-after-s", type=float, default=None, metavar="S", help="stall after S seconds ...")
     f.add_argument("--fault-stall-s", type=float, default=0.0, metavar="S", help="... for S seconds")
 
-
-def run(args: argparse.Namespace) -> int:
-    from loadtests.sim.server import main_from_args
-
-    return main_from_args(args)
