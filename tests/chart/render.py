@@ -89,3 +89,6 @@ def deep_merge(base: dict, over: dict) -> dict:
     for k, v in over.items():
         out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+FULL_NAME = f"{RELEASE}-warmroute"
