@@ -16,8 +16,8 @@ Rule: nothing about the process is taken from the test; everything from the rend
     `@`) become 127.0.0.1, where every pod of the release runs here;
   - probes: httpGet `path` on the container port the probe names (named ports resolved from the
     container's ports) on 127.0.0.1, and exec probes run with the container's env.
-The process env is the container's env plus PATH, HOME and LANG of the test (a container has its
-image's env; the local install needs its PATH). Volume kinds other than ConfigMap, Secret and
+The process env is the container's env over the image's (PATH to the local install, the prebuilt
+tokenizer cache, no home directory). Volume kinds other than ConfigMap, Secret and
 emptyDir raise: such a container cannot run here.
 """
 from __future__ import annotations
@@ -177,10 +177,14 @@ class LocalContainer:
         return local_entrypoint() + args
 
     def process_env(self) -> dict[str, str]:
+        """The container's env over what the image provides: PATH to the install, the prebuilt
+        tokenizer cache (the Dockerfile's WARMROUTE_CACHE_DIR, here the local one), and a HOME
+        that does not exist (the image's user has none; nothing may need one)."""
+        from gateway.default_tokenizer import _cache_root
+
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        base = {"PATH": path, "HOME": os.environ.get("HOME", "/root"), "LANG": os.environ.get("LANG", "C.UTF-8")}
-        if os.environ.get("WARMROUTE_CACHE_DIR"):
-            base["WARMROUTE_CACHE_DIR"] = os.environ["WARMROUTE_CACHE_DIR"]
+        base = {"PATH": path, "HOME": "/nonexistent", "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1",
+                "PYTHONDONTWRITEBYTECODE": "1", "WARMROUTE_CACHE_DIR": str(_cache_root())}
         return {**base, **self.env}
 
     def start(self) -> subprocess.Popen:
