@@ -1,15 +1,218 @@
+{{/* Names, labels and the values several templates derive (feed URL, secret names, checks). */}}
+
+{{- define "warmroute.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "warmroute.fullname" -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "warmroute.labels" -}}
-app.kubernetes.io/name: {{ .Chart.Name }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "warmroute.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: warmroute
 {{- end -}}
 
+{{/* Selector labels of one component: include "warmroute.selector" (list . "gateway") */}}
 {{- define "warmroute.selector" -}}
-app.kubernetes.io/name: {{ .Chart.Name }}
-app.kubernetes.io/instance: {{ .Release.Name }}
+{{- $ := index . 0 -}}
+app.kubernetes.io/name: {{ include "warmroute.name" $ }}
+app.kubernetes.io/instance: {{ $.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "warmroute.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "warmroute.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "warmroute.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The salt Secret's name and key; fails with the way to give one when neither is set. */}}
+{{- define "warmroute.saltSecretName" -}}
+{{- if .Values.salt.existingSecret -}}
+{{- .Values.salt.existingSecret -}}
+{{- else if .Values.salt.value -}}
+{{- printf "%s-salt" (include "warmroute.fullname" .) -}}
+{{- else -}}
+{{- fail "\n\nsalt: no cache-salt secret given. Every gateway pod must derive the same per-tenant salt, so the chart never makes one up. Create a Secret once and name it:\n  kubectl create secret generic warmroute-salt --from-literal=secret=\"$(head -c 32 /dev/urandom | base64)\"\n  helm install ... --set salt.existingSecret=warmroute-salt\n(or pass the secret itself with --set salt.value=..., 32 characters or more)." -}}
+{{- end -}}
+{{- end -}}
+{{- define "warmroute.saltSecretKey" -}}
+{{- if .Values.salt.existingSecret -}}{{ .Values.salt.existingSecretKey }}{{- else -}}secret{{- end -}}
+{{- end -}}
+
+{{- define "warmroute.apiKeysSecretName" -}}
+{{- default (printf "%s-api-keys" (include "warmroute.fullname" .)) .Values.auth.apiKeys.existingSecret -}}
+{{- end -}}
+{{- define "warmroute.apiKeysSecretKey" -}}
+{{- if .Values.auth.apiKeys.existingSecret -}}{{ .Values.auth.apiKeys.existingSecretKey }}{{- else -}}keys.yaml{{- end -}}
+{{- end -}}
+{{- define "warmroute.jwtSecretName" -}}
+{{- default (printf "%s-jwt" (include "warmroute.fullname" .)) .Values.auth.jwt.existingSecret -}}
+{{- end -}}
+
+{{/* The Redis password Secret (name, key), or empty when the feed has no password. */}}
+{{- define "warmroute.redisPasswordRef" -}}
+{{- $r := .Values.feed.redis -}}
+{{- if $r.enabled -}}
+{{- if $r.auth.enabled -}}
+{{- if $r.auth.existingSecret -}}
+{{- dict "name" $r.auth.existingSecret "key" $r.auth.existingSecretKey | toJson -}}
+{{- else if $r.auth.password -}}
+{{- dict "name" (printf "%s-redis" (include "warmroute.fullname" .)) "key" "password" | toJson -}}
+{{- else -}}
+{{- fail "feed.redis.auth.enabled: give feed.redis.auth.existingSecret (a Secret with the password) or feed.redis.auth.password" -}}
+{{- end -}}
+{{- end -}}
+{{- else if .Values.feed.externalPasswordSecret.name -}}
+{{- dict "name" .Values.feed.externalPasswordSecret.name "key" .Values.feed.externalPasswordSecret.key | toJson -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The feed URL without credentials (what the ConfigMap shows). */}}
+{{- define "warmroute.feedUrl" -}}
+{{- if .Values.feed.redis.enabled -}}
+{{- printf "redis://%s-redis:%d/0" (include "warmroute.fullname" .) (int .Values.feed.redis.port) -}}
+{{- else if .Values.feed.externalUrl -}}
+{{- .Values.feed.externalUrl -}}
+{{- else -}}
+{{- fail "feed: set feed.redis.enabled=true (a Redis in the release) or feed.externalUrl (redis://HOST:PORT/DB)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Env entries giving FEED_URL (with the password when there is one; kubelet expands $(VAR)). */}}
+{{- define "warmroute.feedEnv" -}}
+{{- $ref := include "warmroute.redisPasswordRef" . -}}
+{{- $url := include "warmroute.feedUrl" . -}}
+{{- if $ref -}}
+{{- $r := fromJson $ref -}}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef: {name: {{ $r.name | quote }}, key: {{ $r.key | quote }}}
+- name: FEED_URL
+  value: {{ regexReplaceAll "^(rediss?://)" $url "${1}:$(REDIS_PASSWORD)@" | quote }}
+{{- else -}}
+- name: FEED_URL
+  value: {{ $url | quote }}
+{{- end -}}
+{{- end -}}
+
+{{/* The served model name the gateway and the agents key on ("" when discovered). */}}
+{{- define "warmroute.modelName" -}}
+{{- if eq .Values.replicas.mode "deploy" -}}
+{{- $d := .Values.replicas.deploy -}}
+{{- if and $d.servedModelName .Values.config.model.name (ne $d.servedModelName .Values.config.model.name) -}}
+{{- fail "replicas.deploy.servedModelName and config.model.name differ: set one (the gateway serves the name the engines serve)" -}}
+{{- end -}}
+{{- default (default $d.model .Values.config.model.name) $d.servedModelName -}}
+{{- else -}}
+{{- .Values.config.model.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The gateway's tokenizer source after defaults: builtin | hub | volume, and the hub model. */}}
+{{- define "warmroute.tokenizerHubModel" -}}
+{{- default (ternary .Values.replicas.deploy.model "" (eq .Values.replicas.mode "deploy")) .Values.gateway.tokenizer.hubModel -}}
+{{- end -}}
+
+{{/* The agent container (sidecar in deploy mode, own pod in attach mode):
+     include "warmroute.agentContainer" (dict "root" $ "replicaId" ID "engineUrl" URL "events" EP "replay" EP
+     "startupSeconds" S) */}}
+{{- define "warmroute.agentContainer" -}}
+{{- $ := .root -}}
+{{- $model := include "warmroute.modelName" $ -}}
+- name: agent
+  image: {{ include "warmroute.image" $ | quote }}
+  imagePullPolicy: {{ $.Values.image.pullPolicy }}
+  args:
+    - agent
+    - --replica-id
+    - {{ .replicaId | quote }}
+    - --engine-url
+    - {{ .engineUrl | quote }}
+    - --kv-events-endpoint
+    - {{ .events | quote }}
+    {{- if .replay }}
+    - --replay-endpoint
+    - {{ .replay | quote }}
+    {{- end }}
+    - --feed
+    - $(FEED_URL)
+    {{- if $model }}
+    - --model
+    - {{ $model | quote }}
+    {{- end }}
+    - --block-size
+    - {{ $.Values.config.model.block_size | quote }}
+    - --load-interval
+    - {{ $.Values.agent.loadIntervalSeconds | quote }}
+    - --snapshot-interval
+    - {{ $.Values.agent.snapshotIntervalSeconds | quote }}
+    - --admin-host
+    - "0.0.0.0"
+    - --admin-port
+    - {{ $.Values.agent.adminPort | quote }}
+  env:
+    - name: POD_IP
+      valueFrom:
+        fieldRef: {fieldPath: status.podIP}
+    {{- include "warmroute.feedEnv" $ | nindent 4 }}
+  ports:
+    - {name: agent-metrics, containerPort: {{ $.Values.agent.adminPort }}, protocol: TCP}
+  # The agent opens its admin port once it knows the model and has published its first state
+  # (after the engine answers): a startup probe covers that wait. No readiness probe: a sidecar's
+  # readiness would take the engine out of the headless Service with it.
+  startupProbe:
+    httpGet: {path: /healthz, port: agent-metrics}
+    periodSeconds: 5
+    failureThreshold: {{ div (int .startupSeconds) 5 | max 1 }}
+  livenessProbe:
+    httpGet: {path: /healthz, port: agent-metrics}
+    periodSeconds: 10
+    failureThreshold: 3
+  resources:
+    {{- toYaml $.Values.agent.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml $.Values.gateway.securityContext | nindent 4 }}
+    runAsNonRoot: true
+    runAsUser: {{ $.Values.gateway.podSecurityContext.runAsUser | default 10001 }}
+{{- end -}}
+
+{{/* The JWT key files the gateway gets, as a JSON list of Secret keys. */}}
+{{- define "warmroute.jwtKeys" -}}
+{{- $j := .Values.auth.jwt -}}
+{{- if $j.existingSecret -}}
+{{- if not $j.existingSecretKeys -}}
+{{- fail "auth.jwt.existingSecretKeys: name the keys the JWT Secret holds (hs256.secret, public.pem, jwks.json)" -}}
+{{- end -}}
+{{- toJson $j.existingSecretKeys -}}
+{{- else -}}
+{{- $k := list -}}
+{{- if $j.hs256Secret }}{{ $k = append $k "hs256.secret" }}{{ end -}}
+{{- if $j.rs256PublicKeyPem }}{{ $k = append $k "public.pem" }}{{ end -}}
+{{- if $j.jwks }}{{ $k = append $k "jwks.json" }}{{ end -}}
+{{- if not $k -}}
+{{- fail "auth.jwt.enabled: give auth.jwt.existingSecret (with existingSecretKeys) or one of auth.jwt.hs256Secret, rs256PublicKeyPem, jwks" -}}
+{{- end -}}
+{{- toJson $k -}}
+{{- end -}}
 {{- end -}}

@@ -1,0 +1,263 @@
+"""Running what the chart renders: the rendered Redis, agent and gateway containers run as local
+processes (tests/chart/podrun.py does what the kubelet would: env with valueFrom resolved from the
+rendered Secrets and ConfigMaps, mounted files under a temporary root, the image's entrypoint
+replaced by the local install), with `warmroute sim` replicas at the addresses the rendered
+objects name. Then: every probe in the rendered specs passes; a chat request with a key from the
+rendered Secret is served warm on its repeat; the weights set in values are the ones the admin
+port's routing explanation scores with; the rendered OTEL_* env exports the request's spans; no
+secret shows in any log; every process stops promptly on SIGTERM. And one bad value in the
+rendered config (which the schema cannot see: a cross-field rule) stops the gateway at start with
+the field named.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.chart.podrun import LocalContainer, local_entrypoint
+from tests.chart.render import NAMESPACE, Rendered, deep_merge, render
+from tests.conftest import free_port
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
+
+FULL = "wr-warmroute"
+MODEL = "sim-model"
+API_KEY = "sk-run-test-key-t0-4b1d"
+SALT = "run-test-salt-0123456789abcdef0123456789"
+REDIS_PASSWORD = "run-test-redis-pw-77"
+W_CACHE, W_QUEUE = 3.0, 0.5
+
+
+class OtlpReceiver:
+    """A minimal OTLP/HTTP trace endpoint: records the bodies POSTed to /v1/traces."""
+
+    def __init__(self) -> None:
+        bodies = self.bodies = []
+
+        class H(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                n = int(self.headers.get("Content-Length", 0))
+                bodies.append((self.path, self.headers.get("Content-Type"), self.rfile.read(n)))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def run_values(ports: dict, otlp_port: int, **over) -> dict:
+    values = {
+        "salt": {"value": SALT},
+        "auth": {"apiKeys": {"tenants": {"t0": [API_KEY]}}},
+        "gateway": {"workers": 1, "ports": {"http": ports["http"], "admin": ports["admin"]},
+                    "tokenizer": {"source": "builtin"}},
+        "replicas": {"mode": "attach", "attach": {"endpoints": [
+            {"id": f"r{i}", "url": f"http://127.0.0.1:{ports[f'sim{i}']}",
+             "kvEventsEndpoint": f"tcp://127.0.0.1:{ports[f'ev{i}']}",
+             "replayEndpoint": f"tcp://127.0.0.1:{ports[f'rp{i}']}"} for i in (1, 2)]}},
+        "agent": {"adminPort": ports["agent1"]},
+        "feed": {"redis": {"enabled": True, "port": ports["redis"],
+                           "auth": {"enabled": True, "password": REDIS_PASSWORD}}},
+        "tracing": {"otlpEndpoint": f"http://127.0.0.1:{otlp_port}", "samplerRatio": 1.0,
+                    "extraEnv": {"OTEL_BSP_SCHEDULE_DELAY": "200"}},
+        "config": {"model": {"name": MODEL}, "policy": {"params": {"w_cache": W_CACHE, "w_queue": W_QUEUE}},
+                   "membership": {"health_interval_s": 0.5}},
+    }
+    return deep_merge(values, over)
+
+
+def _container(r: Rendered, kind: str, name: str, container: str, root: Path) -> LocalContainer:
+    return LocalContainer(r, r.get(kind, name), container, root, warmroute_image=r.get("Deployment", FULL)
+                          ["spec"]["template"]["spec"]["containers"][0]["image"], namespace=NAMESPACE)
+
+
+def _arg(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def _port_of(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1].split("/")[0])
+
+
+def _post(url: str, body: dict, headers: dict | None = None, timeout: float = 30) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _start_sim(argv: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "wb") as f:
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+
+
+def test_rendered_system_runs_serves_warm_and_explains_its_weights(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server not found: install it (apt-get install redis-server); .ci/run does")
+    ports = {k: free_port() for k in ("http", "admin", "redis", "agent1", "agent2",
+                                      "sim1", "ev1", "rp1", "sim2", "ev2", "rp2")}
+    otlp = OtlpReceiver()
+    values = run_values(ports, otlp.port)
+    r = render(values)
+    # Each agent is its own pod (own network namespace) in a cluster, so both use agent.adminPort;
+    # here they share one host, so the second agent comes from a render with another port, and
+    # nothing else in its Deployment may differ.
+    r_alt = render(deep_merge(values, {"agent": {"adminPort": ports["agent2"]}}))
+    d2, d2_alt = r.get("Deployment", f"{FULL}-agent-r2"), r_alt.get("Deployment", f"{FULL}-agent-r2")
+    assert json.dumps(d2_alt).replace(str(ports["agent2"]), str(ports["agent1"])) == json.dumps(d2)
+
+    redis = _container(r, "StatefulSet", f"{FULL}-redis", "redis", tmp_path)
+    agents = [_container(r, "Deployment", f"{FULL}-agent-r1", "agent", tmp_path),
+              _container(r_alt, "Deployment", f"{FULL}-agent-r2", "agent", tmp_path)]
+    gateway = _container(r, "Deployment", FULL, "gateway", tmp_path)
+    gw_config = yaml.safe_load(r.configmap_data(FULL)["gateway.yaml"])
+    sims: list[subprocess.Popen] = []
+    running: list[LocalContainer] = []
+    try:
+        # Simulated replicas where the rendered config and agents say the replicas are.
+        urls = {rep["id"]: rep["url"] for rep in gw_config["membership"]["replicas"]}
+        assert set(urls) == {"r1", "r2"}
+        for agent in agents:
+            argv = agent.argv()
+            rid = _arg(argv, "--replica-id")
+            assert _arg(argv, "--engine-url") == urls[rid]
+            sims.append(_start_sim([local_entrypoint()[0], "sim", "--host", "127.0.0.1", "--port", str(_port_of(urls[rid])),
+                                    "--model", _arg(argv, "--model"), "--block-size", _arg(argv, "--block-size"),
+                                    "--kv-events-endpoint", f"tcp://*:{_port_of(_arg(argv, '--kv-events-endpoint'))}",
+                                    "--replay-endpoint", _arg(argv, "--replay-endpoint")], tmp_path / f"sim-{rid}.log"))
+        redis.start()
+        running.append(redis)
+        for probe in ("readinessProbe", "livenessProbe"):
+            redis.wait_probe(probe, 20)  # exec: redis-cli ping with the password from the rendered Secret
+        for url in urls.values():
+            _wait_200(url + "/health", 60)
+        for agent in agents:
+            agent.start()
+            running.append(agent)
+        gateway.start()
+        running.append(gateway)
+        for agent in agents:
+            for probe in ("startupProbe", "livenessProbe"):
+                agent.wait_probe(probe, 60)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            p = gateway.wait_probe(probe, 90)
+            assert p.url.startswith(f"http://127.0.0.1:{ports['admin']}/")
+
+        # A key from the rendered Secret (what a client would be given).
+        keys = yaml.safe_load(r.secret_data(f"{FULL}-api-keys")["keys.yaml"])
+        key = keys["t0"][0]
+        api = f"http://127.0.0.1:{gateway.port('http')}"
+        admin = f"http://127.0.0.1:{gateway.port('admin')}"
+        system = " ".join(f"Clause {i}: the tenant's data stays in the tenant's region." for i in range(60))
+        body = {"model": MODEL, "max_tokens": 4,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Summarise clause 7."}]}
+        auth = {"Authorization": f"Bearer {key}"}
+        status, first = _post(api + "/v1/chat/completions", body, auth)
+        assert status == 200, first
+        status, denied = _post(api + "/v1/chat/completions", body, {"Authorization": "Bearer sk-not-a-key"})
+        assert status == 401 and denied["error"]["type"], denied
+
+        # The agent's events reach the gateway's index through the rendered Redis.
+        deadline = time.monotonic() + 20
+        while True:
+            status, why = _post(admin + "/debug/route?tenant=t0", body)
+            assert status == 200, why
+            won = next(v for v in why["replicas"] if v["replica_id"] == why["winner"])
+            if won["matched_blocks_gpu"] > 0:
+                break
+            assert time.monotonic() < deadline, f"the index never learned the first request's blocks: {why}"
+            time.sleep(0.2)
+        status, second = _post(api + "/v1/chat/completions", body, auth)
+        assert status == 200, second
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached > 0, second["usage"]
+        assert cached >= won["matched_blocks_gpu"] * gw_config["model"]["block_size"] - gw_config["model"]["block_size"]
+
+        # The weights from values are what the explanation scores with (and not the defaults).
+        t = won["terms"]
+        assert t["cache_benefit_s"] > 0
+        for v in why["replicas"]:
+            tv = v["terms"]
+            expect = (W_CACHE * tv["cache_benefit_s"] - W_QUEUE * tv["queue_penalty_s"] - 1.0 * tv["evict_penalty_s"]
+                      - 0.0 * tv["kv_penalty_s"] - tv["balance_penalty_s"])
+            assert v["score"] == pytest.approx(expect, abs=1e-9), (v["replica_id"], tv)
+        default_score = (2.0 * t["cache_benefit_s"] - 1.0 * t["queue_penalty_s"] - 1.0 * t["evict_penalty_s"]
+                         - t["balance_penalty_s"])
+        assert won["score"] != pytest.approx(default_score, abs=1e-9)
+
+        # The rendered OTEL_* env exports this gateway's spans (service name from values).
+        deadline = time.monotonic() + 15
+        while not any(b"warmroute-gateway" in b for path, _, b in otlp.bodies if path == "/v1/traces"):
+            assert time.monotonic() < deadline, f"no spans exported to the OTLP endpoint: {otlp.bodies[:2]}"
+            time.sleep(0.2)
+        assert all(ct == "application/x-protobuf" for _, ct, _ in otlp.bodies)
+    finally:
+        stop_s = {}
+        for c in reversed(running):
+            stop_s[c.spec["name"] + ("" if c.spec["name"] != "agent" else c.pod_name)] = c.stop(15)
+        for p in sims:
+            p.terminate()
+        for p in sims:
+            p.wait(15)
+        otlp.close()
+    assert all(s < 10 for s in stop_s.values()), stop_s
+    logs = "\n".join(c.log() for c in running)
+    for secret in (SALT, API_KEY, REDIS_PASSWORD):
+        assert secret not in logs, "a secret appears in a process log"
+
+
+def test_a_bad_rendered_value_stops_the_gateway_at_start_naming_it(tmp_path):
+    ports = {k: free_port() for k in ("http", "admin", "redis", "agent1", "sim1", "ev1", "rp1", "sim2", "ev2", "rp2")}
+    # The schema takes each value alone; the gateway checks that the ejection cap is not below its base.
+    values = run_values(ports, free_port(), config={"membership": {"eject_base_s": 2.0, "eject_max_s": 0.5}})
+    r = render(values)
+    gateway = _container(r, "Deployment", FULL, "gateway", tmp_path)
+    proc = gateway.start()
+    try:
+        rc = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        gateway.stop()
+        pytest.fail(f"the gateway started with membership.eject_max_s < eject_base_s:\n{gateway.log()}")
+    assert rc == 2, gateway.log()
+    assert "membership.eject_max_s" in gateway.log(), gateway.log()
+
+
+def _wait_200(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} did not answer 200 within {timeout_s} s")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
