@@ -156,6 +156,15 @@ class EppServer:
                     log.warning("ext_proc protocol error: %s", exc)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                     return
+                if event is not None and type(event) is not RequestComplete:
+                    # The response ended. Envoy may cancel the stream as soon as it has our last
+                    # reply, which interrupts that write: observe whatever happens to it.
+                    try:
+                        for r in replies:
+                            await write(r)
+                    finally:
+                        self._observe(event.ctx, event.outcome)
+                    continue
                 for r in replies:
                     await write(r)
                 if event is None:
@@ -163,16 +172,13 @@ class EppServer:
                         st.rejects += 1
                         return
                     continue
-                if type(event) is RequestComplete:
-                    result = await self._pick(event)
-                    for r in conv.decide(result):
-                        await write(r)
-                    if conv.rejected:
-                        st.rejects += 1
-                        return
-                    st.picks += 1
-                else:
-                    self._observe(event.ctx, event.outcome)
+                result = await self._pick(event)
+                for r in conv.decide(result):
+                    await write(r)
+                if conv.rejected:
+                    st.rejects += 1
+                    return
+                st.picks += 1
         finally:
             done = conv.close()
             if done is not None:
