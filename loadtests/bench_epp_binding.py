@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     names = list(res)
     if not names:
         return 1
-    print(f"per message, CPU us (in-process)        " + "".join(f"{n:>22}" for n in names))
+    print("per message, CPU us (in-process)        " + "".join(f"{n:>22}" for n in names))
     for k in ("decode_headers_us", "decode_body_us", "encode_pick_us", "encode_passthrough_us"):
         print(f"  {k:<38}" + "".join(f"{res[n]['codec'][k]:>22.1f}" for n in names))
     print(f"per request ({2 + 1 + a.chunks} messages in, {3 + a.chunks} out), server process")

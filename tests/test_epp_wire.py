@@ -9,7 +9,6 @@ import dataclasses
 import enum
 import typing
 
-import pytest
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FieldDescriptor as FD
 

@@ -139,23 +139,37 @@ class EppServer:
 
     # ------------------------------------------------------------------ one stream
     async def _process(self, _requests, context: grpc.aio.ServicerContext) -> None:
+        read = context.read
+        eof = grpc.aio.EOF
+
+        async def next_message():
+            msg = await read()
+            return None if msg is eof else msg
+
+        try:
+            await self.serve_stream(next_message, context.write)
+        except ProtocolError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def serve_stream(self, read, write) -> None:
+        """One ext_proc stream over any transport: `read()` -> the next ProcessingRequest or None
+        at the end; `write(ProcessingResponse)`. Raises ProtocolError (the transport ends the
+        stream with INVALID_ARGUMENT)."""
         st = self.stats
         st.streams += 1
         conv = ExtProcStream(max_body_bytes=self.max_body_bytes, request_body_mode=self.default_request_body_mode,
                              response_body_mode=self.default_response_body_mode)
-        read, write = context.read, context.write
         try:
             while True:
                 msg = await read()
-                if msg is grpc.aio.EOF:
+                if msg is None:
                     return
                 try:
                     replies, event = conv.receive(msg)
                 except ProtocolError as exc:
                     st.protocol_errors += 1
                     log.warning("ext_proc protocol error: %s", exc)
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                    return
+                    raise
                 if event is not None and type(event) is not RequestComplete:
                     # The response ended. Envoy may cancel the stream as soon as it has our last
                     # reply, which interrupts that write: observe whatever happens to it.
