@@ -64,6 +64,7 @@ class EnvoyOptions:
     connect_timeout_s: float = 1.0  # to a replica and to the picker
     subset_hint: Sequence[str] | None = None  # a fixed subset hint for every request (tests)
     picker_health_check_s: float | None = 1.0  # gRPC health-check the picker this often (None: off)
+    max_body_bytes: int = 8 * 1024 * 1024  # BUFFERED mode: Envoy's buffer must hold a whole body
     extra_clusters: list[dict] = field(default_factory=list)
 
 
@@ -119,11 +120,15 @@ def _hcm(filters: list[dict], route: dict, stat_prefix: str) -> dict:
             "@type": f"{_T}filters.http.router.v3.Router"}}]}}
 
 
-def _envelope(o_listen: tuple[str, int], admin_port: int, hcm: dict, clusters: list[dict]) -> dict:
+def _envelope(o_listen: tuple[str, int], admin_port: int, hcm: dict, clusters: list[dict],
+              buffer_limit_bytes: int | None = None) -> dict:
+    listener: dict = {"name": "ingress", "address": _socket(*o_listen), "filter_chains": [{"filters": [hcm]}]}
+    if buffer_limit_bytes is not None:
+        listener["per_connection_buffer_limit_bytes"] = buffer_limit_bytes
     return {
         "admin": {"address": _socket("127.0.0.1", admin_port)},
         "static_resources": {
-            "listeners": [{"name": "ingress", "address": _socket(*o_listen), "filter_chains": [{"filters": [hcm]}]}],
+            "listeners": [listener],
             "clusters": clusters,
         },
         "overload_manager": {"resource_monitors": [{"name": "envoy.resource_monitors.global_downstream_max_connections",
@@ -182,7 +187,10 @@ def bootstrap(o: EnvoyOptions) -> dict:
         _cluster("replicas", o.replicas, o.connect_timeout_s, lb_policy=_override_host(o.override_source)),
         *o.extra_clusters,
     ]
-    return _envelope((o.listen_host, o.listen_port), o.admin_port, _hcm(filters, route, "epp"), clusters)
+    # BUFFERED: Envoy holds the whole body, and its buffer limit (1 MiB by default) would answer a
+    # larger prompt with 413 before the picker sees it.
+    limit = o.max_body_bytes + 64 * 1024 if o.request_body_mode == "BUFFERED" else None
+    return _envelope((o.listen_host, o.listen_port), o.admin_port, _hcm(filters, route, "epp"), clusters, limit)
 
 
 def direct_bootstrap(listen_port: int, admin_port: int, replicas: Sequence[tuple[str, int]], *,
