@@ -13,6 +13,7 @@ import sys
 # name -> (module with add_arguments, module whose main_from_args runs it, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "gateway": ("gateway.gateway_cli", "gateway.serve", "serve the OpenAI API and route each request to the best replica"),
+    "epp": ("gateway.epp_cli", "gateway.epp.serve", "Endpoint Picker for Envoy (Gateway API Inference Extension): the gateway's routing, Envoy proxies"),
     "agent": ("replica_agent.agent_cli", "replica_agent.agent", "sidecar for one vLLM replica: KV events -> feed, load scraping"),
     "sim": ("loadtests.sim_cli", "loadtests.sim.server", "one simulated vLLM replica (HTTP, prefix cache, scheduler, KV events)"),
     "bench": ("loadtests.bench_cli", "loadtests.bench", "run a workload against policies (or a --target) and write a report"),

@@ -25,11 +25,11 @@ import os
 import random
 import time
 from functools import partial
-from typing import Mapping
+from typing import Collection, Mapping
 
 from gateway.auth import Authenticator, Identity, TenantLimiter
 from gateway.config import GatewayConfig
-from gateway.context import Outcome, RequestContext
+from gateway.context import Outcome, RequestContext, Try
 from gateway.dispatch import Dispatcher
 from gateway.encode import tokenize
 from gateway.errors import ApiError, sse_error_event
@@ -48,7 +48,7 @@ from gateway.tokenization import TokenizerService
 from gateway.tracing import NO_SPAN, Tracing
 from policies.base import Policy, RequestView
 
-__all__ = ["Pipeline", "ROUTES"]
+__all__ = ["Pipeline", "ROUTES", "outcome_of"]
 
 log = logging.getLogger("warmroute.gateway")
 access_log = logging.getLogger("warmroute.gateway.access")
@@ -130,10 +130,7 @@ class Pipeline:
         if r.client_gone:
             return 499  # the client closed the request
         if at.status == 200:
-            terms = tr.candidate.terms
-            self.learn(ctx, Outcome(tr.replica_id, ttft_s, tr.predicted_cached_tokens, tr.uncached_tokens,
-                                    float(terms.get("backlog_tokens", 0.0)) if terms else 0.0,
-                                    tr.view.running_reqs if tr.view is not None else 0, r.usage, r.decode_step_s))
+            self.learn(ctx, outcome_of(tr, ttft_s=ttft_s, usage=r.usage, decode_step_s=r.decode_step_s))
         return at.status
 
     # ------------------------------------------------------------------ the stages
@@ -143,10 +140,13 @@ class Pipeline:
             rid = f"wr-{self._id_prefix}-{next(self._ids)}"
         return RequestContext(rid, route, ROUTES[route], headers, time.perf_counter(), span=NO_SPAN)
 
-    async def prepare(self, ctx: RequestContext, raw_body: bytes) -> None:
-        """admit, plan and rewrite: afterwards `ctx.body` goes to `ctx.routing`'s ranked replicas."""
-        await self.admit(ctx, raw_body)
-        await self.plan(ctx)
+    async def prepare(self, ctx: RequestContext, raw_body: bytes, *, identity: Identity | None = None,
+                      only: Collection[str] | None = None) -> None:
+        """admit, plan and rewrite: afterwards `ctx.body` goes to `ctx.routing`'s ranked replicas.
+        `identity`: already established by a trusted front (skips authentication); `only`: the
+        replicas that may be picked (None: all)."""
+        await self.admit(ctx, raw_body, identity=identity)
+        await self.plan(ctx, only=only)
         routing = ctx.routing
         self.metrics.decision.observe(routing.decision_s)
         self.metrics.tokenize.observe(ctx.prompt.tokenize_s)
@@ -157,16 +157,16 @@ class Pipeline:
         ctx.body = upstream_body(ctx.payload, ctx.request, salt=ctx.salt, model_name=self.model.name,
                                  force_include_usage=p.force_include_usage, kv_cache_report_mode=p.kv_cache_report_mode)
 
-    async def admit(self, ctx: RequestContext, raw_body: bytes) -> None:
+    async def admit(self, ctx: RequestContext, raw_body: bytes, *, identity: Identity | None = None) -> None:
         """Who asks, for which model, within the tenant's limits; the trace span starts here."""
-        ctx.identity = self.auth.authenticate(ctx.headers)
+        ctx.identity = identity if identity is not None else self.auth.authenticate(ctx.headers)
         ctx.payload = parse_body(raw_body)  # the front already bounded its size (413)
         model = check_model(ctx.payload, self.model.served, self.model.known)
         self.auth.authorize_model(ctx.identity, model)
         ctx.limited = self.limiter.acquire(ctx.identity.tenant_id)
         ctx.span = self.tracing.request_span(ctx, model)
 
-    async def plan(self, ctx: RequestContext) -> None:
+    async def plan(self, ctx: RequestContext, *, only: Collection[str] | None = None) -> None:
         """Validate, tokenize, salt, key and decide (`ctx.identity` and `ctx.payload` are set)."""
         ident: Identity = ctx.identity
         ctx.request = parse_request(ctx.kind, ctx.payload, ctx.payload["model"])
@@ -178,7 +178,8 @@ class Pipeline:
                          keys=tuple(ctx.keys), max_output_tokens=ctx.request.max_tokens,
                          tenant_hash=ident.tenant_hash if self.auth.enabled else "", request_id=ctx.request_id)
         now = self.membership.clock()
-        available = {st.replica_id: st.available(now) for st in self.membership.all()}
+        available = {st.replica_id: st.available(now) for st in self.membership.all()
+                     if only is None or st.replica_id in only}
         ctx.routing = self.routing.decide(rv, available, self.policy, self.rng)
 
     def learn(self, ctx: RequestContext, outcome: Outcome) -> None:
@@ -206,6 +207,14 @@ class Pipeline:
             access_log.info("request", extra={"fields": fields})
         elif ctx.status in (401, 403, 429):  # refusals are worth a line even with the access log off
             log.info("request refused", extra={"fields": {**fields, "error": ctx.error}})
+
+
+def outcome_of(tr: Try, *, ttft_s: float | None, usage, decode_step_s: float | None) -> Outcome:
+    """What the learner needs of an answered attempt (its prediction and the queue it saw)."""
+    terms = tr.candidate.terms
+    return Outcome(tr.replica_id, ttft_s, tr.predicted_cached_tokens, tr.uncached_tokens,
+                   float(terms.get("backlog_tokens", 0.0)) if terms else 0.0,
+                   tr.view.running_reqs if tr.view is not None else 0, usage, decode_step_s)
 
 
 async def _internal_error(resp: FrontResponse, request_id: str) -> None:

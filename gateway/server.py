@@ -57,8 +57,10 @@ class Gateway:
     """All state of one gateway process; see the module header."""
 
     def __init__(self, cfg: GatewayConfig, *, feed: Feed | None = None, tracer_provider=None,
-                 tokenizer: TokenizerService | None = None, registry=None, reuse_port: bool = False) -> None:
+                 tokenizer: TokenizerService | None = None, registry=None, reuse_port: bool = False,
+                 api_port: bool = True) -> None:
         self.cfg = cfg
+        self.api_port = api_port  # serve the OpenAI API (False: the Envoy picker is the front)
         self.reuse_port = reuse_port  # share the ports with sibling workers (SO_REUSEPORT)
         self.feed = feed  # a Feed, or None: opened from cfg.feed.url at start
         self._own_feed = feed is None
@@ -138,9 +140,10 @@ class Gateway:
             routing=self.routing, membership=self.membership, policy=self.policy,
             dispatcher=Dispatcher(self.pool, self.membership, self.routing, self.metrics, cfg.proxy),
             metrics=self.metrics, tracing=self.tracing)
-        self._front, port = await start_front(self.h_api, cfg.server.host, cfg.server.port,
-                                              max_body_bytes=cfg.server.max_body_bytes, reuse_port=self.reuse_port)
-        self.url = f"http://{_host_for_url(cfg.server.host)}:{port}"
+        if self.api_port:
+            self._front, port = await start_front(self.h_api, cfg.server.host, cfg.server.port,
+                                                  max_body_bytes=cfg.server.max_body_bytes, reuse_port=self.reuse_port)
+            self.url = f"http://{_host_for_url(cfg.server.host)}:{port}"
 
     async def _start_admin(self) -> None:
         runner = web.AppRunner(build_admin_app(self), access_log=None, handler_cancellation=True)

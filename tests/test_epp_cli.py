@@ -1,4 +1,4 @@
-"""gateway/epp/cli.py: the flags of `warmroute epp`, and a picker process that serves until
+"""`warmroute epp` flags (gateway/epp_cli.py) and a picker process (gateway/epp/serve.py) that serves until
 SIGTERM and stops promptly (readiness first, then a drain)."""
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.epp.cli import add_arguments, server_options
+from gateway.epp.serve import server_options
+from gateway.epp_cli import add_arguments
 from gateway.epp.extproc import BUFFERED, FULL_DUPLEX_STREAMED
 from tests.conftest import REPO, free_port
 
@@ -49,7 +50,8 @@ def test_picker_process_is_ready_then_stops_promptly_on_sigterm():
     grpc_port, health_port = free_port(), free_port()
     script = textwrap.dedent(f"""
         import argparse, asyncio
-        from gateway.epp.cli import add_arguments, serve
+        from gateway.epp.serve import serve
+        from gateway.epp_cli import add_arguments
         from tests.epp_double import StaticPickerDouble
         p = argparse.ArgumentParser(); add_arguments(p)
         args = p.parse_args(["--host", "127.0.0.1", "--grpc-port", "{grpc_port}", "--grpc-health-port", "{health_port}",

@@ -74,6 +74,7 @@ class Pick:
     ctx: Any = None  # the picker's own per-request state, handed back to observe()
     set_headers: Mapping[str, str] = field(default_factory=dict)  # extra upstream request headers (overwrite)
     remove_headers: Sequence[str] = ()  # upstream request headers to drop (e.g. the client's credentials)
+    strip_usage: bool = False  # drop the usage-only SSE chunk from the answer (the picker asked for it, not the client)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +187,7 @@ class ExtProcStream:
 
     __slots__ = ("max_body_bytes", "request_body_mode", "response_body_mode", "clock", "_state", "_headers",
                  "_subset", "_body", "_body_bytes", "_bodiless", "_trailers", "_ctx", "_t_picked", "_status",
-                 "_served", "_relay", "_json", "_json_over", "_resp_bytes", "_done_sent")
+                 "_served", "_relay", "_json", "_json_over", "_resp_bytes", "_done_sent", "_strip")
 
     def __init__(self, *, max_body_bytes: int = 8 * 1024 * 1024, request_body_mode: int = FULL_DUPLEX_STREAMED,
                  response_body_mode: int = FULL_DUPLEX_STREAMED, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -210,6 +211,7 @@ class ExtProcStream:
         self._json_over = False
         self._resp_bytes = 0
         self._done_sent = False
+        self._strip = False  # Pick.strip_usage (applied only in FULL_DUPLEX_STREAMED, where we echo the body)
 
     # ------------------------------------------------------------------ receive
     def receive(self, msg: pb.ProcessingRequest) -> Step:
@@ -302,6 +304,7 @@ class ExtProcStream:
             self._state = _REJECTED
             return [immediate(result)]
         self._ctx = result.ctx
+        self._strip = result.strip_usage
         dest = ",".join(endpoints)
         opts = [_option(DESTINATION_HEADER, dest)]
         opts += [_option(k.lower(), v) for k, v in result.set_headers.items()]
@@ -350,7 +353,8 @@ class ExtProcStream:
         if msg.HasField("metadata_context"):
             self._served = _served_of(msg.metadata_context)
         if headers.get("content-type", "").startswith("text/event-stream"):
-            self._relay = SseRelay(True, clock=self.clock)  # a reader only: its output is discarded
+            # a reader; its output is what the client gets only when the usage chunk is stripped
+            self._relay = SseRelay(not self._strip, clock=self.clock)
         else:
             self._json = []
         self._state = _RESPONSE
@@ -365,17 +369,20 @@ class ExtProcStream:
             if self._state == _REJECTED:  # our own ImmediateResponse's body: nothing to read
                 return Step([self._pass(data, eos)], None)
             raise ProtocolError("response body before response headers")
-        if data:
+        out = data
+        if data or (eos and self._relay is not None):
             self._resp_bytes += len(data)
             if self._relay is not None:
-                self._relay.feed(data)
+                fed = self._relay.feed(data) if data else b""
+                if self._strip and self.response_body_mode == FULL_DUPLEX_STREAMED:
+                    out = fed + self._relay.tail() if eos else fed
             elif not self._json_over:
                 if self._resp_bytes <= _JSON_KEEP_BYTES:
                     self._json.append(data)
                 else:
                     self._json_over = True
                     self._json = []
-        reply = [self._pass(data, eos)]
+        reply = [self._pass(out, eos)]
         if eos:
             return Step(reply, self._finish(False))
         return Step(reply, None)
