@@ -1,4 +1,4 @@
-"""KV-cache events on the wire, as vLLM's ZmqEventPublisher sends them (ENGINE_FACTS.md).
+"""KV-cache events on the wire, as vLLM's ZmqEventPublisher sends them (vLLM 0.32).
 
 Encoding (pure, `encode_batch`): msgpack `[ts, [event, ...], data_parallel_rank]`; events as maps
 with "type" first (current format) or, with events_format="array", the older positional arrays

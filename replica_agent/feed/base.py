@@ -1,4 +1,4 @@
-"""The feed interface (DESIGN.md "The feed"): one Protocol, one `open_feed(url)`, two transports.
+"""The feed interface (records: replica_agent/feed/records.py): one Protocol, one `open_feed(url)`, two transports.
 
 Rules every transport keeps (tests/test_feed_conformance.py checks them on each):
   - `publish(replica_id, drafts)` assigns each record the next offset of that replica's stream
