@@ -248,9 +248,16 @@ class SimServer:
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        cfg = self.cfg
         self.host = host
         self._wake = asyncio.Event()
+        try:
+            await self._start(host, port)
+        except BaseException:  # a taken port or endpoint: release what was opened (ZMQ would block exit)
+            await self.close()
+            raise
+
+    async def _start(self, host: str, port: int) -> None:
+        cfg = self.cfg
         if cfg.kv_events_endpoint:
             self.publisher = KVEventPublisher(
                 cfg.kv_events_endpoint,
