@@ -101,3 +101,7 @@ def test_demo_runs_and_exits_zero():
     r = _run("demo", "--requests", "12", timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "cache_aware" in r.stdout and "round_robin" in r.stdout and "TTFT p50" in r.stdout
+    # progress in a pipe: plain lines on stderr, each stage announced, no carriage returns
+    assert "[1/2] cache_aware: starting" in r.stderr and "[2/2] round_robin: starting" in r.stderr
+    assert "round_robin: 12/12 requests done" in r.stderr and "\r" not in r.stderr
+    assert "CPU, this process (cores)" in r.stdout and "PyTorch" not in r.stdout + r.stderr
