@@ -53,7 +53,7 @@ def _title(report: dict, context: dict) -> str:
     parts.append(f"{context.get('requests', '?')} requests at {context.get('rate', '?')}")
     if context.get("seed") is not None:
         parts.append(f"seed {context['seed']}")
-    head = "warmroute bench: " + ", ".join(parts)
+    head = f"warmroute {context.get('command', 'bench')}: " + ", ".join(parts)
     p50 = {n: r["ttft_ms"]["p50"] for n, r in report.items() if r["ttft_ms"]["p50"] == r["ttft_ms"]["p50"]}
     if len(p50) >= 2:
         best, worst = min(p50, key=p50.get), max(p50, key=p50.get)
@@ -88,15 +88,15 @@ def build_figure(report: dict[str, dict], runs: dict[str, Sequence], context: di
     ax_ttft.set_xscale("log")
     from matplotlib.ticker import FuncFormatter
 
-    plain = FuncFormatter(lambda v, _pos: f"{v:g}")  # 200, not 2x10^2
-    ax_ttft.xaxis.set_major_formatter(plain)
-    ax_ttft.xaxis.set_minor_formatter(plain)
+    ax_ttft.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))  # 100, not 10^2
+    # minor ticks: label only 2x and 5x (20, 50, 200, 500 ...) so the labels never overlap
+    ax_ttft.xaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: f"{v:g}" if f"{v:.0e}"[0] in "25" else ""))
     ax_ttft.set_ylim(0, 1.0)
     ax_ttft.set_xlabel("time to first token (ms, log scale)")
     ax_ttft.set_ylabel("share of requests with TTFT <= x")
     ax_ttft.set_title("TTFT distribution per policy (ECDF)")
     ax_ttft.grid(True, which="both", alpha=0.3)
-    ax_ttft.legend(loc="lower right", fontsize="small")
+    ax_ttft.legend(loc="best", fontsize="small")
     hits = [report[n]["hit_ratio"] for n in names]
     bars = ax_hit.bar(names, hits, color=[f"C{i}" for i in range(len(names))])
     ax_hit.bar_label(bars, labels=[f"{h:.2f}" for h in hits])

@@ -47,7 +47,7 @@ def main_from_args(args) -> int:
         print(f"\ncache_aware: TTFT p50 {ca['ttft_ms']['p50']:.0f} ms vs {rr['ttft_ms']['p50']:.0f} ms, "
               f"p99 {ca['ttft_ms']['p99']:.0f} ms vs {rr['ttft_ms']['p99']:.0f} ms; "
               f"hit ratio {ca['hit_ratio']:.2f} vs {rr['hit_ratio']:.2f}")
-    write_outputs(report, runs, args, progress, dict(workload="shared_docs", requests=args.requests, rate="4/s",
+    write_outputs(report, runs, args, progress, dict(command="demo", workload="shared_docs", requests=args.requests, rate="4/s",
                                                      replicas=args.replicas, seed=args.seed))
     errors = ca["errors"] + rr["errors"]
     if errors:
