@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import yaml
 
 from gateway.auth import parse_key_entry
-from policies.registry import POLICY_NAMES, get_policy
+from policies.registry import POLICY_NAMES, PolicyParamError, get_policy
 
 __all__ = [
     "ConfigError", "GatewayConfig", "ServerConfig", "ModelConfig", "ReplicaSpec", "MembershipConfig",
@@ -32,7 +32,10 @@ ENV_PREFIX = "WARMROUTE_"
 
 
 class ConfigError(ValueError):
-    """Invalid configuration; the message starts with the dotted field name."""
+    """Invalid configuration; the message starts with the dotted field name. `env_var` names the
+    environment variable that set the offending field (None: the file, a flag or a default)."""
+
+    env_var: str | None = None
 
 
 @dataclass
@@ -272,16 +275,47 @@ def env_overrides(env: Mapping[str, str]) -> dict:
     return out
 
 
+def _env_fields(env: Mapping[str, str]) -> dict[str, str]:
+    """dotted field path -> the environment variable that sets it (as env_overrides reads them)."""
+    out = {}
+    for name in env:
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
+            if parts:
+                out[".".join(parts)] = name
+    return out
+
+
+def _blame_env(exc: ConfigError, fields: Mapping[str, str]) -> ConfigError:
+    """The same error, saying which environment variable set the field it is about (an error in
+    `policy.params.w_cache` or `membership.replicas[0].url` is the variable's that set that field,
+    or the whole mapping or list; `bogus: unknown field` is WARMROUTE_BOGUS__X's; an error about a
+    section is a variable's inside it only when it names that variable's field)."""
+    path, _, detail = str(exc).partition(": ")
+    for field_path, var in fields.items():
+        inside = field_path.startswith(path + ".") and (  # the error is about a section holding the field
+            detail.startswith("unknown field") or field_path.rsplit(".", 1)[-1] in detail)
+        if path == field_path or path.startswith(field_path + ".") or path.startswith(field_path + "[") or inside:
+            out = ConfigError(f"{exc} (set by the environment variable {var}, not the config file)")
+            out.env_var = var
+            return out
+    return exc
+
+
 def config_from_dict(data: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> GatewayConfig:
     merged = dict(data or {})
+    fields = _env_fields(env) if env else {}
     if env:
         merged = _deep_merge(merged, env_overrides(env))
-    # `membership.replicas` also accepts "ID=URL" strings and {id: url} mappings.
-    mem = merged.get("membership")
-    if isinstance(mem, Mapping) and "replicas" in mem:
-        merged["membership"] = dict(mem, replicas=_normalise_replicas(mem["replicas"], "membership.replicas"))
-    cfg = _build(GatewayConfig, merged, "")
-    validate(cfg)
+    try:
+        # `membership.replicas` also accepts "ID=URL" strings and {id: url} mappings.
+        mem = merged.get("membership")
+        if isinstance(mem, Mapping) and "replicas" in mem:
+            merged["membership"] = dict(mem, replicas=_normalise_replicas(mem["replicas"], "membership.replicas"))
+        cfg = _build(GatewayConfig, merged, "")
+        validate(cfg)
+    except ConfigError as exc:
+        raise _blame_env(exc, fields) from None
     return cfg
 
 
@@ -436,6 +470,8 @@ def _check_policy(cfg: GatewayConfig) -> None:
             raise _err(f"policy.params.{k}", f"must be a number or string, got {v!r}")
     try:
         get_policy(p.name, **p.params)  # policies are pure: building one checks its parameters
+    except PolicyParamError as exc:  # names the parameter: blame that field
+        raise _err(f"policy.params.{exc.param}", str(exc)) from None
     except (TypeError, ValueError) as exc:
         raise _err("policy.params", str(exc)) from None
     if p.prior_prefill_s_per_token <= 0:

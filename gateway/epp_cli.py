@@ -10,7 +10,14 @@ import argparse
 
 from gateway import gateway_cli
 
-__all__ = ["add_arguments"]
+__all__ = ["add_arguments", "DESCRIPTION"]
+
+DESCRIPTION = """\
+Serve the Gateway API Inference Extension's Endpoint Picker protocol (Envoy ext_proc over gRPC):
+for each request Envoy forwards, authenticate, tokenize, key and decide exactly as `warmroute
+gateway` does, rewrite the body (the derived cache_salt), and name the replica (and fallbacks)
+Envoy sends it to; learn from the response Envoy streams back. Takes every flag of `warmroute
+gateway` except the API port and workers (Envoy is the HTTP front)."""
 
 _NOT_FOR_EPP = ("port", "workers")  # gateway flags with no meaning here (hidden, still parsed)
 
@@ -31,4 +38,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SIGTERM: readiness off, then open streams get this long (default: server.shutdown_grace_s, 30)")
     g.add_argument("--trusted-tenant-header", default=None, metavar="NAME",
                    help="take the tenant from this request header, set by an authenticating gateway in front "
-                        "(instead of checking API keys/JWTs here); only for a picker no client can reach directly")
+                        "(instead of checking API keys/JWTs here); only for a picker no client can reach directly (default: none, authenticate here)")

@@ -6,7 +6,7 @@ the one place both fronts and the virtual-time simulator (loadtests/vtime.py) de
 `decide()` assembles the views and ranks them, `dispatched()` records where a request went (its
 in-flight work, and its keys speculatively in the index). Time comes from the injected clock.
 
-Per replica r (DESIGN.md "One request, end to end", steps 5-6):
+Per replica r (the README's "What it does", steps 5-6):
 - matched blocks: the index's leading run for r (GPU, and GPU-or-CPU); 0 when r is absent;
 - load: the agent's last report (running, waiting, KV usage) plus in-flight work: this gateway's
   and the other gateways' requests without a first token yet, with their uncached prefill tokens.

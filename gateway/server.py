@@ -26,8 +26,8 @@ from aiohttp import web
 from gateway.admin import build_admin_app
 from gateway.assemble import build_authenticator, build_policy, build_salter
 from gateway.auth import TenantLimiter
-from gateway.background import (Trouble, discover_model, flush_inflight, run_index_sync, run_inflight_exchange,
-                                run_keys_reload, run_model_discovery)
+from gateway.background import (discover_model, flush_inflight, run_index_sync, run_inflight_exchange,
+                                run_keys_reload, run_model_discovery, trouble)
 from gateway.config import GatewayConfig, check_files
 from gateway.dispatch import Dispatcher
 from gateway.errors import ApiError
@@ -85,8 +85,8 @@ class Gateway:
                        prior_decode_step_s=cfg.policy.prior_decode_step_s),
             speculative_ttl_s=cfg.feed.speculative_ttl_s)
         self.model = ModelInfo(cfg.model.name, cfg.model.aliases, cfg.model.block_size, cfg.model.max_model_len)
-        self.feed_trouble = Trouble("feed (index sync)")
-        self.board_trouble = Trouble("feed (shared in-flight counters)")
+        self.feed_health = trouble("feed (index sync)")
+        self.board_health = trouble("feed (shared in-flight counters)")
         self.index_sync: IndexSync | None = None
         self.session: aiohttp.ClientSession | None = None  # probes and model discovery
         self.pool: UpstreamPool | None = None  # proxied requests (the hot path)
@@ -159,8 +159,8 @@ class Gateway:
             self.feed = open_feed(self.cfg.feed.url)
         # Follow exactly the pool's replicas (an agent's --replica-id must equal the gateway's id).
         self.index_sync = IndexSync(self.feed, self.routing.index, replicas=self.membership.ids())
-        self._spawn(run_index_sync(self.index_sync, self.feed_trouble), "index-sync")
-        self._spawn(run_inflight_exchange(self.feed, self.routing.load, self.membership, self.board_trouble,
+        self._spawn(run_index_sync(self.index_sync, self.feed_health), "index-sync")
+        self._spawn(run_inflight_exchange(self.feed, self.routing.load, self.membership, self.board_health,
                                           self.cfg.feed.inflight_poll_s), "inflight")
 
     async def _start_membership(self) -> None:
@@ -223,7 +223,7 @@ class Gateway:
     # ------------------------------------------------------------------ state (admin, metrics)
     @property
     def feed_ok(self) -> bool:
-        return self.feed_trouble.ok and self.board_trouble.failures == 0
+        return not self.feed_health.failing and not self.board_health.failing
 
     def readiness(self) -> tuple[bool, list[str]]:
         return readiness(self)

@@ -41,7 +41,7 @@ cost of tokenizing, so a per-message render cache would add risk for no gain.
 
 Tests (tests/test_tokenization.py) compare against plain ``AutoTokenizer`` (hypothesis property
 tests over random messages with special-token strings, unicode, whitespace runs) and against the
-real engine's ``/tokenize`` captured from vLLM (tests/fixtures).
+real engine's ``/tokenize`` captured in tests/fixtures.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ router's run the sims drain, their prefix caches are reset (POST /reset_prefix_c
 router is freshly started, so every router starts cold; then the identical request stream (same
 seed, Poisson arrivals and prompts: loadtests.bench.bench_requests + runner.run_load) is sent with
 a fresh TCP connection per request (sglang-router sets no TCP_NODELAY on accepted sockets, which
-adds ~40 ms to TTFT on reused connections; PEERS.md).
+adds ~40 ms to TTFT on reused connections: Nagle's algorithm meets delayed ACKs).
 
 Per router the report has the client-side figures (runner.summarize), and from the sims' own
 counters (deltas of /metrics, since peers do not name the replica in a header): requests per

@@ -1,4 +1,4 @@
-"""Feed records (DESIGN.md "The feed", a contract): what flows from a replica agent to every gateway.
+"""Feed records (a contract between agents and gateways): what flows from a replica agent to every gateway.
 
 Rule: per replica, an ordered stream of `FeedEvent`s whose `offset` grows by exactly 1 per record
 (dense, assigned by the feed on publish, continuing after the feed's last offset for that replica;

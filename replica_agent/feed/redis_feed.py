@@ -27,7 +27,21 @@ from redis.exceptions import RedisError, ResponseError
 from .base import FeedUnavailable
 from .records import INVALID_KIND, FeedDecodeError, FeedEvent, Inflight, LoadReport, Snapshot, fresh_stream_base, decode_event, decode_snapshot, encode_event, encode_snapshot
 
-__all__ = ["RedisFeed"]
+__all__ = ["RedisFeed", "redact_url"]
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password (redis://user:secret@host -> redis://user:***@host): error
+    messages and logs never carry secrets."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 _LOAD_FIELDS = ("running_reqs", "waiting_reqs", "kv_usage", "prefix_cache_queries_total",
                 "prefix_cache_hits_total", "num_gpu_blocks", "block_size", "ts")
@@ -59,7 +73,7 @@ class RedisFeed:
         except (RedisError, OSError) as exc:
             if isinstance(exc, ResponseError):
                 raise
-            raise FeedUnavailable(f"redis feed {self.url} unavailable: {exc}") from exc
+            raise FeedUnavailable(f"redis feed {redact_url(self.url)} unavailable: {exc}") from exc
 
     # ---------------------------------------------------------------- publisher side
     async def last_offset(self, replica_id: str) -> int:
