@@ -299,6 +299,7 @@ class _Router:
             self.cal.prefill_s_per_token(self.rids[ri]),
             self.cal.decode_step_s(self.rids[ri]),
             ex,
+            self.p.num_blocks,  # kv_capacity_blocks: the agent's load report carries num_gpu_blocks
         )
         if matched == 0:
             self.views[ri] = v
@@ -484,7 +485,7 @@ def simulate(
         wreqs = tuple(wreqs) + tuple(warm)
     if isinstance(policy_name, str):
         pp = dict(policy_params or {})
-        if policy_name == "cache_aware":
+        if policy_name in ("cache_aware", "cache_plan"):
             pp.setdefault("max_num_seqs", p.max_num_seqs)  # the operator's setting mirrors the engines'
         policy = get_policy(policy_name, **pp)
     else:

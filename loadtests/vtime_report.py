@@ -27,6 +27,13 @@ and its hit ratio covers the finished requests. Deterministic for --seed (virtua
 
     python -m loadtests.vtime_report --md loadtests/results/vtime.md   # full table (4, 16, 64 replicas)
     python -m loadtests.vtime_report --quick    # small table, well under a minute
+    python -m loadtests.vtime_report --regime busy --md loadtests/results/vtime_busy.md
+
+Named regimes (`--regime`, loadtests/vtime_regimes.py): fixed shapes, rates and replica models
+instead of the scaled table, each with its own goals; `busy` is the busy-replica regime of the
+wall-clock comparison (4 replicas, 3,000-token documents at 24 requests/s, the sim's wall-clock
+time profile, KV for a third of the working set), its policies beside an emulation of the peer
+routers' cache_aware, over several seeds.
 """
 from __future__ import annotations
 
@@ -174,8 +181,10 @@ def markdown(rows: list[dict], command: str, util: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small table: 4 and 16 replicas, fewer requests")
+    ap.add_argument("--regime", default=None, help="run a named regime of loadtests/vtime_regimes.py instead of the table (busy, busy_wallclock_cold)")
+    ap.add_argument("--seeds", default="0,1,2", help="seeds of a --regime run (comma list; default 0,1,2)")
     ap.add_argument("--workload", action="append", default=[], choices=sorted(WORKLOAD_SETUPS), help="repeatable (default: the five of the issue)")
-    ap.add_argument("--policy", action="append", default=[], choices=list(POLICY_NAMES), help="repeatable (default: all)")
+    ap.add_argument("--policy", action="append", default=[], help="repeatable (default: all; a --regime also takes sglang_cache_aware, static_plan)")
     ap.add_argument("--replicas", type=int, action="append", default=[], help="repeatable (default 4 16 64; --quick: 4 16)")
     ap.add_argument("--requests-per-replica", type=int, default=None, help="requests per replica (default 125, at least 4000 in all; --quick: 100, at least 1500)")
     ap.add_argument("--util", type=float, default=0.7, help="offered load, 0..1 (default 0.7)")
@@ -183,6 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--md", default=None, metavar="FILE", help="also write the markdown (with the total wall time) to FILE")
     args = ap.parse_args(argv)
+    if args.regime:
+        from loadtests.vtime_regimes import regime_main
+
+        command = "python -m loadtests.vtime_report " + " ".join(argv if argv is not None else sys.argv[1:])
+        return regime_main(args.regime, [int(x) for x in args.seeds.split(",") if x.strip()], args.workload, args.policy,
+                           command.strip(), args.md, args.json)
+    bad = [x for x in args.policy if x not in POLICY_NAMES]
+    if bad:
+        ap.error(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICY_NAMES)}")
     wls = args.workload or DEFAULT_WORKLOADS
     pols = args.policy or list(POLICY_NAMES)
     reps = args.replicas or ([4, 16] if args.quick else [4, 16, 64])

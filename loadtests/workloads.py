@@ -31,6 +31,7 @@ runner keeps that many in flight, multi-turn follow-ups after their predecessor)
 """
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from dataclasses import dataclass, field
@@ -323,28 +324,29 @@ def multi_turn(
     think time (mean `think_s`) after turn k. Each turn generates exactly `answer_tokens` (its
     `output` segment), which the next turn quotes, so a replica that cached the answer hits it.
 
-    Steady sessions (`sessions` set, open loop): exactly `sessions` conversations of
-    ceil(n_requests / sessions) turns, all live at once: first turns uniform over one think time,
-    think time mean sessions / rate_rps (`turns` and `think_s` are ignored), so arrivals run at
-    about rate_rps for the whole run instead of ramping up and down.
+    Steady sessions (`sessions` set, open loop): `sessions` conversations are live at any time,
+    each of `turns` turns; a session's first conversation starts uniformly within one think time,
+    and its next conversation starts one think time after its previous one's last turn (the
+    session whose next conversation starts first goes next, until n_requests); the think time's
+    mean is sessions / rate_rps (`think_s` is ignored), so arrivals run at about rate_rps for the
+    whole run instead of ramping up and down.
     """
     _check_load(rate_rps, concurrency)
     rng = random.Random(f"multi_turn/{seed}")
+    n_conv = max(1, math.ceil(n_requests / turns))
     if sessions is not None:
         if sessions < 1 or rate_rps is None:
             raise ValueError("sessions needs open-loop arrivals (rate_rps) and must be >= 1")
-        n_conv = sessions
-        turns = max(1, math.ceil(n_requests / sessions))
         think_s = sessions / rate_rps
-        starts = sorted(rng.uniform(0.0, think_s) for _ in range(n_conv))
+        slots = [(rng.uniform(0.0, think_s), i) for i in range(sessions)]  # (next conversation's start, session)
+        heapq.heapify(slots)
     else:
-        n_conv = max(1, math.ceil(n_requests / turns))
         starts = _arrivals(n_conv, None if rate_rps is None else rate_rps / turns, rng)
     reqs = []
     for c in range(n_conv):
         system = Segment(f"sys/chat/{seed}/{c % 8}", "system", system_tokens, "system")  # 8 shared system prompts
         hist: list[Segment] = [system]
-        t = starts[c]
+        t = heapq.heappop(slots)[0] if sessions is not None else starts[c]
         for k in range(turns):
             if len(reqs) >= n_requests:
                 break
@@ -355,6 +357,8 @@ def multi_turn(
             hist += [user, ans]
             if rate_rps is not None:
                 t += rng.expovariate(1.0 / think_s)
+        if sessions is not None:
+            heapq.heappush(slots, (t, c))
     params = dict(turns=turns, system_tokens=system_tokens, user_tokens=user_tokens, answer_tokens=answer_tokens, think_s=think_s, sessions=sessions)
     return _finish("multi_turn", reqs, rate_rps, concurrency, params)
 
