@@ -1,5 +1,5 @@
 """cache_plan: plan which replicas hold each shared prefix from its measured demand, and send each
-request to the least-queued holder of its prefix (cache_aware for requests with no such prefix).
+request to a holder of its prefix, chosen by plan and queue (cache_aware for requests with none).
 
 The rule
 --------
@@ -8,36 +8,51 @@ counts it; 0 when the replica's feed is not live) and m* = max_r m_r over the he
 
 - unplanned, when m* x block_size < match_min_frac x prompt_tokens (a new document, a prompt that
   shares nothing, a short common system prompt): ranked by cache_aware (score, guard and all).
-- planned, otherwise. The request belongs to the group g = keys[m* - 1] (the prefix that is cached
-  somewhere), whose holders are H = {r : m_r >= holder_frac x m*}.
-  - If the plan gives g a new holder c now (below), the request goes to c, which computes the
-    copy (the gateway's speculative index entries make c a holder for the requests that follow).
-  - Else it goes to the holder with the least predicted time to first token: cache_aware's
-    queue_penalty_s + uncached_tokens x prefill_s_per_token. A holder is never left for balance:
-    a prefix with one holder keeps it, however long its queue.
+- planned, otherwise. Its root is the shortest planned prefix the request extends: the first of
+  its keys that is a known root's key; none: keys[m* - 1] becomes a new root (of m* blocks). A
+  document is a root; a chat's system prompt is the root of its conversations. The holders of a
+  prefix of b blocks are the replicas with m_r >= holder_frac x b.
+  - A child (m* longer than its root: a conversation's history) goes to the holder of its
+    longest match with the least predicted TTFT (cache_aware's queue_penalty_s + uncached_tokens
+    x prefill_s_per_token). It never moves.
+  - A request of the root itself: if the plan gives the root a new holder c now (below), it goes
+    to c, which computes the copy (the gateway's speculative index entries make c a holder for
+    the requests that follow). Else it goes to a holder: among those whose predicted TTFT is
+    within queue_slack_s of the best, the one furthest below its planned part of the root's work
+    (below). A holder is never left for balance: a prefix with one holder keeps it, however long
+    its queue.
 
 The plan. Demand is measured on the requests this policy planned, with the request count as the
 clock (every measure is an exponential moving mean over planned requests with weight 1 /
 window_reqs: shares of the stream, no wall clock):
-- the work of a planned request is its steady cost, the uncached tokens on a holder =
-  prompt_tokens - m* x block_size (what it costs once its prefix is in place: a copy's one-off
-  prefill is not demand);
-- load_r = the mean work per planned request that went to r; G_g,r = the same for g's requests
-  alone, G_g = sum_r G_g,r; mean = sum_r load_r / (healthy replicas);
-- the peak of a holder set S for g: pour g's work G_g over S on top of base_r = load_r - G_g,r
-  (r's load without g): level w with sum_{r in S} max(0, w - base_r) = G_g; peak(S) = max(w,
-  max base_r). Sending g's requests to the least-queued holder is what realises that split;
-- g gets the new holder c = the healthy non-holder with the least load whose KV has room, when
-  all of these hold:
+- the work of a planned request is its steady cost once its prefix is in place (a copy's
+  one-off prefill is not demand), in prefill tokens: (prompt_tokens - m* x block_size) +
+  max_output_tokens x running_step_share x decode_step_s / prefill_s_per_token (its uncached
+  prefill on a holder and its share of the decode steps it runs in, with cache_aware's
+  running_step_share and the medians of the replicas' rates; max_output_tokens 0: cache_aware's
+  prior_output_tokens),
+  counted for its root (a conversation's turns count for its system prompt: placing a first turn
+  places the conversation);
+- load_r = the mean work per planned request that went to r; G_g,r = the same for root g's
+  requests and children alone, G_g = sum_r G_g,r; mean = sum_r load_r / (healthy replicas);
+- the water level of a holder set S for g: pour G_g over S on top of base_r = load_r - G_g,r
+  (r's load without g): the level w with sum_{r in S} max(0, w - base_r) = G_g; r's planned part
+  of g is max(0, w - base_r), and peak(S) = max(w, max base_r) is the busiest holder's load once
+  g is split that way (which the dispatch above realises);
+- g gets the new holder c = the least-loaded healthy non-holder that is not building a copy
+  (its in-flight prefill is under half of g's tokens) and whose KV has room, when all hold:
   - overloaded: peak(H) >= (1 + spread_rel) x mean;
   - the copy pays: peak(H) - peak(H + c) >= spread_gain x mean;
-  - hot: G_g >= hot_min x mean (only a prefix that carries a good part of one replica's load is
-    worth a second copy; a typical document never spreads);
-  - room: the blocks of the active groups c holds + m* <= kv_room_frac x c's KV blocks
-    (`ReplicaView.kv_capacity_blocks`; 0 = unknown: not checked). Active groups: seen at least
-    twice, last within 5 windows;
-  - g got no new holder in its last cooldown_reqs planned requests (the split must show in the
-    measures before another copy), and at least min_reqs planned requests were measured.
+  - hot: g's share of the work, G_g / (R x mean), exceeds hot_min / R by two standard errors of a
+    share measured on min(requests, window_reqs) requests (only a prefix that carries a good
+    part of one replica's load is worth a copy; noise never makes a typical document hot);
+  - the hottest: no other root carries more work to g's busiest holder (spread what loads it
+    most, not whichever request came first);
+  - room: the blocks of the roots c holds (seen within 5 windows) + g's <= kv_room_frac x c's KV
+    blocks (`ReplicaView.kv_capacity_blocks`; 0 = unknown: not checked);
+  - g got no new holder in its last cooldown_reqs x min(1, mean / (peak(H) - mean)) planned
+    requests (the split must show in the measures before the next copy; far over the mean, as a
+    hot prefix at start-up on many replicas, copies come faster), and min_reqs requests were seen.
 
 Why this and not a per-request score
 ------------------------------------
@@ -58,20 +73,25 @@ Parameters (constructor, keyword only; the cache_aware ones go to the embedded c
 -------------------------------------------------------------------------------------------
 match_min_frac   a request is planned when the longest cached match covers at least this share of
                  its prompt; 0..1 (default 0.5)
-holder_frac      a replica is a holder when its match is at least this share of the longest;
+holder_frac      a replica is a holder when its match is at least this share of the prefix's;
                  0..1 (default 0.9: a copy whose last blocks were evicted still counts)
 window_reqs      planned requests one measure averages over (1 / weight); >= 1 (default 200)
 spread_rel       holders overloaded at peak >= (1 + spread_rel) x mean; >= 0 (default 0.2)
 spread_gain      a copy must lower the peak by spread_gain x mean; >= 0 (default 0.05)
-hot_min          a group spreads only when its work is >= hot_min x mean; >= 0 (default 0.3)
+hot_min          a root spreads only when its share of the work is above hot_min / R; >= 0
+                 (default 0.3: 7.5% of the work on 4 replicas, a document of 24 has ~4%)
 kv_room_frac     a new holder's planned blocks stay under this share of its KV; 0..1 (default 0.85)
-cooldown_reqs    planned requests between two new holders of one group; >= 0 (default 100)
-min_reqs         planned requests measured before anything spreads; >= 0 (default 50)
+cooldown_reqs    planned requests between two new holders of a root (shorter when its holders are
+                 far over the mean, see above); >= 0 (default 50)
+min_reqs         planned requests measured before anything spreads; >= 0 (default 30)
+queue_slack_s    holders within this much predicted TTFT of the best are chosen by the plan;
+                 seconds, >= 0 (default 0.1; 0: by queue alone)
+Defaults tuned with `python -m loadtests.vtime_report --regime busy` (loadtests/results/vtime_busy.md).
 
 Candidates' terms: plan (1 planned, 0 unplanned: then cache_aware's terms), holder (0/1),
 predicted_ttft_s, matched_blocks, group_work, group_holders, load_share, peak_share,
-spread (1 on the replica chosen to build a new copy), score (= -position: holders by predicted
-TTFT first, then the others in cache_aware's order).
+spread (1 on the replica chosen to build a new copy), score (= -position: the chosen replica, the
+other holders by predicted TTFT, then the rest in cache_aware's order).
 State: the measures above, updated in rank() for the replica it ranks first (the gateway sends the
 request there). One instance sees only its own process's requests (with several gateway workers
 each plans on its share of the stream). Pure: no I/O, no clock; `rng` only in cache_aware's ties.
@@ -110,6 +130,12 @@ def water_peak(bases: Sequence[float], amount: float) -> float:
     return max(water_level(bases, amount), max(bases)) if bases else 0.0
 
 
+def _median(xs: list) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
 class _Mean:
     """Exponential moving mean over the planned-request clock, decayed lazily."""
 
@@ -133,6 +159,7 @@ class _Group:
     work: dict = field(default_factory=dict)  # replica -> _Mean of this group's work routed there
     count: int = 0  # planned requests seen (its own and its children's)
     last_seen: int = 0  # clock at its last request
+    last_spread: int = -(10**9)  # clock when it last got a new holder
 
 
 class CachePlanPolicy(PolicyBase):
@@ -146,13 +173,13 @@ class CachePlanPolicy(PolicyBase):
         match_min_frac: float = 0.5,
         holder_frac: float = 0.9,
         window_reqs: float = 200.0,
-        spread_rel: float = 0.3,
+        spread_rel: float = 0.2,
         spread_gain: float = 0.05,
         hot_min: float = 0.3,
         kv_room_frac: float = 0.85,
-        cooldown_reqs: int = 100,
+        cooldown_reqs: int = 50,
         min_reqs: int = 30,
-        queue_slack_s: float = 0.5,
+        queue_slack_s: float = 0.1,
         **cache_aware_params,
     ) -> None:
         for label, val in (("match_min_frac", match_min_frac), ("holder_frac", holder_frac), ("kv_room_frac", kv_room_frac)):
@@ -179,7 +206,6 @@ class CachePlanPolicy(PolicyBase):
         self._now = 0  # planned requests so far: the clock of every measure
         self._load: dict[str, _Mean] = {}
         self._groups: dict[int, _Group] = {}
-        self._last_spread = -(10**9)  # clock of the last new holder of any group
 
     def params(self) -> dict[str, float]:
         return {
@@ -192,7 +218,7 @@ class CachePlanPolicy(PolicyBase):
 
     # -- measures --------------------------------------------------------------------------------
     def load_share(self, replica_id: str) -> float:
-        """Mean planned work per planned request sent to the replica (tokens), now."""
+        """Mean planned work per planned request sent to the replica (prefill tokens), now."""
         m = self._load.get(replica_id)
         return m.get(self._now, self._keep) if m is not None else 0.0
 
@@ -279,7 +305,10 @@ class CachePlanPolicy(PolicyBase):
         g.holders = frozenset(rid for rid, m in runs.items() if m >= self.holder_frac * g.blocks)
         child = best > g.blocks  # a longer match than its root (a conversation's history): it stays
         holders = [rid for rid, m in runs.items() if m >= self.holder_frac * best]
-        work = float(max(1, request.prompt_tokens - best * bs))  # steady cost: uncached on a holder
+        # steady cost, in prefill tokens: uncached on a holder + its share of the decode steps
+        out_tokens = request.max_output_tokens or self.fallback.prior_output_tokens
+        step_tokens = _median([v.decode_step_s for v in live]) / max(1e-12, _median([v.prefill_s_per_token for v in live]))
+        work = max(1, request.prompt_tokens - best * bs) + out_tokens * self.fallback.running_step_share * step_tokens
         terms = {rid: self.fallback.terms(request, by_id[rid]) for rid in holders}
         ttft = {rid: t["queue_penalty_s"] + t["uncached_tokens"] * by_id[rid].prefill_s_per_token for rid, t in terms.items()}
         # the plan: measures without this request
@@ -290,7 +319,11 @@ class CachePlanPolicy(PolicyBase):
         peak_h = water_peak([loads[r] - gw[r] for r in holders], g_total)
         spread_to = None
         peak_new = peak_h
-        if (not child and now > self.min_reqs and mean > 0.0 and now - self._last_spread >= self.cooldown_reqs
+        # the cooldown shrinks when the holders are far over the mean (a hot prefix at start-up on
+        # many replicas needs many copies soon): cooldown_reqs x min(1, mean / (peak - mean))
+        over = peak_h / mean - 1.0 if mean > 0.0 else 0.0
+        cooldown = self.cooldown_reqs * min(1.0, 1.0 / over) if over > 0.0 else self.cooldown_reqs
+        if (not child and now > self.min_reqs and mean > 0.0 and now - g.last_spread >= cooldown
                 and peak_h >= (1.0 + self.spread_rel) * mean and self._is_hot(g, g_total, mean, len(loads))
                 and self._hottest_on(g, max(holders, key=lambda r: (loads[r], r)))):
             others = sorted((rid for rid in by_id if rid not in g.holders), key=lambda r: (loads[r], r))
@@ -306,7 +339,7 @@ class CachePlanPolicy(PolicyBase):
                 break  # the least-loaded replica with room is the only candidate
         if spread_to is not None:
             winner = spread_to
-            self._last_spread = now
+            g.last_spread = now
             g.holders = g.holders | {spread_to}
         elif child:
             winner = min(holders, key=lambda r: (ttft[r], load_reqs(by_id[r]), r))

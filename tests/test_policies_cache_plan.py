@@ -95,16 +95,16 @@ def test_a_typical_document_never_leaves_its_holder_for_balance():
 
 
 def test_a_hot_document_gets_one_new_holder_on_the_least_loaded_replica():
-    """Doc 0 carries 25% of the requests, all on r0 (with five other documents: r0 has 41% of the
-    load): the plan copies it once, onto a least-loaded replica, and then shares doc 0 between
-    the two holders (their water level, ~30% each, is below the spread threshold: no second copy)."""
+    """Doc 0 carries 20% of the requests, all on r0 (with five other documents: r0 has 37% of the
+    load, over 1.2x the mean): the plan copies it once, onto a least-loaded replica, and then
+    shares doc 0 between the two holders (their water level, 29%, is under 1.2x: no second copy)."""
     w = World(24, _placement(24))
     pol, rng = CachePlanPolicy(), random.Random(0)
     spreads = []
     counts = {r: 0 for r in w.ids}
     others = [d for d in range(1, 24)]
     for i in range(2000):
-        doc = 0 if i % 4 == 0 else others[(i - i // 4 - 1) % 23]  # exact shares: no noise to cross a threshold
+        doc = 0 if i % 5 == 0 else others[(i - i // 5 - 1) % 23]  # exact shares: no noise to cross a threshold
         winner, t = w.route(pol, doc, rng)
         if t.get("spread"):
             spreads.append((i, winner, doc))
