@@ -197,3 +197,44 @@ def test_replica_model_equals_the_wall_clock_engine(name, kw, rate, num_blocks, 
     assert (mod_pre, mod_ev) == (eng_pre, eng_ev)
     if num_blocks < 1000:
         assert eng_ev > 0  # the case exercises eviction
+
+
+def test_client_timeout_aborts_and_counts_unfinished():
+    """An overloaded pool (round robin over 60 documents, KV for a few): requests the client gives
+    up on leave their replica and count as unfinished; nothing finished took longer than that."""
+    w = _small("shared_docs", n=800, rate=60.0, n_docs=60)
+    p = SimParams(num_blocks=2500, request_timeout_s=3.0)
+    res = simulate(w, "round_robin", 2, p)
+    s = res.summary()
+    assert s["unfinished"] > 0 and s["completed"] + s["unfinished"] == 800
+    assert res.e2e_s.max() <= 3.0 + 1e-9
+    again = simulate(w, "round_robin", 2, p).summary()
+    s.pop("wall_s"), again.pop("wall_s")
+    assert s == again
+    assert simulate(w, "round_robin", 2, SimParams(num_blocks=2500)).summary()["unfinished"] == 0
+
+
+def test_warmup_is_served_first_and_left_out_of_the_figures():
+    from loadtests.workloads import warmup_requests
+
+    w = _small("shared_docs", n=400, rate=20.0, n_docs=8)
+    warm = warmup_requests(w)
+    assert len(warm) == 8
+    p = SimParams(num_blocks=2500)
+    cold = simulate(w, "cache_aware", 2, p)
+    hot = simulate(w, "cache_aware", 2, p, warmup=warm)
+    assert sum(hot.per_replica_requests) == 400 == hot.completed
+    assert hot.prompt_tokens == cold.prompt_tokens  # the warm-up's tokens are not counted
+    assert hot.cached_tokens > cold.cached_tokens  # its documents were cached before the stream
+    keys = prepare_keys(w)
+    from loadtests.vtime import _KeyMemo
+
+    memo = _KeyMemo("vtime-model", 16)
+    allr = list(warm) + list(w.requests)
+    allk = [memo.keys(r) for r in allr]
+    args = ([r.prompt_tokens for r in allr], [k.prompt for k in allk], [k.output for k in allk], 16)
+    bound = infinite_bound(*args, warmup=len(warm))
+    assert bound.prompt_tokens == sum(r.prompt_tokens for r in w.requests)
+    assert bound.hit_ratio > infinite_bound([r.prompt_tokens for r in w.requests], [k.prompt for k in keys], [k.output for k in keys], 16).hit_ratio
+    assert hot.cached_tokens <= bound.cached_tokens
+    assert pooled_belady_bound(*args, 4 * 2500, warmup=len(warm)).cached_tokens <= bound.cached_tokens
