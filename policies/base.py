@@ -52,6 +52,7 @@ class ReplicaView:
     prefill_s_per_token: float = 5e-5  # calibrated (or prior) prefill seconds per uncached token
     decode_step_s: float = 0.02  # calibrated (or prior) seconds per decode step
     extra: Mapping[str, float] = field(default_factory=dict)  # optional signals for custom terms
+    kv_capacity_blocks: int = 0  # the engine's KV blocks (vllm:cache_config_info num_gpu_blocks); 0: unknown
 
 
 @dataclass(frozen=True, slots=True)

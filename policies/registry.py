@@ -16,6 +16,7 @@ import typing
 
 from policies.base import Policy
 from policies.cache_aware import CacheAwarePolicy
+from policies.cache_plan import CachePlanPolicy
 from policies.least_loaded import LeastLoadedPolicy
 from policies.power_of_two import PowerOfTwoPolicy
 from policies.prefix_hash import PrefixHashPolicy
@@ -26,7 +27,7 @@ __all__ = ["POLICIES", "POLICY_NAMES", "DEFAULT_POLICY", "PolicyParamError", "ge
 
 POLICIES: dict[str, type] = {
     cls.name: cls
-    for cls in (CacheAwarePolicy, RoundRobinPolicy, RandomPolicy, LeastLoadedPolicy, PowerOfTwoPolicy, PrefixHashPolicy)
+    for cls in (CacheAwarePolicy, RoundRobinPolicy, RandomPolicy, LeastLoadedPolicy, PowerOfTwoPolicy, PrefixHashPolicy, CachePlanPolicy)
 }
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 DEFAULT_POLICY = CacheAwarePolicy.name
