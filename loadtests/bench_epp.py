@@ -15,8 +15,10 @@ the picker process and of each Envoy, over the measured phase.
 
 The picker: by default `TransportOnlyPicker` below, which names the upstream and forwards the
 body unchanged: the figures are then the EPP *transport* (gRPC, ext_proc conversation, the
-response passthrough), not warmroute's decision. `--picker MODULE:FACTORY` measures another:
-FACTORY(endpoints: list[str]) -> Picker, called in the picker process.
+response passthrough), not warmroute's decision. `--picker pipeline` measures warmroute's own
+(gateway.epp.picker: authentication off, the gateway's tokenization, keys, index, policy,
+learning); `--picker MODULE:FACTORY` another: FACTORY(endpoints: list[str]) -> Picker (or an
+awaitable of one), called in the picker process.
 
 Run:  python -m loadtests.bench_epp [--levels 1,64] [--seconds 6] [--no-gateway] [--json FILE]
 A short smoke: python -m loadtests.bench_epp --levels 1,8 --seconds 2
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import multiprocessing as mp
 import os
@@ -51,9 +54,28 @@ class TransportOnlyPicker:
         self.outcomes += 1
 
 
+async def pipeline_picker(endpoints: Sequence[str]):
+    """warmroute's own picker (gateway.epp.picker over a Gateway without its HTTP port): no auth,
+    an in-process feed, the endpoints as static replicas. `--picker pipeline`."""
+    from gateway.config import config_from_dict
+    from gateway.epp.picker import PipelinePicker
+    from gateway.server import Gateway
+
+    cfg = config_from_dict({
+        "server": {"host": "127.0.0.1", "port": 0, "admin_port": 0}, "auth": {"enabled": False},
+        "membership": {"replicas": [f"r{i}=http://{ep}" for i, ep in enumerate(endpoints)]},
+        "feed": {"url": "memory://bench-epp"}, "model": {"name": MODEL, "max_model_len": 4096},
+    }, env={})
+    gw = Gateway(cfg, api_port=False)
+    await gw.start()
+    return PipelinePicker(gw)
+
+
 def _load_factory(spec: str | None):
     if not spec:
         return TransportOnlyPicker
+    if spec == "pipeline":
+        return pipeline_picker
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name or "make_picker")
 
@@ -65,6 +87,8 @@ def picker_main(port: int, endpoints: list[str], factory_spec: str | None, ready
 
     async def main() -> None:
         picker = _load_factory(factory_spec)(endpoints)
+        if inspect.isawaitable(picker):
+            picker = await picker
         srv = EppServer(picker, host="127.0.0.1", port=port)
         await srv.start()
         await srv.set_ready(True)
@@ -81,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="token events per stream")
     ap.add_argument("--interval-ms", type=float, default=15.0, help="fake decode step between token events")
     ap.add_argument("--envoy-concurrency", type=int, default=1, help="Envoy worker threads (both Envoys)")
-    ap.add_argument("--picker", default=None, metavar="MODULE:FACTORY", help="the picker to measure (default: transport only)")
+    ap.add_argument("--picker", default=None, metavar="MODULE:FACTORY", help="the picker to measure: pipeline (warmroute's), MODULE:FACTORY, or none for transport only (default)")
     ap.add_argument("--response-body-mode", default="FULL_DUPLEX_STREAMED",
                     choices=["FULL_DUPLEX_STREAMED", "STREAMED", "NONE"],
                     help="ext_proc response body mode: FULL_DUPLEX_STREAMED (the protocol's; every chunk through the "

@@ -166,6 +166,7 @@ class CachePlanPolicy(PolicyBase):
     """Holders planned from measured demand, dispatch by queue (module header)."""
 
     name: ClassVar[str] = "cache_plan"
+    PARAMS_FROM: ClassVar[type] = CacheAwarePolicy  # **cache_aware_params go to the embedded cache_aware
 
     def __init__(
         self,

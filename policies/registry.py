@@ -42,8 +42,18 @@ class PolicyParamError(TypeError, ValueError):
 
 
 def policy_params(name: str) -> dict[str, tuple[type | None, object]]:
-    """parameter -> (annotated scalar type or None, default) of a policy's constructor."""
+    """parameter -> (annotated scalar type or None, default) of a policy's constructor; a policy
+    that passes its `**kwargs` to an embedded one names that class in `PARAMS_FROM`, whose
+    parameters it then accepts too."""
     cls = _policy_class(name)
+    out = _constructor_params(cls)
+    inner = getattr(cls, "PARAMS_FROM", None)
+    if inner is not None:
+        out = {**_constructor_params(inner), **out}
+    return out
+
+
+def _constructor_params(cls: type) -> dict[str, tuple[type | None, object]]:
     try:
         hints = typing.get_type_hints(cls.__init__)
     except Exception:  # noqa: BLE001 - an unresolvable annotation only loses the type check
