@@ -375,3 +375,18 @@ def test_listed_attach_endpoints_by_pod_ip_render_with_an_agent_each():
     assert cfg["membership"]["replicas"] == [{"id": "vllm-0", "url": "http://10.0.0.7:8000"}]
     assert r.get("Deployment", f"{FULL_NAME}-agent-vllm-0")
     assert r.of_kind("InferencePool")[0]["spec"]["selector"]["matchLabels"] == {"app": "vllm"}
+
+
+def test_the_readme_epp_install_command_renders():
+    import shlex
+
+    readme = (CHART_DIR.parents[1] / "README.md").read_text()
+    section = readme.split("**Endpoint Picker mode**")[1]
+    command = section.split("```bash\n")[1].split("```")[0].replace("\\\n", " ")
+    argv = shlex.split(command)
+    assert argv[:3] == ["helm", "install", "wr"] and argv[3] == "charts/warmroute"
+    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    r = render(helm.parse_set_string(",".join(sets)))
+    assert r.get("Deployment", EPP) and r.get("HTTPRoute", FULL_NAME) and r.of_kind("InferencePool")
+    assert r.get("NetworkPolicy", EPP)["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "gateway-system"}
