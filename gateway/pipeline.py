@@ -41,7 +41,7 @@ from gateway.parse import check_model, parse_body, parse_request
 from gateway.proxy import Attempt
 from gateway.relay import relay, send_whole
 from gateway.rewrite import upstream_body
-from gateway.routing import RoutingState
+from gateway.routing import RoutingState, queued_prefill_tokens
 from gateway.salt import SaltDeriver
 from gateway.telemetry import Metrics
 from gateway.tokenization import TokenizerService
@@ -176,7 +176,7 @@ class Pipeline:
         ctx.keys = self.model.keychain.request_keys(ctx.prompt.first_ids, salt=ctx.salt)
         rv = RequestView(prompt_tokens=len(ctx.prompt.first_ids), block_size=self.model.block_size,
                          keys=tuple(ctx.keys), max_output_tokens=ctx.request.max_tokens,
-                         tenant_hash=ident.tenant_hash if self.auth.enabled else "", request_id=ctx.request_id)
+                         tenant_hash=ident.tenant_hash if ident.method != "none" else "", request_id=ctx.request_id)
         now = self.membership.clock()
         available = {st.replica_id: st.available(now) for st in self.membership.all()
                      if only is None or st.replica_id in only}
@@ -197,7 +197,7 @@ class Pipeline:
         m = self.metrics
         m.request_done(ctx.route, ctx.status, ctx.replica)
         m.child(m.e2e, ctx.route).observe(elapsed)
-        if ident is not None and self.auth.enabled:
+        if ident is not None and ident.method != "none":  # a tenant was identified (key, JWT or trusted header)
             m.child(m.tenant_requests, ident.tenant_hash).inc()
         ctx.span.set("http.response.status_code", ctx.status)
         ctx.span.end()
@@ -211,10 +211,9 @@ class Pipeline:
 
 def outcome_of(tr: Try, *, ttft_s: float | None, usage, decode_step_s: float | None) -> Outcome:
     """What the learner needs of an answered attempt (its prediction and the queue it saw)."""
-    terms = tr.candidate.terms
     return Outcome(tr.replica_id, ttft_s, tr.predicted_cached_tokens, tr.uncached_tokens,
-                   float(terms.get("backlog_tokens", 0.0)) if terms else 0.0,
-                   tr.view.running_reqs if tr.view is not None else 0, usage, decode_step_s)
+                   queued_prefill_tokens(tr.view), tr.view.running_reqs if tr.view is not None else 0, usage,
+                   decode_step_s)
 
 
 async def _internal_error(resp: FrontResponse, request_id: str) -> None:

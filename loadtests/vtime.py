@@ -1,7 +1,7 @@
 """Virtual-time simulator: the real policy code against modelled vLLM replicas, no wall clock.
 
-Rule: a discrete-event simulation, deterministic for a seed, that drives `policies` exactly as the
-gateway does (same `RequestView`/`ReplicaView`, same `Calibrator`) against a lean model of a vLLM
+Rule: a discrete-event simulation, deterministic for a seed, that decides with the gateway's own
+code (the same index, load tracker, views, policy and learning) against a lean model of a vLLM
 replica. Nothing sleeps and nothing does I/O; 100k requests on 4-256 replicas run in minutes.
 Blocks are keyed with `hashing.keys.chain_keys` (xxh3, memoised per shared segment prefix), the
 gateway's own keys, so the index needs no translation.
@@ -31,24 +31,12 @@ router but a hit for the oracle.
 Collapse: with `collapse_ttft_s`, a run stops early (SimResult.collapsed) once a routed request
 has waited that long for its first token; see `simulate`.
 
-Router model (what the gateway would see)
-- load: every `report_interval_s` each replica's (running, waiting, kv usage) is copied into the
-  router's view (the agent's scrape), so it is up to one interval stale;
-- in-flight: the router's own count of requests without a first token and their predicted
-  uncached tokens, exact and immediate;
-- index: from the replicas' stored/removed events, delivered after `event_delay_s` (0: at once),
-  plus speculative insertion of the routed request's keys on the chosen replica for `spec_ttl_s`;
-- rates: a `policies.calibration.Calibrator` fed with each request's TTFT (with the backlog at
-  dispatch) and mean inter-token interval; `extra["mean_uncached_prefill_tokens"]` is an EWMA of
-  the predicted uncached tokens of requests sent to the replica;
-- extra["kv_cached_frac"]: the replica's blocks holding cached prefixes / its KV blocks, copied at
-  each load report (what the gateway gets from its index size over the replica's capacity);
-- extra["routed_rps"]: an EWMA (time constant `routed_tau_s`) of requests routed to the replica
-  per second, decayed at each load report;
-- extra["mean_output_tokens"]: an EWMA (`uncached_ewma_alpha`) of the max_tokens of requests sent
-  to the replica (the gateway's LoadTracker.mean_output_tokens);
-- cache_aware's `max_num_seqs` defaults to the modelled replicas' (an operator sets it to the
-  engines' --max-num-seqs) unless policy_params give one.
+Router (loadtests/vtime_router.py): the gateway's own `gateway.routing.RoutingState` (KV index,
+load tracker, view assembly, in-flight accounting) and `gateway.learn` on virtual time, fed as a
+gateway is: KV events after `event_delay_s`, load reports every `report_interval_s` (the agent's
+scrape, so load is up to one interval stale), speculative keys for `spec_ttl_s`; in-flight
+counts exact and immediate. cache_aware's and cache_plan's `max_num_seqs` default to the modelled
+replicas' (an operator sets it to the engines' --max-num-seqs) unless policy_params give one.
 
 API: `simulate(workload, policy, n_replicas, params=SimParams(), policy_params={}, seed=0,
 keys=None, collapse_ttft_s=None, warmup=None) -> SimResult` (`policy`: a registry name or a policy
@@ -58,7 +46,6 @@ so several policies can share them. `SimResult.summary()` is a flat dict for rep
 from __future__ import annotations
 
 import heapq
-import math
 import random
 import time
 from collections import OrderedDict, deque
@@ -66,12 +53,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gateway.config import FeedConfig
 from hashing.keys import block_extras, chain_keys, root_key
 from loadtests.vtime_replica import ReplicaModel, SimReq
 from loadtests.workloads import ROLE_HEADER_TOKENS, Workload, WorkloadRequest, _ROLE_IDS, segment_token_ids
-from policies.base import ReplicaView, RequestView
-from policies.cache_aware import CACHE_FILL_EXTRA, MEAN_OUTPUT_EXTRA, MEAN_UNCACHED_EXTRA, ROUTED_RATE_EXTRA
-from policies.calibration import Calibrator
+from loadtests.vtime_router import SimRouter, VClock
 from policies.registry import get_policy
 
 __all__ = ["SimParams", "SimResult", "simulate", "prepare_keys", "RequestKeys"]
@@ -88,11 +74,9 @@ class SimParams:
     decode_s_per_seq: float = 2e-4  # cost of one decoding sequence in a step
     report_interval_s: float = 0.1  # agent load scrape period (router's view staleness)
     event_delay_s: float = 0.005  # KV event delivery delay to the router
-    spec_ttl_s: float = 5.0  # lifetime of speculative index entries
+    spec_ttl_s: float = FeedConfig().speculative_ttl_s  # lifetime of speculative index entries (the gateway's default)
     prior_prefill_s_per_token: float = 5e-5  # calibration prior
     prior_decode_step_s: float = 0.02  # calibration prior
-    uncached_ewma_alpha: float = 0.1  # smoothing of mean_uncached_prefill_tokens per replica
-    routed_tau_s: float = 10.0  # time constant of the routed-requests-per-second EWMA per replica (decayed at each report)
     model: str = "vtime-model"  # root of the key chain
     request_timeout_s: float | None = None  # client's total timeout: abort and count unfinished (None: wait forever)
     cache_answers: bool = True  # quoted answers (multi-turn) cached at finish; False = the wall-clock sim (filler output)
@@ -196,184 +180,6 @@ _Replica = ReplicaModel
 
 
 # ------------------------------------------------------------------------------------ the router
-
-
-class _Router:
-    def __init__(self, n: int, p: SimParams, policy, rng: random.Random) -> None:
-        self.n = n
-        self.p = p
-        self.policy = policy
-        self.rng = rng
-        self.rids = [f"r{i}" for i in range(n)]
-        self.real: dict = {}  # key -> bitmask of replicas (from events)
-        self.spec: dict = {}  # key -> bitmask (speculative)
-        self.spec_exp: dict = {}  # (key, replica) -> expiry
-        self.spec_q: deque = deque()  # (expiry, replica, keys)
-        self.rep_running = [0] * n
-        self.rep_waiting = [0] * n
-        self.rep_kv = [0.0] * n
-        self.rep_fill = [0.0] * n
-        self.inflight = [0] * n
-        self.inflight_tok = [0] * n
-        self.mean_uncached = [None] * n
-        self.mean_output = [None] * n  # EWMA of max_tokens of requests routed there
-        self.routed_rps = [0.0] * n  # EWMA of requests routed per second (time constant routed_tau_s)
-        self.routed_t = 0.0  # time the EWMAs were last decayed to
-        self.cal = Calibrator(prior_prefill_s_per_token=p.prior_prefill_s_per_token, prior_decode_step_s=p.prior_decode_step_s)
-        self.views: list = [None] * n  # cached zero-match views
-
-    def apply_events(self, ri: int, stored: list, removed: list) -> None:
-        bit = 1 << ri
-        real = self.real
-        for k in stored:
-            real[k] = real.get(k, 0) | bit
-        nb = ~bit
-        for k in removed:
-            m = real.get(k, 0) & nb
-            if m:
-                real[k] = m
-            else:
-                real.pop(k, None)
-
-    def _expire_spec(self, now: float) -> None:
-        q = self.spec_q
-        while q and q[0][0] <= now:
-            exp, ri, keys = q.popleft()
-            nb = ~(1 << ri)
-            for k in keys:
-                if self.spec_exp.get((k, ri)) == exp:
-                    del self.spec_exp[(k, ri)]
-                    m = self.spec.get(k, 0) & nb
-                    if m:
-                        self.spec[k] = m
-                    else:
-                        self.spec.pop(k, None)
-
-    def matches(self, keys: list) -> dict:
-        """replica index -> leading run of `keys` it holds (real or speculative); absent = 0."""
-        real, spec = self.real, self.spec
-        cur = (1 << self.n) - 1
-        runs: dict = {}
-        i = 0
-        for k in keys:
-            h = (real.get(k, 0) | spec.get(k, 0)) & cur
-            if h != cur:
-                if i:
-                    d = cur & ~h
-                    while d:
-                        low = d & -d
-                        runs[low.bit_length() - 1] = i
-                        d ^= low
-                cur = h
-                if not cur:
-                    break
-            i += 1
-        else:
-            while cur:
-                low = cur & -cur
-                runs[low.bit_length() - 1] = i
-                cur ^= low
-        return runs
-
-    def view(self, ri: int, matched: int) -> ReplicaView:
-        if matched == 0 and self.views[ri] is not None:
-            return self.views[ri]
-        mu = self.mean_uncached[ri]
-        mo = self.mean_output[ri]
-        ex = {CACHE_FILL_EXTRA: self.rep_fill[ri], ROUTED_RATE_EXTRA: self.routed_rps[ri]}
-        if mu is not None:
-            ex[MEAN_UNCACHED_EXTRA] = mu
-        if mo is not None:
-            ex[MEAN_OUTPUT_EXTRA] = mo
-        v = ReplicaView(
-            self.rids[ri],
-            True,
-            matched,
-            matched,
-            True,
-            self.rep_running[ri],
-            self.rep_waiting[ri],
-            self.inflight[ri],
-            self.inflight_tok[ri],
-            self.rep_kv[ri],
-            self.cal.prefill_s_per_token(self.rids[ri]),
-            self.cal.decode_step_s(self.rids[ri]),
-            ex,
-            self.p.num_blocks,  # kv_capacity_blocks: the agent's load report carries num_gpu_blocks
-        )
-        if matched == 0:
-            self.views[ri] = v
-        return v
-
-    def route(self, now: float, r: _Req) -> int:
-        self._expire_spec(now)
-        keys = r.keys
-        runs = self.matches(keys)  # every policy's in-flight estimate needs the predicted hit
-        views = [self.view(i, runs.get(i, 0)) for i in range(self.n)]
-        rq = RequestView(r.prompt, self.p.block_size, tuple(keys), r.max_out, "", r.wr.request_id)
-        d = self.policy.rank(rq, views, self.rng)
-        ri = int(d.ranked[0].replica_id[1:])
-        bs = self.p.block_size
-        m = min(runs.get(ri, 0), max(0, (r.prompt - 1) // bs))
-        unc = r.prompt - m * bs
-        v = views[ri]
-        per_req = v.extra.get(MEAN_UNCACHED_EXTRA, 512.0) if v.extra else 512.0
-        r.backlog = max(v.waiting_reqs * per_req, float(v.inflight_prefill_tokens))
-        r.running_at = v.running_reqs
-        r.pred_uncached = unc
-        self.inflight[ri] += 1
-        self.inflight_tok[ri] += unc
-        self.routed_rps[ri] += 1.0 / self.p.routed_tau_s
-        mu = self.mean_uncached[ri]
-        a = self.p.uncached_ewma_alpha
-        self.mean_uncached[ri] = float(unc) if mu is None else mu + a * (unc - mu)
-        mo = self.mean_output[ri]
-        self.mean_output[ri] = float(r.max_out) if mo is None else mo + a * (r.max_out - mo)
-        self.views[ri] = None
-        # speculative insertion
-        if keys:
-            exp = now + self.p.spec_ttl_s
-            bit = 1 << ri
-            spec, se = self.spec, self.spec_exp
-            for k in keys:
-                spec[k] = spec.get(k, 0) | bit
-                se[(k, ri)] = exp
-            self.spec_q.append((exp, ri, keys))
-        return ri
-
-    def first_token(self, r: _Req) -> None:
-        ri = r.rep
-        self.inflight[ri] -= 1
-        self.inflight_tok[ri] -= r.pred_uncached
-        self.views[ri] = None
-
-    def aborted(self, r: _Req) -> None:
-        """The client gave up (timeout): a request without a first token leaves the in-flight counts."""
-        if r.first_s < 0.0:
-            self.first_token(r)
-
-    def finished(self, r: _Req) -> None:
-        rid = self.rids[r.rep]
-        self.cal.observe_ttft(rid, r.first_s - r.arrival, r.prompt - r.cached, r.backlog, r.running_at)
-        self.policy.observe(rid, r.first_s - r.arrival, r.prompt - r.cached)  # the gateway's _learn does both
-        if r.max_out > 1:
-            self.cal.observe_token_interval(rid, (r.finish_s - r.first_s) / (r.max_out - 1))
-        self.views[r.rep] = None
-
-    def report(self, reps: list, now: float = 0.0) -> None:
-        if now > self.routed_t:
-            f = math.exp(-(now - self.routed_t) / self.p.routed_tau_s)
-            self.routed_rps = [x * f for x in self.routed_rps]
-            self.routed_t = now
-        for i, rep in enumerate(reps):
-            self.rep_running[i] = rep.n_running
-            self.rep_waiting[i] = len(rep.waiting)
-            self.rep_kv[i] = rep.kv_usage()
-            self.rep_fill[i] = rep.cached_blocks() / rep.p.num_blocks
-        self.views = [None] * self.n
-
-
-_EMPTY: dict = {}
 
 
 # ------------------------------------------------------------------------------------- results
@@ -493,7 +299,8 @@ def simulate(
             raise ValueError("policy_params go with a policy name, not a policy object")
         policy = policy_name
         policy_name = getattr(policy, "name", type(policy).__name__)
-    router = _Router(n_replicas, p, policy, random.Random(seed))
+    clock = VClock()
+    router = SimRouter(n_replicas, p, policy, random.Random(seed), clock)
     reps = [ReplicaModel(i, p, p.cache_answers) for i in range(n_replicas)]
 
     heap: list = []  # (time, seq, kind, payload)
@@ -586,7 +393,7 @@ def simulate(
 
     while heap:
         t, _, kind, payload = heapq.heappop(heap)
-        last_t = t
+        last_t = clock.t = t
         if kind == ARRIVE:
             pj = prev_turn.get(payload)
             if pj is not None and pj not in finished_idx:

@@ -12,8 +12,8 @@ import collections
 
 import pytest
 
-import loadtests.vtime as vt
 from loadtests.vtime import _KeyMemo, simulate
+from loadtests.vtime_router import SimRouter
 from loadtests.vtime_regimes import REGIMES
 from loadtests.workloads import build_workload, warmup_requests
 
@@ -25,17 +25,17 @@ def _run(case_name: str, policy: str = "cache_plan", seed: int = 0):
     memo = _KeyMemo(reg.params.model, reg.params.block_size)
     keys = [memo.keys(r) for r in w.requests]
     finished = []
-    orig = vt._Router.finished
+    orig = SimRouter.finished
 
     def spy(self, r):
         finished.append(r)
         orig(self, r)
 
-    vt._Router.finished = spy
+    SimRouter.finished = spy
     try:
         res = simulate(w, policy, reg.replicas, reg.params, seed=seed, keys=keys, warmup=warmup_requests(w))
     finally:
-        vt._Router.finished = orig
+        SimRouter.finished = orig
     holders = collections.defaultdict(set)
     misses = 0
     for r in finished:
