@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.progress import Progress
+from loadtests.workloads import render_messages
 from loadtests.runner import BenchRequest, CpuMeter, Interrupted, Sample, run_interruptible, run_load, summarize
 
 __all__ = ["WALLCLOCK_DEFAULTS", "bench_requests", "run_policies", "run_targets", "format_table", "format_errors",
@@ -52,12 +53,13 @@ def _parse_params(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def bench_requests(workload, model: str, api_keys: dict[str, str] | None) -> list[BenchRequest]:
-    from loadtests.workloads import render_messages
-
+def bench_requests(workload, model: str, api_keys: dict[str, str] | None, words_per_token: float = 1.0,
+                   requests=None) -> list[BenchRequest]:
+    """The workload's requests as HTTP bodies (`requests`: other WorkloadRequests, e.g. a warm-up;
+    `words_per_token`: loadtests.workloads.segment_text)."""
     out = []
-    for r in workload.requests:
-        body = {"model": model, "messages": render_messages(r), "max_tokens": r.max_output_tokens,
+    for r in workload.requests if requests is None else requests:
+        body = {"model": model, "messages": render_messages(r, words_per_token), "max_tokens": r.max_output_tokens,
                 "ignore_eos": True, "temperature": 0}
         out.append(BenchRequest(r.arrival_s, "/v1/chat/completions", body,
                                 api_key=(api_keys or {}).get(r.tenant), tag=r.request_id))

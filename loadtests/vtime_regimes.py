@@ -49,7 +49,7 @@ from loadtests.vtime import SimParams, _KeyMemo, simulate
 from loadtests.vtime_peers import SglangCacheAware, static_plan_for
 from loadtests.workloads import build_workload, warmup_requests
 
-__all__ = ["Case", "Regime", "REGIMES", "run_regime", "regime_markdown", "regime_goals", "regime_main"]
+__all__ = ["Case", "Regime", "REGIMES", "CaseRun", "build_case", "run_regime", "regime_markdown", "regime_goals", "regime_main"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,47 @@ def _policy(name: str, w, keys, replicas: int):
     return name
 
 
+@dataclass
+class CaseRun:
+    """One case at one seed, built: what the simulator (and loadtests/compare_peers.py) sends."""
+
+    workload: object  # the measured stream (workloads.Workload), at `rate_rps`
+    warmup: list  # pre-warm requests (workloads.warmup_requests), sent first, not measured
+    keys: list  # block keys of the measured requests
+    rate_rps: float  # the case's rate, or the one offering the regime's util under perfect affinity
+    offered_util: float  # that load, as a share of the replicas' capacity under perfect affinity
+    inf: object  # oracle.infinite_bound of the stream (perfect affinity, unbounded KV)
+    bel: object  # oracle.pooled_belady_bound (KV of all replicas pooled)
+
+
+def build_case(regime: str, case_name: str, seed: int, n_requests: int | None = None) -> CaseRun:
+    """`n_requests`: fewer (or more) requests than the case states (a short run)."""
+    reg = REGIMES[regime]
+    p, case = reg.params, reg.cases[case_name]
+    n_req = n_requests or case.n_requests
+    w = build_workload(case.builder, n_req, seed=seed, rate_rps=case.rate_rps or 1.0, **case.shape)
+    warm = warmup_requests(w) if case.warm else []
+    memo = _KeyMemo(p.model, p.block_size)
+    wkeys = [memo.keys(r) for r in warm]
+    keys = [memo.keys(r) for r in w.requests]
+    allr = list(warm) + list(w.requests)
+    allk = wkeys + keys
+    pt = [r.prompt_tokens for r in allr]
+    pk = [k.prompt for k in allk]
+    ok = [k.output if p.cache_answers else None for k in allk]
+    inf = infinite_bound(pt, pk, ok, p.block_size, warmup=len(warm))
+    bel = pooled_belady_bound(pt, pk, ok, p.block_size, reg.replicas * p.num_blocks, warmup=len(warm))
+    n = len(w.requests)
+    unc = (inf.prompt_tokens - inf.cached_tokens) / n
+    out = sum(r.max_output_tokens for r in w.requests) / n
+    per_req_s = unc * p.prefill_s_per_token + out * p.decode_s_per_seq
+    rate = case.rate_rps or reg.util * reg.replicas / per_req_s
+    if case.rate_rps is None:  # rebuild at the rate (multi-turn think times depend on it)
+        w = build_workload(case.builder, n_req, seed=seed, rate_rps=rate, **case.shape)
+        keys = [_KeyMemo(p.model, p.block_size).keys(r) for r in w.requests]
+    return CaseRun(w, warm, keys, rate, rate * per_req_s / reg.replicas, inf, bel)
+
+
 def run_regime(regime: str, seeds, cases=None, policies=None, progress=None) -> list[dict]:
     reg = REGIMES[regime]
     p = reg.params
@@ -121,27 +162,8 @@ def run_regime(regime: str, seeds, cases=None, policies=None, progress=None) -> 
     for case_name in cases or list(reg.cases):
         case = reg.cases[case_name]
         for seed in seeds:
-            w = build_workload(case.builder, case.n_requests, seed=seed, rate_rps=case.rate_rps or 1.0, **case.shape)
-            warm = warmup_requests(w) if case.warm else []
-            memo = _KeyMemo(p.model, p.block_size)
-            wkeys = [memo.keys(r) for r in warm]
-            keys = [memo.keys(r) for r in w.requests]
-            allr = list(warm) + list(w.requests)
-            allk = wkeys + keys
-            pt = [r.prompt_tokens for r in allr]
-            pk = [k.prompt for k in allk]
-            ok = [k.output if p.cache_answers else None for k in allk]
-            inf = infinite_bound(pt, pk, ok, p.block_size, warmup=len(warm))
-            bel = pooled_belady_bound(pt, pk, ok, p.block_size, reg.replicas * p.num_blocks, warmup=len(warm))
-            n = len(w.requests)
-            unc = (inf.prompt_tokens - inf.cached_tokens) / n
-            out = sum(r.max_output_tokens for r in w.requests) / n
-            per_req_s = unc * p.prefill_s_per_token + out * p.decode_s_per_seq
-            rate = case.rate_rps or reg.util * reg.replicas / per_req_s
-            if case.rate_rps is None:  # rebuild at the rate (multi-turn think times depend on it)
-                w = build_workload(case.builder, case.n_requests, seed=seed, rate_rps=rate, **case.shape)
-                keys = [_KeyMemo(p.model, p.block_size).keys(r) for r in w.requests]
-            util = rate * per_req_s / reg.replicas
+            c = build_case(regime, case_name, seed)
+            w, warm, keys, rate, util, inf, bel = c.workload, c.warmup, c.keys, c.rate_rps, c.offered_util, c.inf, c.bel
             for pol in policies or reg.policies:
                 if pol == "static_plan" and not case.warm:
                     continue  # documents only

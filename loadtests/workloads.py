@@ -51,6 +51,7 @@ __all__ = [
     "output_token_ids",
     "segment_token_ids",
     "segment_text",
+    "text_words_per_token",
     "warmup_requests",
     "ROLE_HEADER_TOKENS",
 ]
@@ -112,11 +113,13 @@ def segment_token_ids(seg: Segment) -> tuple[int, ...]:
     return _segment_ids_cached(seg.seg_id, seg.n_tokens)
 
 
-def segment_text(seg: Segment) -> str:
-    """The segment as `n_tokens` pseudo-words (approximate token count)."""
+def segment_text(seg: Segment, words_per_token: float = 1.0) -> str:
+    """The segment as `n_tokens x words_per_token` pseudo-words. A pseudo-word is about 1.5 tokens
+    of the default (Qwen) vocabulary, so words_per_token = 1 makes ~1.5x `n_tokens` real tokens;
+    `text_words_per_token()` measures the factor that makes the text `n_tokens` long."""
     g = random.Random(_seed_of(seg.seg_id))
     words = []
-    for _ in range(seg.n_tokens):
+    for _ in range(max(1, round(seg.n_tokens * words_per_token))):
         n = 1 + (g.random() < 0.4) + (g.random() < 0.15)
         words.append("".join(g.choice(_SYLLABLES) for _ in range(n)))
     return " ".join(words)
@@ -132,9 +135,20 @@ def _messages(req: WorkloadRequest) -> list[tuple[str, list[Segment]]]:
     return out
 
 
-def render_messages(req: WorkloadRequest) -> list[dict]:
-    """OpenAI chat messages for the HTTP benchmark (text; token counts approximate)."""
-    return [{"role": role, "content": "\n\n".join(segment_text(s) for s in segs)} for role, segs in _messages(req)]
+def render_messages(req: WorkloadRequest, words_per_token: float = 1.0) -> list[dict]:
+    """OpenAI chat messages for the HTTP benchmark (text; see segment_text for the token count)."""
+    return [{"role": role, "content": "\n\n".join(segment_text(s, words_per_token) for s in segs)}
+            for role, segs in _messages(req)]
+
+
+def text_words_per_token(encode, sample_tokens: int = 20_000) -> float:
+    """The words_per_token at which segment_text is as many real tokens as it is nominal ones,
+    measured with `encode(text) -> token ids` (e.g. the default tokenizer's encode_prompt) on a
+    sample of segments (the ratio is stable: pseudo-words are drawn from one syllable table)."""
+    segs = [Segment(f"calibration/{i}", "user", 1000, "document") for i in range(max(1, sample_tokens // 1000))]
+    words = sum(max(1, round(s.n_tokens)) for s in segs)
+    tokens = sum(len(encode(segment_text(s))) for s in segs)
+    return words / tokens
 
 
 def render_token_ids(req: WorkloadRequest) -> list[int]:

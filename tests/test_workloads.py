@@ -104,3 +104,16 @@ def test_steady_sessions_keep_the_rate_up_for_the_whole_run():
     assert 9.0 < len(t) / (span * 0.7) < 16.0  # ~12 requests/s while every session is live
     with pytest.raises(ValueError):
         build_workload("multi_turn", 10, rate_rps=None, concurrency=4, sessions=4)
+
+
+def test_text_can_be_rendered_to_the_nominal_token_count(tok):
+    """The wall-clock benchmark renders segments as pseudo-words (~1.5 tokens each with the default
+    vocabulary); with the measured words_per_token a segment is its nominal length in real tokens."""
+    from loadtests.workloads import Segment, segment_text, text_words_per_token
+
+    wpt = text_words_per_token(tok.encode_prompt)
+    assert 0.5 < wpt < 0.9  # far from 1: the unscaled text is ~1.5x too long
+    for n in (100, 3000):
+        seg = Segment(f"doc/check/{n}", "user", n, "document")
+        assert abs(len(tok.encode_prompt(segment_text(seg, wpt))) - n) <= 0.03 * n + 2
+        assert len(tok.encode_prompt(segment_text(seg))) > 1.3 * n
