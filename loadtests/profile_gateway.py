@@ -18,8 +18,9 @@ drained and their prefix caches were reset, and the report gives each variant's 
 and its ratio to the first. The machine may be shared: alternating rounds spread that noise over
 every variant rather than one.
 
-`--py-spy` samples the gateway with py-spy (`record --format raw --nonblocking`, native frames off)
-during the load and attributes every sample to the innermost warmroute frame on its stack (rules
+`--py-spy` samples the gateway with py-spy (`record --format raw --nonblocking --gil`: only samples
+holding the GIL, so a thread that is runnable but waiting for a CPU on a busy machine, e.g. just
+woken from epoll, is not counted as working; native frames off) during the load and attributes every sample to the innermost warmroute frame on its stack (rules
 in `CATEGORIES`: e.g. a sample in redis' parser under `RedisFeed.read` is "feed: XREAD"), so the
 attribution table sums to the sampled CPU; samples with no warmroute frame are "event loop / other".
 """
@@ -249,7 +250,7 @@ def _py_spy(pid: int, out: Path, rate: int, native: bool = False) -> subprocess.
     if not Path(exe).exists():
         raise SystemExit("--py-spy needs py-spy (pip install py-spy)")
     return subprocess.Popen([exe, "record", "--pid", str(pid), "--format", "raw", "--rate", str(rate), "--nonblocking",
-                             "--output", str(out), *(["--native"] if native else [])], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             "--output", str(out), "--gil", *(["--native"] if native else [])], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
 
 
