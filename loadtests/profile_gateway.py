@@ -52,8 +52,10 @@ _CLK = os.sysconf("SC_CLK_TCK")
 REGIME = dict(n_docs=24, doc_tokens=3000, question_tokens=100, output_tokens=32)
 
 # (category, file fragment, function names or None for any): the innermost frame that matches one
-# names the sample's category; earlier rules win for the same frame.
+# names the sample's category; earlier rules win for the same frame; an empty category marks
+# plumbing shared by several callers (the category is then the caller's).
 CATEGORIES: list[tuple[str, str, frozenset | None]] = [
+    ("", "replica_agent/feed/redis_feed.py", frozenset({"run", "_drop", "_call", "_direct"})),  # shared plumbing: look further out
     ("feed: index apply", "gateway/index.py", frozenset({"apply", "_store", "_remove", "_evict", "maintain",
                                                          "load_snapshot", "_clear_slot", "_replica_bits"})),
     ("index match + speculation", "gateway/index.py", None),
@@ -147,9 +149,12 @@ def categorize(stack: list[str]) -> str:
     """The category of one sampled stack (root first, as py-spy prints it): see CATEGORIES."""
     for frame in reversed(stack):
         func, _, where = frame.partition(" (")
+        func = func.rsplit(".", 1)[-1]  # py-spy prints qualified names (KVIndex.apply)
         for cat, frag, funcs in CATEGORIES:
             if frag in where and (funcs is None or func in funcs):
-                return cat
+                if cat:
+                    return cat
+                break  # a transparent frame: the category is its caller's
     return "event loop / other"
 
 
