@@ -130,8 +130,16 @@ class IndexSync:
         self._read_at = time.monotonic()
         events = await self.feed.read(dict(self._positions), block_s=self.block_s, count=self.batch_records)
         self._coalesce = bool(events) and not self._backlog(events)
+        applied: dict[str, float] = {}  # replica -> publish time of its last record applied in this batch
         for ev in events:
-            self._handle(ev)
+            if self._handle(ev) and ev.ts:
+                applied[ev.replica_id] = ev.ts
+        if applied:  # one lag per replica and batch: the last record's is the one reported
+            now = self._wall()
+            for rid, ts in applied.items():
+                lag = max(0.0, now - ts)
+                self._lag_s[rid] = lag
+                self.index.set_feed_lag(rid, lag)
         if not events:
             self.index.maintain(50_000)  # idle: finish sweeping cleared replicas' old entries
         return len(events)
@@ -182,14 +190,15 @@ class IndexSync:
         self._positions[rid] = snap.offset
         self._snapshot_offset[rid] = snap.offset
 
-    def _handle(self, ev: FeedEvent) -> None:
+    def _handle(self, ev: FeedEvent) -> bool:
+        """Apply one record in order (module rule); True if the index applied it."""
         rid = ev.replica_id
         pos = self._positions.get(rid)
         if pos is None or rid in self._rebuild:
-            return  # forgotten, or waiting for a rebuild: the snapshot covers it
+            return False  # forgotten, or waiting for a rebuild: the snapshot covers it
         if ev.offset <= pos:
             self.stats["duplicates"] += 1
-            return
+            return False
         if ev.offset != pos + 1 and pos != 0:
             if self._snapshot_offset.get(rid) == pos:
                 # just rebuilt and still a gap: the snapshot is older than the retained stream
@@ -198,21 +207,18 @@ class IndexSync:
             else:
                 self.stats["gaps"] += 1
                 self._rebuild.add(rid)
-                return
+                return False
         self._positions[rid] = ev.offset
         self._snapshot_offset.pop(rid, None)
         if ev.kind == INVALID_KIND:
             self.stats["bad_records"] += 1
             log.warning("undecodable feed record %s@%d: skipped", rid, ev.offset)
-            return
+            return False
         try:
             self.index.apply(ev)
         except Exception:
             self.stats["bad_records"] += 1
             log.exception("bad feed record %s@%d (%s): skipped", rid, ev.offset, ev.kind)
-            return
+            return False
         self.stats["records"] += 1
-        if ev.ts:
-            lag = max(0.0, self._wall() - ev.ts)
-            self._lag_s[rid] = lag
-            self.index.set_feed_lag(rid, lag)
+        return True

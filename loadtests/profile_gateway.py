@@ -12,7 +12,8 @@ requests. Per gateway run: its CPU seconds (utime+stime from /proc) over the loa
 and over an idle stretch after it (`--idle-s`: the background wake-ups alone).
 
 `--variant NAME=DIR` (repeatable) runs the gateway from another code tree (PYTHONPATH=DIR; e.g. a
-`git archive` of a baseline commit), so a change is measured before/after in one run: rounds
+`git archive` of a baseline commit), and `--variant NAME=@sglang` (or `@vllm`) a peer router from
+loadtests/setup_peers.sh's venv, so a change is measured before/after, and against a peer, in one run: rounds
 alternate the variants (A B A B ...) against the same sims, each started fresh after the sims
 drained and their prefix caches were reset, and the report gives each variant's CPU per request
 and its ratio to the first. The machine may be shared: alternating rounds spread that noise over
@@ -43,12 +44,13 @@ from pathlib import Path
 import aiohttp
 
 from loadtests.bench import _parse_params, bench_requests
-from loadtests.compare_peers import (MODEL, Procs, Unavailable, _drain_and_reset, _free_port, _router_argv, _sim_counters,
+from loadtests.compare_peers import (DEFAULT_PEERS_VENV, MODEL, Procs, Unavailable, _drain_and_reset, _free_port, _router_argv, _sim_counters,
                                      _wait_http, _warmup)
 from loadtests.runner import BenchRequest, run_load
 
 REPO = Path(__file__).resolve().parent.parent
 _CLK = os.sysconf("SC_CLK_TCK")
+PEER_PREFIX = "@"  # --variant NAME=@sglang (or @vllm): that peer router instead of a warmroute tree
 REGIME = dict(n_docs=24, doc_tokens=3000, question_tokens=100, output_tokens=32)
 
 # (category, file fragment, function names or None for any): the innermost frame that matches one
@@ -274,12 +276,16 @@ async def _one_run(session, args, procs: Procs, variant: tuple[str, str], load: 
     (vname, vdir), (reqs, warm), (sims, ctx) = variant, load, pool
     await _drain_and_reset(session, sims, 120)
     port = _free_port()
-    argv, env, ready, _ = _router_argv("warmroute", "cache_aware", port, list(sims.values()), Path("."), ctx)
+    peer = vdir.startswith(PEER_PREFIX)  # a peer router (e.g. @sglang): its own venv, no profilers
+    kind = vdir[len(PEER_PREFIX):] if peer else "warmroute"
+    argv, env, ready, _ = _router_argv(kind, "cache_aware", port, list(sims.values()), Path(args.peers_venv), ctx)
     name = f"gw-{vname}"
     prof_path = procs.logdir / f"{name}-{time.monotonic_ns()}.pstats"
-    if args.cprofile:
+    if args.cprofile and not peer:
         argv = [sys.executable, "-c", CPROFILE_CHILD, str(prof_path), *argv[1:]]
-    p = procs.start(name, argv, {**env, **dict(kv.split("=", 1) for kv in args.env), "PYTHONPATH": vdir})
+    if not peer:
+        env = {**env, **dict(kv.split("=", 1) for kv in args.env), "PYTHONPATH": vdir}
+    p = procs.start(name, argv, env)
     url = f"http://127.0.0.1:{port}"
     await _wait_http(session, ready, procs, name, 90)
     await _warmup(session, url)
@@ -288,27 +294,28 @@ async def _one_run(session, args, procs: Procs, variant: tuple[str, str], load: 
         await run_load(url, warm, concurrency=2 * len(sims), fresh_connections=True, timeout_s=120)
         await _wait_idle(session, sims)
     raw_path = procs.logdir / f"{name}.raw"
-    spy = _py_spy(p.pid, raw_path, args.py_spy_rate, args.native) if args.py_spy else None
-    if args.cprofile:
+    spy = _py_spy(p.pid, raw_path, args.py_spy_rate, args.native) if args.py_spy and not peer else None
+    profiled = args.cprofile and not peer
+    if profiled:
         os.kill(p.pid, signal.SIGUSR1)
-    (u0, s0), t0 = _cpu(p.pid), time.monotonic()
+    (u0, s0), g0, t0 = _cpu(p.pid), procs.cpu_s(name), time.monotonic()
     samples, wall = await run_load(url, reqs, fresh_connections=True, timeout_s=120)
-    (u1, s1), t1 = _cpu(p.pid), time.monotonic()
-    if args.cprofile:
+    (u1, s1), g1, t1 = _cpu(p.pid), procs.cpu_s(name), time.monotonic()
+    if profiled:
         os.kill(p.pid, signal.SIGUSR2)
     if spy is not None:
         _stop_py_spy(spy)
     t2 = time.monotonic()
     await asyncio.sleep(args.idle_s)
-    u2, s2 = _cpu(p.pid)
+    g2 = procs.cpu_s(name)
     idle_s = time.monotonic() - t2
     procs.stop(name)
-    n, cpu = max(1, len(samples)), (u1 - u0) + (s1 - s0)
+    n, cpu = max(1, len(samples)), g1 - g0  # the router's whole process group (a peer may fork)
     ttfts = sorted(s.ttft_s for s in samples if s.ok and s.ttft_s is not None)
     out = {"variant": vname, "requests": len(samples), "ok": sum(1 for s in samples if s.ok), "wall_s": round(t1 - t0, 2),
            "cpu_s": round(cpu, 3), "user_s": round(u1 - u0, 3), "sys_s": round(s1 - s0, 3),
            "cpu_ms_per_request": round(1000 * cpu / n, 3),
-           "idle_cpu_ms_per_s": round(1000 * ((u2 - u1) + (s2 - s1)) / idle_s, 2) if args.idle_s else None,
+           "idle_cpu_ms_per_s": round(1000 * (g2 - g1) / idle_s, 2) if args.idle_s else None,
            "ttft_p50_ms": round(1000 * ttfts[len(ttfts) // 2], 1) if ttfts else None,
            "hit_ratio": round(sum(s.cached_tokens for s in samples) / max(1, sum(s.prompt_tokens for s in samples)), 3)}
     if spy is not None:
@@ -317,7 +324,7 @@ async def _one_run(session, args, procs: Procs, variant: tuple[str, str], load: 
             out["py_spy_error"] = (spy.stderr.read() or b"").decode(errors="replace")[-500:]
         out["samples"] = dict(attribute(raw))
         out["hot_frames"] = hot_frames(raw, args.top)
-    if args.cprofile:
+    if profiled:
         for _ in range(50):
             if prof_path.exists():
                 break
@@ -413,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                         "default: this tree as 'this')")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="environment of the gateway (e.g. WARMROUTE_FEED__INFLIGHT_POLL_S=1; repeatable)")
+    p.add_argument("--peers-venv", default=str(DEFAULT_PEERS_VENV), help="venv of the peer routers (loadtests/setup_peers.sh)")
     p.add_argument("--rounds", type=int, default=1, help="runs per variant, alternating the order")
     p.add_argument("--idle-s", type=float, default=5.0, help="idle seconds measured after each load")
     p.add_argument("--py-spy", action="store_true", help="sample the gateway with py-spy and attribute its CPU")
@@ -425,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args(argv)
     variants = [tuple(v.split("=", 1)) for v in args.variant] or [("this", str(REPO))]
-    variants = [(n, os.pathsep.join(str(Path(x).resolve()) for x in d.split(os.pathsep))) for n, d in variants]
+    variants = [(n, d if d.startswith(PEER_PREFIX) else os.pathsep.join(str(Path(x).resolve()) for x in d.split(os.pathsep)))
+                for n, d in variants]
     tmp = Path(tempfile.mkdtemp(prefix="warmroute-profile-"))
     procs = Procs(tmp)
     try:
