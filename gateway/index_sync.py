@@ -40,7 +40,7 @@ log = logging.getLogger("warmroute.index_sync")
 class IndexSync:
     def __init__(self, feed: FeedReader, index: KVIndex, *, replicas: Iterable[str] | None = None,
                  discover_every_s: float = 2.0, check_every_s: float = 5.0, block_s: float = 0.5,
-                 batch_records: int = 2000, min_read_interval_s: float = 0.05,
+                 batch_records: int = 2000, min_read_interval_s: float = 0.1,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.feed = feed
         self.index = index

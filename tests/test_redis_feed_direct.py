@@ -101,3 +101,22 @@ async def test_board_read_sees_every_owner_across_scan_pages(redis_server):
         await raw.aclose()
         for f in feeds:
             await f.close()
+
+
+async def test_exchange_inflight_is_increments_then_read(redis_server):
+    g1, g2 = open_feed(redis_server.url, owner="g1"), open_feed(redis_server.url, owner="g2")
+    raw = aioredis.from_url(redis_server.url)
+    try:
+        await g2.incr_inflight("r", 3, 30)
+        seen = await g1.exchange_inflight({"r": (1, 10), "s": (2, 0)})
+        assert {k: (v.reqs, v.prefill_tokens) for k, v in seen.items()} == {"r": (4, 40), "s": (2, 0)}
+        assert 0 < await raw.pttl("wr:inflight:g1") <= 60_000  # our counters' TTL is set
+        seen = await g1.exchange_inflight({})  # nothing pending: a plain read (and the TTL refreshed)
+        assert {k: (v.reqs, v.prefill_tokens) for k, v in seen.items()} == {"r": (4, 40), "s": (2, 0)}
+        assert await g2.inflight() == seen
+        await g1.exchange_inflight({"r": (-1, -10), "s": (-2, 0)})
+        assert {k: (v.reqs, v.prefill_tokens) for k, v in (await g2.inflight()).items()} == {"r": (3, 30), "s": (0, 0)}
+    finally:
+        await raw.aclose()
+        await g1.close()
+        await g2.close()

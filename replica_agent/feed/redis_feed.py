@@ -104,6 +104,17 @@ def _field(fields, name: bytes):
     return None
 
 
+def _sum_inflight(hashes) -> dict[str, Inflight]:
+    """Every gateway's in-flight hashes (flat [field, value, ...] lists) summed per replica."""
+    acc: dict[str, list[int]] = {}
+    for flat in hashes or ():
+        for f, v in zip(flat[::2], flat[1::2]):
+            rid, _, what = f.decode().rpartition("\x00")
+            c = acc.setdefault(rid, [0, 0])
+            c[0 if what == "reqs" else 1] += int(v)
+    return {rid: Inflight(max(0, c[0]), max(0, c[1])) for rid, c in acc.items()}
+
+
 class RedisFeed:
     def __init__(self, url: str, *, maxlen: int = 100_000, prefix: str = "wr:", inflight_ttl_s: float = 60.0,
                  owner: str | None = None, **_ignored) -> None:
@@ -265,13 +276,23 @@ class RedisFeed:
 
     async def inflight(self) -> dict[str, Inflight]:
         (hashes,) = await self._call(self._direct("_board").run(("EVAL", _READ_INFLIGHT_LUA, 0, f"{self.prefix}inflight:*")))
-        acc: dict[str, list[int]] = {}
-        for flat in hashes or ():
-            for f, v in zip(flat[::2], flat[1::2]):
-                rid, _, what = f.decode().rpartition("\x00")
-                c = acc.setdefault(rid, [0, 0])
-                c[0 if what == "reqs" else 1] += int(v)
-        return {rid: Inflight(max(0, c[0]), max(0, c[1])) for rid, c in acc.items()}
+        return _sum_inflight(hashes)
+
+    async def exchange_inflight(self, changes: Mapping[str, tuple[int, int]]) -> dict[str, Inflight]:
+        """`incr_inflight` for every (replica -> (reqs, tokens)) change, our counters' TTL refreshed,
+        and then `inflight()`, in one round trip (not part of the InflightBoard interface: a
+        gateway's periodic exchange uses it when the board has it)."""
+        key = f"{self.prefix}inflight:{self.owner}"
+        cmds: list[tuple] = []
+        for rid, (reqs, tokens) in changes.items():
+            if reqs:
+                cmds.append(("HINCRBY", key, f"{rid}\x00reqs", reqs))
+            if tokens:
+                cmds.append(("HINCRBY", key, f"{rid}\x00tokens", tokens))
+        cmds.append(("PEXPIRE", key, int(self.inflight_ttl_s * 1000)))
+        cmds.append(("EVAL", _READ_INFLIGHT_LUA, 0, f"{self.prefix}inflight:*"))
+        replies = await self._call(self._direct("_board").run(*cmds))
+        return _sum_inflight(replies[-1])
 
     async def close(self) -> None:
         directs, self._reader, self._board = (self._reader, self._board), None, None
