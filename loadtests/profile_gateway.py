@@ -62,7 +62,7 @@ CATEGORIES: list[tuple[str, str, frozenset | None]] = [
                                                          "load_snapshot", "_clear_slot", "_replica_bits"})),
     ("index match + speculation", "gateway/index.py", None),
     ("feed: record decode", "replica_agent/feed/records.py", None),
-    ("inflight exchange", "replica_agent/feed/redis_feed.py", frozenset({"inflight", "incr_inflight", "scan"})),
+    ("inflight exchange", "replica_agent/feed/redis_feed.py", frozenset({"inflight", "incr_inflight", "scan", "exchange_inflight", "_sum_inflight"})),
     ("feed: XREAD", "replica_agent/feed/redis_feed.py", None),
     ("feed: sync loop", "gateway/index_sync.py", None),
     ("inflight exchange", "gateway/background.py", frozenset({"run_inflight_exchange", "flush_inflight"})),
