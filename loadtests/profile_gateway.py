@@ -398,7 +398,7 @@ def report(runs: list[dict], variants: list[tuple[str, str]]) -> str:
         for i, (label, _, _) in enumerate(rs[0]["cprofile_rows"]):
             ms = sum(r["cprofile_rows"][i][1] for r in rs) / len(rs)
             calls = sum(r["cprofile_rows"][i][2] / r["requests"] for r in rs) / len(rs)
-            lines.append(f"| {label.replace(' ', '&nbsp;', label.count(' ') - len(label.lstrip()) and 0) if False else label} | {ms:.3f} | {calls:.1f} |")
+            lines.append(f"| {label} | {ms:.3f} | {calls:.1f} |")
         lines += ["", "| function (own time) | CPU-ms / request |", "|---|---|"]
         lines += [f"| {fn} | {ms:.3f} |" for fn, ms in rs[0]["cprofile_own"]]
     return "\n".join(lines)
