@@ -5,7 +5,9 @@ constructor), and how they report trouble.
   with backoff when the feed fails.
 - `run_inflight_exchange`: every `inflight_poll_s`, adds this gateway's in-flight changes to the
   feed's shared counters and reads everyone's (so active-active gateways see each other's load);
-  a zero increment every ~10 s keeps our counters' TTL alive while idle.
+  a zero increment every ~10 s keeps our counters' TTL alive while idle. A board with
+  `exchange_inflight` (RedisFeed) does the increments, the TTL refresh and the read in one round
+  trip per period instead (each round trip wakes the gateway and costs it a send and a receive).
 - `run_keys_reload`: re-reads the API-keys file when its mtime changes (keeps the old keys if the
   new file is invalid).
 - `discover_model` / `run_model_discovery`: the model name and context length from the replicas'
@@ -59,9 +61,15 @@ async def run_index_sync(sync: IndexSync, health: FailureLog) -> None:
 async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, membership: Membership, health: FailureLog,
                                 period_s: float) -> None:
     last_beat = time.monotonic()
+    exchange = getattr(board, "exchange_inflight", None)  # one round trip per period (RedisFeed)
     while True:
         await asyncio.sleep(period_s)
         try:
+            if exchange is not None:  # increments, TTL refresh and the read in one call
+                shared = await exchange(load.take_pending())
+                load.set_shared({rid: (v.reqs, v.prefill_tokens) for rid, v in shared.items()})
+                trouble.succeeded()
+                continue
             pending = await flush_inflight(board, load)
             if time.monotonic() - last_beat > 10.0:
                 last_beat = time.monotonic()
