@@ -4,8 +4,8 @@ constructor), and how they report trouble.
 - `run_index_sync`: keeps the KV index current from the feed (gateway.index_sync), restarting it
   with backoff when the feed fails.
 - `run_inflight_exchange`: every `inflight_poll_s`, adds this gateway's in-flight changes to the
-  feed's shared counters and reads everyone's (so active-active gateways see each other's load);
-  a zero increment every ~10 s keeps our counters' TTL alive while idle. A board with
+  feed's shared counters and reads everyone's, in one round trip (so active-active gateways see
+  each other's load; the exchange also keeps our counters' TTL alive while idle). A board with
   `exchange_inflight` (RedisFeed) does the increments, the TTL refresh and the read in one round
   trip per period instead (each round trip wakes the gateway and costs it a send and a receive).
 - `run_keys_reload`: re-reads the API-keys file when its mtime changes (keeps the old keys if the
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import aiohttp
 
 from gateway.auth import ApiKeyStore, Authenticator, load_api_keys_file, parse_key_entry
@@ -58,25 +57,11 @@ async def run_index_sync(sync: IndexSync, health: FailureLog) -> None:
             backoff = min(10.0, backoff * 2)
 
 
-async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, membership: Membership, health: FailureLog,
-                                period_s: float) -> None:
-    last_beat = time.monotonic()
-    exchange = getattr(board, "exchange_inflight", None)  # one round trip per period (RedisFeed)
+async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health: FailureLog, period_s: float) -> None:
     while True:
         await asyncio.sleep(period_s)
         try:
-            if exchange is not None:  # increments, TTL refresh and the read in one call
-                shared = await exchange(load.take_pending())
-                load.set_shared({rid: (v.reqs, v.prefill_tokens) for rid, v in shared.items()})
-                trouble.succeeded()
-                continue
-            pending = await flush_inflight(board, load)
-            if time.monotonic() - last_beat > 10.0:
-                last_beat = time.monotonic()
-                for rid in membership.ids():
-                    if rid not in pending:
-                        await board.incr_inflight(rid, 0, 0)
-            shared = await board.inflight()
+            shared = await board.exchange_inflight(load.take_pending())
             load.set_shared({rid: (v.reqs, v.prefill_tokens) for rid, v in shared.items()})
             health.ok()
         except asyncio.CancelledError:

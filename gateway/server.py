@@ -160,8 +160,8 @@ class Gateway:
         # Follow exactly the pool's replicas (an agent's --replica-id must equal the gateway's id).
         self.index_sync = IndexSync(self.feed, self.routing.index, replicas=self.membership.ids())
         self._spawn(run_index_sync(self.index_sync, self.feed_health), "index-sync")
-        self._spawn(run_inflight_exchange(self.feed, self.routing.load, self.membership, self.board_health,
-                                          self.cfg.feed.inflight_poll_s), "inflight")
+        self._spawn(run_inflight_exchange(self.feed, self.routing.load, self.board_health, self.cfg.feed.inflight_poll_s),
+                    "inflight")
 
     async def _start_membership(self) -> None:
         m = self.cfg.membership

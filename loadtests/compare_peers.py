@@ -260,7 +260,7 @@ def _router_argv(kind: str, policy: str, port: int, sim_urls: list[str], venv: P
         # the sims run the wall-clock time model: give the calibration the same priors the
         # embedded harness gives (loadtests/harness.py), and log warnings only (as the peers)
         env = {"WARMROUTE_POLICY__PRIOR_PREFILL_S_PER_TOKEN": "0.001", "WARMROUTE_POLICY__PRIOR_DECODE_STEP_S": "0.012",
-               "WARMROUTE_MEMBERSHIP__HEALTH_INTERVAL_S": "0.5", "WARMROUTE_TELEMETRY__LOG_LEVEL": "WARNING"}
+               "WARMROUTE_TELEMETRY__LOG_LEVEL": "WARNING"}
         if "max_num_seqs" in policy_params(policy):  # the operator's setting mirrors the engines' --max-num-seqs
             env["WARMROUTE_POLICY__PARAMS__MAX_NUM_SEQS"] = str(ctx["max_num_seqs"])
         return argv, env, f"http://127.0.0.1:{admin}/readyz", f"http://127.0.0.1:{admin}/metrics"

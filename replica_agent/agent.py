@@ -267,14 +267,7 @@ class RunningAgent:
             self.stats.last_batch_engine_ts = batch.ts
             self.stats.last_batch_lag_s = max(0.0, time.time() - batch.ts) if batch.ts else 0.0
             async with self._lock:
-                drafts = []
-                for rec in self.translator.apply_all(batch.events):
-                    if type(rec) is KeysStored:
-                        drafts.append(FeedEvent(rid, 0, "stored", rec.keys, rec.medium))
-                    elif type(rec) is KeysRemoved:
-                        drafts.append(FeedEvent(rid, 0, "removed", rec.keys, rec.medium))
-                    elif type(rec) is Cleared:
-                        drafts.append(FeedEvent(rid, 0, "cleared"))
+                drafts = _feed_drafts(rid, self.translator.apply_all(batch.events))
                 if drafts:
                     self._keys_changed = True
                     await self._publish(drafts)
@@ -472,6 +465,33 @@ def config_from_args(args) -> AgentConfig:
         admin_host=g("admin_host", "127.0.0.1") or "127.0.0.1",
         admin_port=g("admin_port"),
     )
+
+
+def _feed_drafts(rid: str, recs) -> list[FeedEvent]:
+    """Feed records of translated key changes. vLLM reports evictions one block per event: a run of
+    adjacent removals on one medium becomes one record (adjacent only, so the order against the
+    stores around them is kept)."""
+    drafts: list[FeedEvent] = []
+    removed: list = []  # keys of the run of removals being gathered
+    medium = None
+    for rec in recs:
+        if type(rec) is KeysRemoved and (not removed or rec.medium == medium):
+            removed.extend(rec.keys)
+            medium = rec.medium
+            continue
+        if removed:
+            drafts.append(FeedEvent(rid, 0, "removed", tuple(removed), medium))
+            removed = []
+        if type(rec) is KeysRemoved:
+            removed.extend(rec.keys)
+            medium = rec.medium
+        elif type(rec) is KeysStored:
+            drafts.append(FeedEvent(rid, 0, "stored", rec.keys, rec.medium))
+        elif type(rec) is Cleared:
+            drafts.append(FeedEvent(rid, 0, "cleared"))
+    if removed:
+        drafts.append(FeedEvent(rid, 0, "removed", tuple(removed), medium))
+    return drafts
 
 
 def main_from_args(args) -> int:

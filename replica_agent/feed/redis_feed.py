@@ -294,8 +294,7 @@ class RedisFeed:
 
     async def exchange_inflight(self, changes: Mapping[str, tuple[int, int]]) -> dict[str, Inflight]:
         """`incr_inflight` for every (replica -> (reqs, tokens)) change, our counters' TTL refreshed,
-        and then `inflight()`, in one round trip (not part of the InflightBoard interface: a
-        gateway's periodic exchange uses it when the board has it)."""
+        and then `inflight()`, in one round trip."""
         key = f"{self.prefix}inflight:{self.owner}"
         cmds: list[tuple] = []
         for rid, (reqs, tokens) in changes.items():
