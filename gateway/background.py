@@ -5,7 +5,9 @@ constructor), and how they report trouble.
   with backoff when the feed fails.
 - `run_inflight_exchange`: every `inflight_poll_s`, adds this gateway's in-flight changes to the
   feed's shared counters and reads everyone's, in one round trip (so active-active gateways see
-  each other's load; the exchange also keeps our counters' TTL alive while idle). A board with
+  each other's load; the exchange also keeps our counters' TTL alive while idle); every
+  QUIET_EXCHANGE_S instead while no other gateway has anything in flight (idle CPU: each
+  exchange wakes Redis and this process). A board with
   `exchange_inflight` (RedisFeed) does the increments, the TTL refresh and the read in one round
   trip per period instead (each round trip wakes the gateway and costs it a send and a receive).
 - `run_keys_reload`: re-reads the API-keys file when its mtime changes (keeps the old keys if the
@@ -57,9 +59,14 @@ async def run_index_sync(sync: IndexSync, health: FailureLog) -> None:
             backoff = min(10.0, backoff * 2)
 
 
+QUIET_EXCHANGE_S = 1.0  # the exchange period while no other gateway has work in flight
+
+
 async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health: FailureLog, period_s: float) -> None:
     while True:
-        await asyncio.sleep(period_s)
+        # while the other gateways have nothing in flight (or there are none), a slower exchange:
+        # their first requests then weigh on our view at most QUIET_EXCHANGE_S late
+        await asyncio.sleep(period_s if load.others_active() else max(period_s, QUIET_EXCHANGE_S))
         try:
             shared = await board.exchange_inflight(load.take_pending())
             load.set_shared({rid: (v.reqs, v.prefill_tokens) for rid, v in shared.items()})
