@@ -46,6 +46,7 @@ class Trouble:
         self.clock = clock
         self.ok = False  # False until the first success
         self.failures = 0  # consecutive failures
+        self.total_failures = 0  # failures ever (a metric)
         self._since = 0.0  # clock() of the first failure of this run
         self._logged = -1e18  # clock() of the last warning
 
@@ -55,6 +56,7 @@ class Trouble:
         if self.failures == 0:
             self._since = now
         self.failures += 1
+        self.total_failures += 1
         if self.failures == 1 or now - self._logged >= self.every_s:
             self._logged = now
             log.warning(f"{self.what} unavailable: {exc}", extra={"fields": {

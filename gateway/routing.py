@@ -15,7 +15,8 @@ Per replica r (DESIGN.md "One request, end to end", steps 5-6):
 - extras: mean uncached prefill tokens and mean max_tokens of requests sent there (LoadTracker),
   cache fill (index entries / KV blocks), routed requests per second;
 - rates: the calibrator's prefill seconds per token and decode step seconds (priors at first);
-- health: probes and passive ejection (`Membership`); index liveness from the feed.
+- health: probes and passive ejection (`Membership`); index liveness from the feed, and trust in
+  it (gateway.index_health: a replica whose predictions disagree with its engine counts as not live).
 Nothing here does I/O or reads a clock except through the arguments.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gateway.context import Routing
 from gateway.index import KVIndex
+from gateway.index_health import IndexHealth
 from gateway.load import Flight, LoadTracker
 from policies.base import Decision, Policy, ReplicaView, RequestView
 from policies.calibration import Calibrator
@@ -49,6 +51,7 @@ class RoutingState:
         self.calibrator = calibrator  # prefill and decode rates per replica
         self.speculative_ttl_s = speculative_ttl_s  # lifetime of a routed request's speculative keys
         self.clock = clock  # monotonic seconds (virtual in the simulator)
+        self.health = IndexHealth()  # predicted vs engine-reported cached tokens (fed by the learn stage)
 
     def views(self, replica_ids: Sequence[str], keys: Sequence[int], available: Mapping[str, bool]) -> list[ReplicaView]:
         """One view per replica for a request with `keys`; `available`: rid -> passes health."""
@@ -59,7 +62,7 @@ class RoutingState:
             replica_ids,
             matches=index.match(keys) if keys else {},
             available=available,
-            live={rid: index.is_live(rid) for rid in replica_ids},
+            live={rid: index.is_live(rid) and self.health.trusted(rid) for rid in replica_ids},  # distrusted: load only
             reports=reports,
             loads={rid: load.get(rid) for rid in replica_ids},
             rates={rid: (cal.prefill_s_per_token(rid), cal.decode_step_s(rid)) for rid in replica_ids},
@@ -89,6 +92,7 @@ class RoutingState:
         self.index.purge(replica_id)
         self.load.forget(replica_id)
         self.calibrator.forget(replica_id)
+        self.health.forget(replica_id)
 
 
 def build_views(
