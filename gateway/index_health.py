@@ -8,7 +8,8 @@ shows as the two disagreeing. This closes that loop per replica.
 
 Rule, per replica:
   - a *sample* is one answer whose engine reported cached tokens, unless the prediction and the
-    report are both 0 (the index knew nothing and the engine had nothing: no evidence either way);
+    report are both 0 (the index knew nothing and the engine had nothing: no evidence either way)
+    or the replica's feed was silent (its matches did not count: `RoutingState.checked`);
   - its *agreement* is min(predicted, reported) / max(predicted, reported) (1.0: exact);
   - over the last `window_reqs` (16) samples: the replica becomes *distrusted* when at least
     `min_samples` (8) are in the window and their mean agreement is below `distrust_below` (0.5),

@@ -186,7 +186,7 @@ class Pipeline:
         lesson = learn(outcome, self.routing.calibrator, self.policy)
         agreement = self.metrics.record_lesson(lesson)
         if lesson.cached_tokens is not None:  # the index check (gateway.index_health)
-            self.routing.health.observe(lesson.replica_id, lesson.predicted_cached_tokens, lesson.cached_tokens)
+            self.routing.checked(lesson.replica_id, lesson.predicted_cached_tokens, lesson.cached_tokens)
         ctx.span.outcome(lesson, agreement)
 
     def finish(self, ctx: RequestContext) -> None:

@@ -87,6 +87,13 @@ class RoutingState:
             self.index.insert_speculative(replica_id, keys, self.speculative_ttl_s)
         return flight
 
+    def checked(self, replica_id: str, predicted_tokens: int, reported_tokens: int) -> None:
+        """The engine reported a request's cached tokens: check the index's prediction
+        (gateway.index_health), unless the replica's feed is silent (its matches do not count then,
+        so a miss says nothing about the index)."""
+        if self.index.is_live(replica_id):
+            self.health.observe(replica_id, predicted_tokens, reported_tokens)
+
     def forget(self, replica_id: str) -> None:
         """The replica left the pool: purge what is known of it."""
         self.index.purge(replica_id)

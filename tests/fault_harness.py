@@ -158,10 +158,11 @@ class Procs:
         p.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
         return p
 
-    def agent(self, replica_id: str, sim: Proc, feed_url: str, *extra: str) -> Proc:
-        argv = _WR + ["agent", "--replica-id", replica_id, "--engine-url", sim.url,  # type: ignore[attr-defined]
-                      "--kv-events-endpoint", f"tcp://127.0.0.1:{sim.ports['pub']}",
-                      "--replay-endpoint", f"tcp://127.0.0.1:{sim.ports['replay']}",
+    def agent(self, replica_id: str, engine_url: str, pub_port: int, replay_port: int, feed_url: str, *extra: str) -> Proc:
+        """A `warmroute agent` connecting to an engine whose PUB binds `pub_port` (replay on `replay_port`)."""
+        argv = _WR + ["agent", "--replica-id", replica_id, "--engine-url", engine_url,
+                      "--kv-events-endpoint", f"tcp://127.0.0.1:{pub_port}",
+                      "--replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
                       "--feed", feed_url, "--model", MODEL, "--load-interval", "0.2", *extra]
         return self._start(f"agent-{replica_id}", argv)
 

@@ -91,12 +91,17 @@ def test_distrusted_replica_is_routed_by_load_only():
     views = {v.replica_id: v for v in rs.views(["a", "b"], keys, {"a": True, "b": True})}
     assert views["a"].index_live and views["b"].index_live and views["a"].matched_blocks_gpu == 4
     for _ in range(8):
-        rs.health.observe("a", 0, 64)
+        rs.checked("a", 0, 64)
     views = {v.replica_id: v for v in rs.views(["a", "b"], keys, {"a": True, "b": True})}
     assert not views["a"].index_live and views["b"].index_live
     assert views["a"].matched_blocks_gpu == 4  # still computed: predictions keep being checked
     rs.forget("a")
     assert rs.health.trusted("a")
+    # A silent feed is not evidence against the index: its matches did not count anyway.
+    t[0] += 60.0
+    for _ in range(20):
+        rs.checked("b", 0, 64)
+    assert rs.health.trusted("b") and rs.health.agreement("b") is None
 
 
 # ------------------------------------------------------------------------------- end to end
