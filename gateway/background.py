@@ -5,7 +5,8 @@ constructor), and how they report trouble.
   with backoff when the feed fails.
 - `run_inflight_exchange`: every `inflight_poll_s`, adds this gateway's in-flight changes to the
   feed's shared counters and reads everyone's (so active-active gateways see each other's load);
-  a zero increment every ~10 s keeps our counters' TTL alive while idle.
+  a zero increment every `beat_s` (a third of the counters' TTL, at most 10 s) keeps our counters
+  alive while idle, and a killed gateway's stop weighing on the replicas after that TTL.
 - `run_keys_reload`: re-reads the API-keys file when its mtime changes (keeps the old keys if the
   new file is invalid).
 - `discover_model` / `run_model_discovery`: the model name and context length from the replicas'
@@ -86,13 +87,13 @@ async def run_index_sync(sync: IndexSync, trouble: Trouble) -> None:
 
 
 async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, membership: Membership, trouble: Trouble,
-                                period_s: float) -> None:
+                                period_s: float, *, beat_s: float = 10.0) -> None:
     last_beat = time.monotonic()
     while True:
         await asyncio.sleep(period_s)
         try:
             pending = await flush_inflight(board, load)
-            if time.monotonic() - last_beat > 10.0:
+            if time.monotonic() - last_beat > beat_s:
                 last_beat = time.monotonic()
                 for rid in membership.ids():
                     if rid not in pending:

@@ -153,12 +153,13 @@ class Gateway:
 
     def _start_feed(self) -> None:
         if self.feed is None:
-            self.feed = open_feed(self.cfg.feed.url)
+            self.feed = open_feed(self.cfg.feed.url, inflight_ttl_s=self.cfg.feed.inflight_ttl_s)
         # Follow exactly the pool's replicas (an agent's --replica-id must equal the gateway's id).
         self.index_sync = IndexSync(self.feed, self.routing.index, replicas=self.membership.ids())
         self._spawn(run_index_sync(self.index_sync, self.feed_trouble), "index-sync")
         self._spawn(run_inflight_exchange(self.feed, self.routing.load, self.membership, self.board_trouble,
-                                          self.cfg.feed.inflight_poll_s), "inflight")
+                                          self.cfg.feed.inflight_poll_s, beat_s=min(10.0, self.cfg.feed.inflight_ttl_s / 3)),
+                    "inflight")
 
     async def _start_membership(self) -> None:
         m = self.cfg.membership
