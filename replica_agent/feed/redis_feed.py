@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from urllib.parse import urlsplit, urlunsplit
 from typing import Mapping, Sequence
 
 import redis.asyncio as aioredis
@@ -37,6 +38,7 @@ class RedisFeed:
     def __init__(self, url: str, *, maxlen: int = 100_000, prefix: str = "wr:", inflight_ttl_s: float = 60.0,
                  owner: str | None = None, **_ignored) -> None:
         self.url = url
+        self._shown_url = _without_password(url)  # for messages: they end up in logs
         self.maxlen = maxlen
         self.prefix = prefix
         self.inflight_ttl_s = inflight_ttl_s
@@ -59,7 +61,7 @@ class RedisFeed:
         except (RedisError, OSError) as exc:
             if isinstance(exc, ResponseError):
                 raise
-            raise FeedUnavailable(f"redis feed {self.url} unavailable: {exc}") from exc
+            raise FeedUnavailable(f"redis feed {self._shown_url} unavailable: {exc}") from exc
 
     # ---------------------------------------------------------------- publisher side
     async def last_offset(self, replica_id: str) -> int:
@@ -203,3 +205,12 @@ class RedisFeed:
                 await r.aclose()
             except (RedisError, OSError):
                 pass
+
+
+def _without_password(url: str) -> str:
+    """`url` with its password (if any) replaced by ***: a feed URL may carry Redis's password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
