@@ -261,3 +261,71 @@ def metric_sum(text: str, name: str, **labels) -> float:
             if all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
+
+
+class LoopThread:
+    """An asyncio event loop in a daemon thread, for services under a synchronous test (hypothesis
+    drives plain functions): `run(coro)` waits for its result."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="warmroute-test-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def tasks(self) -> int:
+        return len(self.task_names())
+
+    def task_names(self) -> list[str]:
+        async def names():
+            me = asyncio.current_task()
+            return sorted(f"{t.get_name()} {t.get_coro().__qualname__}" for t in asyncio.all_tasks() if t is not me)
+        return self.run(names())
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+def raw_http(port: int, data: bytes, *, timeout_s: float = 10.0, chunk_delay_s: float = 0.0,
+             chunk: int = 0) -> tuple[int | None, bytes]:
+    """Send raw bytes to 127.0.0.1:`port` (optionally trickled `chunk` bytes every `chunk_delay_s`),
+    then read until the server closes or the first response is whole. (status or None, raw answer)."""
+    import re
+    import socket as _socket
+
+    s = _socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    try:
+        if chunk:
+            for i in range(0, len(data), chunk):
+                s.sendall(data[i:i + chunk])
+                time.sleep(chunk_delay_s)
+        else:
+            s.sendall(data)
+        buf = b""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                part = s.recv(65536)
+            except (ConnectionResetError, TimeoutError, _socket.timeout):
+                break
+            if not part:
+                break
+            buf += part
+            head, sep, rest = buf.partition(b"\r\n\r\n")
+            if sep:
+                m = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+                if m and len(rest) >= int(m.group(1)):
+                    break
+                if rest.endswith(b"0\r\n\r\n"):
+                    break
+        m = re.match(rb"HTTP/1\.[01] (\d{3})", buf)
+        return (int(m.group(1)) if m else None), buf
+    finally:
+        s.close()
