@@ -6,7 +6,9 @@ constructor), and how they report trouble.
 - `run_inflight_exchange`: every `inflight_poll_s`, adds this gateway's in-flight changes to the
   feed's shared counters and reads everyone's (so active-active gateways see each other's load);
   a zero increment every `beat_s` (a third of the counters' TTL, at most 10 s) keeps our counters
-  alive while idle, and a killed gateway's stop weighing on the replicas after that TTL.
+  alive while idle, and a killed gateway's stop weighing on the replicas after that TTL. Counters
+  the feed lost (Redis restarted empty) are noticed on the next read and published again whole;
+  changes a failed flush did not apply are flushed again.
 - `run_keys_reload`: re-reads the API-keys file when its mtime changes (keeps the old keys if the
   new file is invalid).
 - `discover_model` / `run_model_discovery`: the model name and context length from the replicas'
@@ -92,14 +94,20 @@ async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, members
     while True:
         await asyncio.sleep(period_s)
         try:
+            # Read, then flush: the counters read still hold exactly what we flushed before, so a
+            # shortfall means the feed lost ours (load.lost_by_feed) and we publish them again whole.
+            got = await board.inflight()
+            shared = {rid: (v.reqs, v.prefill_tokens) for rid, v in got.items()}
+            if load.lost_by_feed(shared):
+                log.warning("the feed lost this gateway's in-flight counters: publishing them again")
+                load.rebase()
+            load.set_shared(shared)
             pending = await flush_inflight(board, load)
             if time.monotonic() - last_beat > beat_s:
                 last_beat = time.monotonic()
                 for rid in membership.ids():
                     if rid not in pending:
                         await board.incr_inflight(rid, 0, 0)
-            shared = await board.inflight()
-            load.set_shared({rid: (v.reqs, v.prefill_tokens) for rid, v in shared.items()})
             trouble.succeeded()
         except asyncio.CancelledError:
             raise
@@ -109,10 +117,17 @@ async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, members
 
 
 async def flush_inflight(board: InflightBoard, load: LoadTracker) -> dict:
-    """Add our pending in-flight changes to the shared counters; what was flushed."""
+    """Add our pending in-flight changes to the shared counters; what was flushed. On a failure
+    the changes not applied go back to pending (a lost decrement would count a request forever)."""
     pending = load.take_pending()
-    for rid, (r, t) in pending.items():
-        await board.incr_inflight(rid, r, t)
+    left = dict(pending)
+    try:
+        for rid, (r, t) in pending.items():
+            await board.incr_inflight(rid, r, t)
+            del left[rid]
+    except BaseException:
+        load.restore_pending(left)
+        raise
     return pending
 
 

@@ -93,6 +93,31 @@ class LoadTracker:
         self._pending = {}
         return out
 
+    def restore_pending(self, deltas: Mapping[str, tuple[int, int]]) -> None:
+        """A flush failed: `deltas` (from take_pending) did not reach the feed; flush them again later."""
+        for rid, (r, t) in deltas.items():
+            f = self._flushed.setdefault(rid, [0, 0])
+            f[0] -= r
+            f[1] -= t
+            self._shared_delta(rid, r, t)
+
+    def lost_by_feed(self, shared: Mapping[str, tuple[int, int]]) -> bool:
+        """The feed's counters (all gateways) hold less than this gateway flushed: ours were lost
+        (Redis restarted empty, or our key expired while the feed was unreachable). Every gateway's
+        own counts are >= 0, so the sum can only be below ours if some of ours are gone."""
+        for rid, (r, t) in self._flushed.items():
+            got_r, got_t = shared.get(rid, (0, 0))
+            if got_r < r or got_t < t:
+                return True
+        return False
+
+    def rebase(self) -> None:
+        """Forget what was flushed and make this gateway's current in-flight work the next flush,
+        whole (after `lost_by_feed`)."""
+        self._flushed = {}
+        self._pending = {rid: [ld.inflight_reqs, ld.inflight_tokens] for rid, ld in self._loads.items()
+                         if ld.inflight_reqs or ld.inflight_tokens}
+
     def _get(self, rid: str) -> ReplicaLoad:
         ld = self._loads.get(rid)
         if ld is None:

@@ -319,6 +319,8 @@ def raw_http(port: int, data: bytes, *, timeout_s: float = 10.0, chunk_delay_s: 
                 break
             buf += part
             head, sep, rest = buf.partition(b"\r\n\r\n")
+            if sep and data.startswith(b"HEAD "):
+                break  # no body follows an answer to HEAD
             if sep:
                 m = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
                 if m and len(rest) >= int(m.group(1)):

@@ -255,3 +255,83 @@ async def test_reordered_batches_leave_the_index_equal_to_the_engine(vllm_fixtur
         assert st.gaps >= 2  # each swap was seen
     finally:
         await stop(engine, agent, task)
+
+
+@pytest.mark.redis
+async def test_shared_inflight_counts_survive_a_redis_restart(tok, redis_server):
+    """Two gateways share in-flight counts through Redis; Redis restarts empty while gateway 1 has
+    4 requests in flight. Afterwards each gateway still sees exactly the other's work: the 2 that
+    finished do not push gateway 1's counters negative, the 2 still in flight are counted again."""
+    from aiohttp import web
+
+    from tests.conftest import serve_app
+
+    gates = {name: asyncio.Event() for name in ("first", "second", "third")}
+    app = web.Application()
+
+    async def chat(request):
+        body = await request.json()
+        await gates[body["messages"][0]["content"].split()[0]].wait()  # no first byte until released
+        return web.json_response({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+
+    async def health(request):
+        return web.Response()
+
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    runner, url = await serve_app(app, shutdown_timeout=0.1)
+    g1 = await start_gateway(_cfg([f"r={url}"], redis_server.url), tokenizer=tok)
+    g2 = await start_gateway(_cfg([f"r={url}"], redis_server.url), tokenizer=tok)
+
+    def others(g):
+        return g.gateway.load.get("r").others_reqs
+
+    async def settle(pred, what):
+        await until(pred, 10.0, what=what)
+        await asyncio.sleep(0.5)  # and stays so over several polls
+        assert pred(), what
+
+    try:
+        async with aiohttp.ClientSession() as s:
+            def post(g, gate):
+                body = {"model": MODEL, "messages": [{"role": "user", "content": f"{gate} " + "word " * 50}]}
+                return asyncio.create_task(s.post(g.url + "/v1/chat/completions", json=body))
+
+            held = [post(g1, "first") for _ in range(2)] + [post(g1, "second") for _ in range(2)]
+            await settle(lambda: others(g2) == 4, "g2 sees g1's 4")
+            redis_server.stop()
+            await asyncio.sleep(0.5)
+            redis_server.start()
+            gates["first"].set()  # 2 of g1's requests finish after the restart
+            await settle(lambda: others(g2) == 2 and g1.gateway.feed_ok, "g2 sees g1's remaining 2")
+            held += [post(g2, "third") for _ in range(3)]
+            await settle(lambda: others(g1) == 3 and others(g2) == 2, "each sees exactly the other's")
+            gates["second"].set()
+            gates["third"].set()
+            for t in held:
+                (await t).release()
+            await settle(lambda: others(g1) == 0 and others(g2) == 0, "nothing left in flight")
+    finally:
+        for e in gates.values():
+            e.set()
+        await g1.close()
+        await g2.close()
+        await runner.cleanup()
+
+
+def test_load_tracker_notices_lost_counters_and_restores_failed_flushes():
+    from gateway.load import LoadTracker
+
+    lt = LoadTracker()
+    flights = [lt.dispatch("r", 100) for _ in range(4)]
+    assert lt.take_pending() == {"r": (4, 400)}
+    assert not lt.lost_by_feed({"r": (6, 700)})  # ours (4, 400) plus another gateway's
+    flights[0].finish()
+    flights[1].finish()
+    assert lt.lost_by_feed({})  # the feed restarted empty
+    lt.rebase()
+    assert lt.take_pending() == {"r": (2, 200)}  # what is in flight now, whole
+    flights[2].finish()
+    pending = lt.take_pending()
+    lt.restore_pending(pending)  # that flush failed
+    assert lt.take_pending() == {"r": (-1, -100)}
