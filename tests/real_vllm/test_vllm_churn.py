@@ -1,15 +1,16 @@
 """The index stays true under churn on real vLLM: KV small enough that blocks are evicted all the
-time (the two engines hold 512 blocks of 32 tokens each; the workload's documents need about 1.4x
-that), and enough concurrent long requests that the engines preempt (8 running requests of ~2,900
-prompt tokens need ~730 blocks, more than 512). Through the gateway (conftest `e2e_system`), every
-request's predicted cached tokens (span attribute) is compared with the engine's `cached_tokens`.
+time (the two engines hold 512 blocks of 32 tokens each; the workload's 18 documents of ~2,400
+tokens need 1.34x that), and concurrent requests with long outputs so that the engines preempt.
+Through the gateway (conftest `e2e_system`), every request's predicted cached tokens (span
+attribute) is compared with the engine's `cached_tokens`.
 
-What must hold: agreement on at least 99.5% of requests (200 requests: at most 1 may differ), with
-evictions and preemptions both seen (agents' BlockRemoved count, engines' `vllm:num_preemptions`).
-The workload never has one document in flight twice at once: that race (the gateway predicts a hit
-from its own speculative entry before the engine has computed the first copy) is a known, separate
-effect measured in test_vllm_e2e.py ("bursts"); here it would hide what this test looks for, an
-index that misses evictions. Every request that differs is printed with its direction.
+What must hold: under continuous eviction, agreement on at least 99.5% of 200 requests (at most 1
+may differ); under a preemption storm (16 concurrent, 300-token outputs), no request fails, no
+prediction under-states the engine, and once the storm is over the index agrees on every request
+again. How often predictions made at dispatch over-state what a queued request finds when the
+engine schedules it is printed, not asserted (README "Guarantees" states it). No document is ever
+in flight twice at once: that race (a prediction from the gateway's own speculative entry before the
+engine has computed the first copy) is measured separately in test_vllm_e2e.py ("bursts").
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from .test_vllm_e2e import WORDS, _predicted, _text, _via_gateway
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-N_REQUESTS, N_DOCS, DOC_WORDS, CONCURRENCY, MAX_TOKENS = 200, 14, 2300, 10, 48
+N_DOCS, DOC_WORDS = 18, 2300  # ~2,400-token documents: 18 x 76 blocks = 1.34x the two engines' 1,024
 
 
 def _preemptions(rep) -> float:
@@ -33,16 +34,17 @@ def _preemptions(rep) -> float:
     return sum(float(m.group(1)) for m in re.finditer(r'^vllm:num_preemptions_total\{[^}]*\} ([0-9.e+]+)$', text, re.M))
 
 
-def test_index_true_under_eviction_and_preemption(vllm_replicas, e2e_system):
-    system = e2e_system
+def _run(system, vllm_replicas, *, n_requests: int, concurrency: int, max_tokens: int, tag: str) -> dict:
+    """`n_requests` completions over the documents from `concurrency` threads, no document in flight
+    twice at once; per request the prediction and the engine's report, plus evictions and preemptions."""
     rng = random.Random(random.SystemRandom().randrange(1 << 30))
-    docs = [f"Churn document {d} ({rng.randrange(1 << 30)}): " + _text(DOC_WORDS, rng) for d in range(N_DOCS)]
+    docs = [f"{tag} document {d} ({rng.randrange(1 << 30)}): " + _text(DOC_WORDS, rng) for d in range(N_DOCS)]
     removed0 = {rid: a.translator.stats.removed_blocks for rid, a in system.agents.items()}
     preempt0 = {r.name: _preemptions(r) for r in vllm_replicas}
     lock = threading.Lock()
     in_flight: set[int] = set()
     rows: list[dict] = []
-    todo = list(range(N_REQUESTS))
+    todo = list(range(n_requests))
 
     def next_doc() -> int:
         while True:
@@ -62,8 +64,9 @@ def test_index_true_under_eviction_and_preemption(vllm_replicas, e2e_system):
                 n = todo.pop()
             d = next_doc()
             try:
-                body = {"prompt": f"{docs[d]}\n\nQ{n}: {rng.choice(WORDS)} {rng.choice(WORDS)}?\nA:", "max_tokens": MAX_TOKENS}
-                res = _via_gateway(system, "acme", body, timeout=300)
+                body = {"prompt": f"{docs[d]}\n\nQ{n}: {rng.choice(WORDS)} {rng.choice(WORDS)}?\nA:",
+                        "max_tokens": max_tokens, "ignore_eos": True}
+                res = _via_gateway(system, "acme", body, timeout=600)
             finally:
                 with lock:
                     in_flight.discard(d)
@@ -71,7 +74,7 @@ def test_index_true_under_eviction_and_preemption(vllm_replicas, e2e_system):
                 rows.append({"n": n, "doc": d, "res": res})
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(CONCURRENCY)]
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
@@ -81,21 +84,44 @@ def test_index_true_under_eviction_and_preemption(vllm_replicas, e2e_system):
     assert not bad, bad[:3]
     for r in rows:
         r["pred"], r["cached"], r["pt"] = _predicted(system, r["res"]), r["res"].cached, r["res"].prompt_tokens
-        r["replica"] = r["res"].replica
-    removed = {rid: a.translator.stats.removed_blocks - removed0[rid] for rid, a in system.agents.items()}
-    preempted = {r.name: _preemptions(r) - preempt0[r.name] for r in vllm_replicas}
-    exact = [r for r in rows if r["pred"] == r["cached"]]
-    over = [r for r in rows if r["pred"] > r["cached"]]
-    under = [r for r in rows if r["pred"] < r["cached"]]
-    hit = sum(r["cached"] for r in rows) / sum(r["pt"] for r in rows)
-    print(f"\nchurn: {len(rows)} requests ({N_DOCS} docs of ~{sum(r['pt'] for r in rows) // len(rows)} tokens, "
-          f"{CONCURRENCY} concurrent, max_tokens {MAX_TOKENS}) in {wall:.0f} s; blocks evicted {removed}; "
-          f"preemptions {preempted}; engine hit ratio {hit:.3f}")
-    print(f"prediction == engine cached_tokens: {len(exact)}/{len(rows)} = {len(exact) / len(rows):.4f}; "
-          f"over-predicted {len(over)}, under-predicted {len(under)}")
-    for r in over + under:
-        print(f"  differs: request {r['n']} doc {r['doc']} on {r['replica']}: predicted {r['pred']} engine {r['cached']}")
-    assert sum(removed.values()) > 0, "no eviction happened: the test did not churn"
-    assert sum(preempted.values()) > 0, "no preemption happened"
-    assert hit > 0.3, "the workload is warm enough for predictions to matter"
-    assert len(exact) / len(rows) >= 0.995, f"{len(exact)}/{len(rows)}"
+        r["replica"], r["elapsed_s"] = r["res"].replica, r["res"].elapsed_s
+    out = {"rows": rows, "wall_s": wall,
+           "removed": {rid: a.translator.stats.removed_blocks - removed0[rid] for rid, a in system.agents.items()},
+           "preempted": {r.name: _preemptions(r) - preempt0[r.name] for r in vllm_replicas},
+           "exact": [r for r in rows if r["pred"] == r["cached"]],
+           "over": [r for r in rows if r["pred"] > r["cached"]], "under": [r for r in rows if r["pred"] < r["cached"]],
+           "hit": sum(r["cached"] for r in rows) / sum(r["pt"] for r in rows)}
+    print(f"\n{tag}: {len(rows)} requests ({N_DOCS} docs of ~{sum(r['pt'] for r in rows) // len(rows)} tokens, "
+          f"{concurrency} concurrent, max_tokens {max_tokens}) in {wall:.0f} s; blocks evicted {out['removed']}; "
+          f"preemptions {out['preempted']}; engine hit ratio {out['hit']:.3f}")
+    print(f"prediction == engine cached_tokens: {len(out['exact'])}/{len(rows)} = {len(out['exact']) / len(rows):.4f}; "
+          f"over-predicted {len(out['over'])}, under-predicted {len(out['under'])}")
+    for r in out["over"] + out["under"]:
+        print(f"  differs: request {r['n']} doc {r['doc']} on {r['replica']}: predicted {r['pred']} engine {r['cached']} "
+              f"({r['elapsed_s']:.2f} s)")
+    return out
+
+
+def test_index_true_under_eviction_churn(vllm_replicas, e2e_system):
+    """Continuous eviction (the documents do not fit), one request at a time: the prediction equals
+    the engine's report on >= 99.5% of 200 requests."""
+    out = _run(e2e_system, vllm_replicas, n_requests=200, concurrency=1, max_tokens=8, tag="eviction churn")
+    assert sum(out["removed"].values()) > 1000, "the engines evicted continuously"
+    assert out["hit"] > 0.3, "warm enough for predictions to matter"
+    assert len(out["exact"]) / len(out["rows"]) >= 0.995, f"{len(out['exact'])}/{len(out['rows'])}"
+
+
+def test_index_true_after_concurrent_churn_and_preemption(vllm_replicas, e2e_system):
+    """16 concurrent requests with long outputs exhaust the engines' KV: they preempt, and requests
+    wait for memory in the engines' queues while others evict the blocks they were routed for. The
+    predictions made at dispatch then over-state what the engine finds when it schedules them
+    (measured and printed, not guaranteed: the gateway cannot see an engine's queue evict). What
+    must hold: no request fails, the engines preempted, no prediction under-states the engine (the
+    index never missed blocks), and once the storm is over the index is true again: a sequential
+    pass over every document agrees on every request."""
+    storm = _run(e2e_system, vllm_replicas, n_requests=64, concurrency=16, max_tokens=300, tag="preemption churn")
+    assert sum(storm["preempted"].values()) > 0, "the engines preempted"
+    assert not storm["under"], "the index never missed blocks the engine had"
+    time.sleep(3.0)  # speculative entries lapse, the feed settles
+    after = _run(e2e_system, vllm_replicas, n_requests=3 * N_DOCS, concurrency=1, max_tokens=8, tag="after the storm")
+    assert len(after["exact"]) == len(after["rows"]), f"{len(after['exact'])}/{len(after['rows'])}"
