@@ -318,6 +318,11 @@ def raw_http(port: int, data: bytes, *, timeout_s: float = 10.0, chunk_delay_s: 
             if not part:
                 break
             buf += part
+            while buf.startswith(b"HTTP/1.1 100 "):  # an interim 100 Continue: the answer follows
+                interim, sep, buf = buf.partition(b"\r\n\r\n")
+                if not sep:
+                    buf = interim
+                    break
             head, sep, rest = buf.partition(b"\r\n\r\n")
             if sep and data.startswith(b"HEAD "):
                 break  # no body follows an answer to HEAD

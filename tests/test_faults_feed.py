@@ -120,6 +120,8 @@ async def test_redis_restart_gateway_serves_throughout_and_relearns(tok, redis_s
                 outage_s = time.monotonic() - t_down
                 assert 1 <= feed_errors_outage <= 6 * outage_s, (feed_errors_outage, outage_s)
 
+                during_outage = [r.getMessage() for r in caplog.records
+                                 if r.name == "warmroute.gateway" and "unavailable" in r.getMessage()]
                 redis_server.start()  # same port, empty (no persistence): the agents republish
                 await until(lambda: gw.feed_ok and all(gw.index.is_live(f"r{i}") for i in range(2)), 20.0,
                             what="feed back, replicas live")
@@ -131,8 +133,9 @@ async def test_redis_restart_gateway_serves_throughout_and_relearns(tok, redis_s
                 async with s.get(g.admin_url + "/readyz") as r:
                     assert r.status == 200 and (await r.json())["degraded"] == []
                 assert metric_sum(await metrics_text(s, g.admin_url), "warmroute_gateway_feed_up") == 1.0
-            feed_lines = [r.getMessage() for r in caplog.records if r.name == "warmroute.gateway" and "feed" in r.getMessage()]
-            assert 2 <= len(feed_lines) <= 4, feed_lines  # "unavailable" once, "recovered" once: no flood
+            # No flood: one "unavailable" line for the whole outage (not one per poll), and it recovered.
+            assert len(during_outage) == 1, during_outage
+            assert any("recovered" in r.getMessage() for r in caplog.records if r.name == "warmroute.gateway")
     finally:
         await g.close()
         for a in agents:
