@@ -16,7 +16,10 @@ Rule, per replica:
     and trusted again when the mean is at least `trust_from` (0.8) (hysteresis: no flapping).
 A distrusted replica is routed by load only: its index matches are ignored, exactly as for a
 replica whose feed went silent (gateway.routing `RoutingState.views`). Its predictions go on being
-checked, so trust comes back by itself once the index agrees again.
+checked, so trust comes back by itself once the index agrees again. Evidence may stop coming (load
+only, the replica may get only prompts nobody sent before), so after `retry_after_s` (60 s) of
+distrust the replica is given another chance, like a circuit breaker's half-open state: its window
+is emptied and it is trusted; a still-wrong index is distrusted again after 8 samples.
 Worst cases: from a window of perfect agreement, 9 consecutive zero-agreement samples distrust a
 replica (mean 7/16 < 0.5); from an empty window, 8; from a window of zeros, 13 exact samples trust
 it again (13/16 >= 0.8). Each change is logged once (WARNING when distrusted, INFO when trusted
@@ -25,10 +28,12 @@ again) and counted (`changes`, exported as a metric); `/readyz` lists distrusted
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from typing import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["IndexHealth", "ReplicaHealth", "WINDOW_REQS", "MIN_SAMPLES", "DISTRUST_BELOW", "TRUST_FROM"]
+__all__ = ["IndexHealth", "ReplicaHealth", "WINDOW_REQS", "MIN_SAMPLES", "DISTRUST_BELOW", "TRUST_FROM", "RETRY_AFTER_S"]
 
 log = logging.getLogger("warmroute.gateway.index_health")
 
@@ -36,6 +41,7 @@ WINDOW_REQS = 16  # samples the mean agreement is taken over
 MIN_SAMPLES = 8  # samples needed before a replica can be distrusted
 DISTRUST_BELOW = 0.5  # mean agreement below this: distrusted
 TRUST_FROM = 0.8  # mean agreement at least this: trusted again
+RETRY_AFTER_S = 60.0  # distrusted this long: window emptied, trusted again (half-open)
 
 
 @dataclass(slots=True)
@@ -44,6 +50,7 @@ class ReplicaHealth:
     total: float = 0.0  # sum of `window`
     trusted: bool = True
     distrusted_count: int = 0  # times it became distrusted
+    distrusted_at: float = 0.0  # clock() when it last became distrusted
     samples: int = 0  # samples ever
 
     def mean(self) -> float | None:
@@ -54,7 +61,8 @@ class IndexHealth:
     """Per-replica agreement windows and trust verdicts (module rule)."""
 
     def __init__(self, *, window_reqs: int = WINDOW_REQS, min_samples: int = MIN_SAMPLES,
-                 distrust_below: float = DISTRUST_BELOW, trust_from: float = TRUST_FROM) -> None:
+                 distrust_below: float = DISTRUST_BELOW, trust_from: float = TRUST_FROM,
+                 retry_after_s: float = RETRY_AFTER_S, clock: Callable[[], float] = time.monotonic) -> None:
         if not 1 <= min_samples <= window_reqs:
             raise ValueError(f"need 1 <= min_samples <= window_reqs, got {min_samples}, {window_reqs}")
         if not 0.0 < distrust_below <= trust_from <= 1.0:
@@ -63,6 +71,8 @@ class IndexHealth:
         self.min_samples = min_samples
         self.distrust_below = distrust_below
         self.trust_from = trust_from
+        self.retry_after_s = retry_after_s
+        self.clock = clock
         self._reps: dict[str, ReplicaHealth] = {}
 
     def observe(self, replica_id: str, predicted_tokens: int, reported_tokens: int) -> bool | None:
@@ -84,6 +94,7 @@ class IndexHealth:
         if rh.trusted and len(rh.window) >= self.min_samples and mean < self.distrust_below:
             rh.trusted = False
             rh.distrusted_count += 1
+            rh.distrusted_at = self.clock()
             log.warning("index disagrees with the engine: routing the replica by load only", extra={"fields": {
                 "replica": replica_id, "agreement": round(mean, 3), "window_reqs": len(rh.window),
                 "distrust_below": self.distrust_below}})
@@ -97,7 +108,16 @@ class IndexHealth:
 
     def trusted(self, replica_id: str) -> bool:
         rh = self._reps.get(replica_id)
-        return rh is None or rh.trusted
+        if rh is None or rh.trusted:
+            return True
+        if self.clock() - rh.distrusted_at >= self.retry_after_s:  # half-open: another chance
+            rh.window.clear()
+            rh.total = 0.0
+            rh.trusted = True
+            log.info("index distrusted for a while without evidence either way: trusting it again", extra={"fields": {
+                "replica": replica_id, "after_s": self.retry_after_s}})
+            return True
+        return False
 
     def agreement(self, replica_id: str) -> float | None:
         """Mean agreement over the replica's window; None before its first sample."""

@@ -15,7 +15,7 @@ import pytest
 
 from gateway.config import config_from_dict
 from gateway.index import KVIndex
-from gateway.index_health import DISTRUST_BELOW, MIN_SAMPLES, TRUST_FROM, WINDOW_REQS, IndexHealth
+from gateway.index_health import DISTRUST_BELOW, MIN_SAMPLES, RETRY_AFTER_S, TRUST_FROM, WINDOW_REQS, IndexHealth
 from gateway.load import LoadTracker
 from gateway.routing import RoutingState
 from gateway.server import start_gateway
@@ -31,7 +31,7 @@ MODEL = "warmroute-sim"
 
 # ------------------------------------------------------------------------------- the rule
 def test_stated_numbers():
-    assert (WINDOW_REQS, MIN_SAMPLES, DISTRUST_BELOW, TRUST_FROM) == (16, 8, 0.5, 0.8)
+    assert (WINDOW_REQS, MIN_SAMPLES, DISTRUST_BELOW, TRUST_FROM, RETRY_AFTER_S) == (16, 8, 0.5, 0.8, 60.0)
     # From an empty window: the 8th zero-agreement sample distrusts.
     h = IndexHealth()
     verdicts = [h.observe("r", 0, 320) for _ in range(8)]
@@ -71,6 +71,20 @@ def test_no_evidence_partial_agreement_and_hysteresis():
         IndexHealth(min_samples=0)
     with pytest.raises(ValueError):
         IndexHealth(distrust_below=0.9, trust_from=0.8)
+
+
+def test_half_open_after_retry_delay():
+    t = [0.0]
+    h = IndexHealth(clock=lambda: t[0])
+    for _ in range(8):
+        h.observe("r", 0, 64)
+    assert not h.trusted("r")
+    t[0] += RETRY_AFTER_S - 1
+    assert not h.trusted("r")
+    t[0] += 1
+    assert h.trusted("r") and h.agreement("r") is None  # another chance, window emptied
+    verdicts = [h.observe("r", 0, 64) for _ in range(8)]  # still wrong: distrusted again after 8
+    assert verdicts[-1] is False and not h.trusted("r") and h.distrusted_counts() == {"r": 2}
 
 
 def test_over_prediction_counts_like_under_prediction():

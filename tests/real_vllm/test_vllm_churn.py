@@ -5,7 +5,7 @@ Through the gateway (conftest `e2e_system`), every request's predicted cached to
 attribute) is compared with the engine's `cached_tokens`.
 
 What must hold: under continuous eviction, agreement on at least 99.5% of 200 requests (at most 1
-may differ); under a preemption storm (16 concurrent, 300-token outputs), no request fails, no
+may differ); under a preemption storm (16 concurrent, 800-token outputs), no request fails, no
 prediction under-states the engine, and once the storm is over the index agrees on every request
 again. How often predictions made at dispatch over-state what a queued request finds when the
 engine schedules it is printed, not asserted (README "Guarantees" states it). No document is ever
@@ -112,16 +112,31 @@ def test_index_true_under_eviction_churn(vllm_replicas, e2e_system):
 
 
 def test_index_true_after_concurrent_churn_and_preemption(vllm_replicas, e2e_system):
-    """16 concurrent requests with long outputs exhaust the engines' KV: they preempt, and requests
+    """16 concurrent requests with long (800-token) outputs exhaust the engines' KV: they preempt, and requests
     wait for memory in the engines' queues while others evict the blocks they were routed for. The
     predictions made at dispatch then over-state what the engine finds when it schedules them
     (measured and printed, not guaranteed: the gateway cannot see an engine's queue evict). What
     must hold: no request fails, the engines preempted, no prediction under-states the engine (the
     index never missed blocks), and once the storm is over the index is true again: a sequential
     pass over every document agrees on every request."""
-    storm = _run(e2e_system, vllm_replicas, n_requests=64, concurrency=16, max_tokens=300, tag="preemption churn")
+    # 800-token outputs: each running request grows by 25 blocks after admission, so the running
+    # set outgrows the free blocks and the engines must preempt (300-token outputs did only 0-2 times).
+    storm = _run(e2e_system, vllm_replicas, n_requests=40, concurrency=16, max_tokens=800, tag="preemption churn")
     assert sum(storm["preempted"].values()) > 0, "the engines preempted"
     assert not storm["under"], "the index never missed blocks the engine had"
     time.sleep(3.0)  # speculative entries lapse, the feed settles
-    after = _run(e2e_system, vllm_replicas, n_requests=2 * N_DOCS, concurrency=1, max_tokens=8, tag="after the storm")
-    assert len(after["exact"]) == len(after["rows"]), f"{len(after['exact'])}/{len(after['rows'])}"
+    # After the storm, one request at a time until the index check trusts every replica again
+    # (a replica distrusted during the storm is routed by load only; its predictions keep being
+    # checked on the requests it still gets): every prediction exact, trust back within 8 passes.
+    health = e2e_system.gateway.routing.health
+    trust = lambda: e2e_system.call(lambda: {rid: health.trusted(rid) for rid in e2e_system.by_id})  # noqa: E731
+    distrusted = e2e_system.call(health.distrusted_counts)
+    rows = []
+    for _ in range(8):
+        after = _run(e2e_system, vllm_replicas, n_requests=N_DOCS, concurrency=1, max_tokens=8, tag="after the storm")
+        rows += after["rows"]
+        assert len(after["exact"]) == len(after["rows"]), f"{len(after['exact'])}/{len(after['rows'])}"
+        if all(trust().values()):
+            break
+    print(f"distrusted during the storm: {distrusted}; trusted again after {len(rows)} requests, all exact")
+    assert all(trust().values()), trust()
