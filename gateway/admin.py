@@ -3,7 +3,8 @@
     GET  /            this list, as JSON
     GET  /metrics     Prometheus text (every worker's, aggregated, with --workers N)
     GET  /healthz     liveness: 200 {"status": "ok"} while the process serves
-    GET  /readyz      readiness: 200 when the gateway can route, else 503 with the reasons
+    GET  /readyz      readiness: 200 when the gateway can route, else 503 with the reasons; "degraded"
+                      lists what makes routing worse without stopping it (gateway.state)
     GET  /debug/index the index and every replica's state (health, load, feed lag, rates)
     POST /debug/route where a request body would go, and why, without sending it: every replica's
                       inputs, rank, score and score terms. Query: kind=chat|completions (default:
@@ -23,6 +24,7 @@ from gateway.context import RequestContext
 from gateway.errors import ApiError
 from gateway.parse import check_model, parse_body
 from gateway.routing import explain
+from gateway.state import degraded
 from gateway.telemetry import StateCollector
 from gateway.tracing import NO_SPAN
 
@@ -52,7 +54,7 @@ def build_admin_app(gw) -> web.Application:
 
     async def readyz(request: web.Request) -> web.Response:
         ok, why = gw.readiness()
-        return web.json_response({"ready": ok, "reasons": why}, status=200 if ok else 503)
+        return web.json_response({"ready": ok, "reasons": why, "degraded": degraded(gw)}, status=200 if ok else 503)
 
     async def debug_index(request: web.Request) -> web.Response:
         return web.json_response(gw.describe())

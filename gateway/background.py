@@ -4,12 +4,13 @@ constructor), and how they report trouble.
 - `run_index_sync`: keeps the KV index current from the feed (gateway.index_sync), restarting it
   with backoff when the feed fails.
 - `run_inflight_exchange`: every `inflight_poll_s`, adds this gateway's in-flight changes to the
-  feed's shared counters and reads everyone's, in one round trip (so active-active gateways see
-  each other's load; the exchange also keeps our counters' TTL alive while idle); every
-  QUIET_EXCHANGE_S instead while no other gateway has anything in flight (idle CPU: each
-  exchange wakes Redis and this process). A board with
-  `exchange_inflight` (RedisFeed) does the increments, the TTL refresh and the read in one round
-  trip per period instead (each round trip wakes the gateway and costs it a send and a receive).
+  feed's shared counters and reads everyone's, in one round trip (`exchange_inflight`: so
+  active-active gateways see each other's load, and each exchange refreshes our counters' TTL, after
+  which a killed gateway's stop weighing on the replicas); every QUIET_EXCHANGE_S instead while no
+  other gateway has anything in flight (idle CPU: each exchange wakes Redis and this process).
+  Counters the feed lost (Redis restarted empty, or our key expired while it was unreachable) are
+  noticed in the exchange's reply and published again whole; changes a failed exchange did not
+  apply are sent again with the next one.
 - `run_keys_reload`: re-reads the API-keys file when its mtime changes (keeps the old keys if the
   new file is invalid).
 - `discover_model` / `run_model_discovery`: the model name and context length from the replicas'
@@ -67,9 +68,19 @@ async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health:
         # while the other gateways have nothing in flight (or there are none), a slower exchange:
         # their first requests then weigh on our view at most QUIET_EXCHANGE_S late
         await asyncio.sleep(period_s if load.others_active() else max(period_s, QUIET_EXCHANGE_S))
+        pending = load.take_pending()
         try:
-            shared = await board.exchange_inflight(load.take_pending())
-            load.set_shared({rid: (v.reqs, v.prefill_tokens) for rid, v in shared.items()})
+            try:
+                got = await board.exchange_inflight(pending)
+            except BaseException:
+                load.restore_pending(pending)  # not applied (as far as we know): sent again next time
+                raise
+            shared = {rid: (v.reqs, v.prefill_tokens) for rid, v in got.items()}
+            if load.lost_by_feed(shared):
+                # the feed had none of ours before this exchange: it holds `pending` of ours now
+                log.warning("the feed lost this gateway's in-flight counters: publishing them again")
+                load.rebase(held=pending)
+            load.set_shared(shared)
             health.ok()
         except asyncio.CancelledError:
             raise
@@ -79,10 +90,17 @@ async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health:
 
 
 async def flush_inflight(board: InflightBoard, load: LoadTracker) -> dict:
-    """Add our pending in-flight changes to the shared counters; what was flushed."""
+    """Add our pending in-flight changes to the shared counters; what was flushed. On a failure
+    the changes not applied go back to pending (a lost decrement would count a request forever)."""
     pending = load.take_pending()
-    for rid, (r, t) in pending.items():
-        await board.incr_inflight(rid, r, t)
+    left = dict(pending)
+    try:
+        for rid, (r, t) in pending.items():
+            await board.incr_inflight(rid, r, t)
+            del left[rid]
+    except BaseException:
+        load.restore_pending(left)
+        raise
     return pending
 
 

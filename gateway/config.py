@@ -87,6 +87,7 @@ class FeedConfig:
     stale_after_s: float = 10.0  # a replica whose agent is silent this long is routed by load only
     inflight_poll_s: float = 0.1  # how often other gateways' in-flight counters are read
     speculative_ttl_s: float = 2.0  # TTL of the chosen replica's speculatively inserted keys
+    inflight_ttl_s: float = 15.0  # a gateway's shared in-flight counters outlive it (killed) by at most this
 
 
 @dataclass
@@ -454,7 +455,7 @@ def _check_feed(cfg: GatewayConfig) -> None:
         raise _err("feed.url", f"must be memory:// or redis://HOST:PORT/DB, got {f.url!r}")
     if f.index_max_entries < 1:
         raise _err("feed.index_max_entries", "must be >= 1")
-    for name in ("stale_after_s", "inflight_poll_s", "speculative_ttl_s"):
+    for name in ("stale_after_s", "inflight_poll_s", "speculative_ttl_s", "inflight_ttl_s"):
         if getattr(f, name) <= 0:
             raise _err(f"feed.{name}", "must be > 0")
 

@@ -93,6 +93,37 @@ class LoadTracker:
         self._pending = {}
         return out
 
+    def restore_pending(self, deltas: Mapping[str, tuple[int, int]]) -> None:
+        """A flush failed: `deltas` (from take_pending) did not reach the feed; flush them again later."""
+        for rid, (r, t) in deltas.items():
+            f = self._flushed.setdefault(rid, [0, 0])
+            f[0] -= r
+            f[1] -= t
+            self._shared_delta(rid, r, t)
+
+    def lost_by_feed(self, shared: Mapping[str, tuple[int, int]]) -> bool:
+        """The feed's counters (all gateways) hold less than this gateway flushed: ours were lost
+        (Redis restarted empty, or our key expired while the feed was unreachable). Every gateway's
+        own counts are >= 0, so the sum can only be below ours if some of ours are gone."""
+        for rid, (r, t) in self._flushed.items():
+            got_r, got_t = shared.get(rid, (0, 0))
+            if got_r < r or got_t < t:
+                return True
+        return False
+
+    def rebase(self, held: Mapping[str, tuple[int, int]] | None = None) -> None:
+        """After `lost_by_feed`: the feed now holds `held` of ours (what the exchange that found
+        the loss just added to an empty counter; none by default); the next flush makes it this
+        gateway's current in-flight work, whole."""
+        held = held or {}
+        self._flushed = {rid: [r, t] for rid, (r, t) in held.items()}
+        self._pending = {}
+        for rid in set(self._loads) | set(held):
+            ld = self._loads.get(rid) or ReplicaLoad()
+            h = held.get(rid, (0, 0))
+            if ld.inflight_reqs - h[0] or ld.inflight_tokens - h[1]:
+                self._pending[rid] = [ld.inflight_reqs - h[0], ld.inflight_tokens - h[1]]
+
     def _get(self, rid: str) -> ReplicaLoad:
         ld = self._loads.get(rid)
         if ld is None:

@@ -33,6 +33,8 @@ def parse_body(raw: bytes) -> dict:
         if "UTF-8" in text:
             raise ApiError(400, "request body is not valid UTF-8", code="invalid_encoding") from None
         raise ApiError(400, f"malformed JSON: {text}", code="invalid_json") from None
+    except RecursionError:  # msgspec raises it past Python's recursion limit (~1000 levels)
+        raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
     if not isinstance(payload, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
     return payload

@@ -186,6 +186,8 @@ class Pipeline:
         """Learn stage: rates, the policy's hook, metrics and span attributes of one answer."""
         lesson = learn(outcome, self.routing.calibrator, self.policy)
         agreement = self.metrics.record_lesson(lesson)
+        if lesson.cached_tokens is not None:  # the index check (gateway.index_health)
+            self.routing.checked(lesson.replica_id, lesson.predicted_cached_tokens, lesson.cached_tokens)
         ctx.span.outcome(lesson, agreement)
 
     def finish(self, ctx: RequestContext) -> None:

@@ -16,7 +16,8 @@ Per replica r (the README's "What it does", steps 5-6):
   requests per second (LoadTracker); cache fill (index entries / the engine's KV blocks) and
   those KV blocks (the agent's load report);
 - rates: the calibrator's prefill seconds per token and decode step seconds (priors at first);
-- health: probes and passive ejection (`Membership`); index liveness from the feed.
+- health: probes and passive ejection (`Membership`); index liveness from the feed, and trust in
+  it (gateway.index_health: a replica whose predictions disagree with its engine counts as not live).
 Nothing here does I/O or reads a clock except through the arguments.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gateway.context import Routing
 from gateway.index import KVIndex
+from gateway.index_health import IndexHealth
 from gateway.load import Flight, LoadTracker
 from policies.base import Decision, Policy, ReplicaView, RequestView
 from policies.calibration import Calibrator
@@ -45,6 +47,7 @@ class RoutingState:
         self.calibrator = calibrator  # prefill and decode rates per replica
         self.speculative_ttl_s = speculative_ttl_s  # lifetime of a routed request's speculative keys
         self.clock = clock  # monotonic seconds (virtual in the simulator)
+        self.health = IndexHealth()  # predicted vs engine-reported cached tokens (fed by the learn stage)
 
     def views(self, replica_ids: Sequence[str], keys: Sequence[int], available: Mapping[str, bool]) -> list[ReplicaView]:
         """One view per replica for a request with `keys`; `available`: rid -> passes health."""
@@ -55,7 +58,7 @@ class RoutingState:
             replica_ids,
             matches=index.match(keys) if keys else {},
             available=available,
-            live={rid: index.is_live(rid) for rid in replica_ids},
+            live={rid: index.is_live(rid) and self.health.trusted(rid) for rid in replica_ids},  # distrusted: load only
             reports=reports,
             loads={rid: load.get(rid) for rid in replica_ids},
             rates={rid: (cal.prefill_s_per_token(rid), cal.decode_step_s(rid)) for rid in replica_ids},
@@ -88,11 +91,19 @@ class RoutingState:
             self.index.insert_speculative(replica_id, keys, ttl)
         return flight
 
+    def checked(self, replica_id: str, predicted_tokens: int, reported_tokens: int) -> None:
+        """The engine reported a request's cached tokens: check the index's prediction
+        (gateway.index_health), unless the replica's feed is silent (its matches do not count then,
+        so a miss says nothing about the index)."""
+        if self.index.is_live(replica_id):
+            self.health.observe(replica_id, predicted_tokens, reported_tokens)
+
     def forget(self, replica_id: str) -> None:
         """The replica left the pool: purge what is known of it."""
         self.index.purge(replica_id)
         self.load.forget(replica_id)
         self.calibrator.forget(replica_id)
+        self.health.forget(replica_id)
 
 
 def build_views(

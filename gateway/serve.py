@@ -5,7 +5,10 @@ Exit codes: 0 clean exit; 1 a worker failed; 2 invalid configuration, or a port 
 bound (one line on stderr naming the field or the address, never a traceback).
 With `--workers N` the supervisor runs N worker processes sharing the ports (SO_REUSEPORT),
 forwards SIGTERM/SIGINT to them, and aggregates metrics through prometheus-client's
-multiprocess directory.
+multiprocess directory. A worker that dies (killed, crashed) is restarted in its place while the
+others keep serving; the new one rebuilds its index from the feed's snapshots. Exit code 2 from a
+worker (bad configuration, a port it cannot bind) stops them all, and so do more than
+`_MAX_RESTARTS` restarts within `_RESTART_WINDOW_S` (a crash loop): the supervisor exits 1.
 """
 from __future__ import annotations
 
@@ -19,6 +22,9 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
+
+from prometheus_client import multiprocess
 
 from gateway.assemble import check_startup
 from gateway.config import ConfigError, GatewayConfig, apply_args, config_from_dict, load_config
@@ -109,14 +115,23 @@ def _worker_main(cfg_dict: dict, index: int) -> None:
     sys.exit(_run_worker(cfg, reuse_port=True))
 
 
+_MAX_RESTARTS = 5  # worker restarts tolerated within _RESTART_WINDOW_S before the supervisor gives up
+_RESTART_WINDOW_S = 60.0
+
+
 def _supervise(cfg: GatewayConfig) -> int:
     mdir = tempfile.mkdtemp(prefix="warmroute-prom-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = mdir
     ctx = mp.get_context("spawn")
     cfg_dict = cfg.to_dict()
-    procs = [ctx.Process(target=_worker_main, args=(cfg_dict, i), name=f"warmroute-gw-{i}") for i in range(cfg.server.workers)]
-    for p in procs:
+
+    def spawn(i: int):
+        p = ctx.Process(target=_worker_main, args=(cfg_dict, i), name=f"warmroute-gw-{i}")
         p.start()
+        return p
+
+    procs = [spawn(i) for i in range(cfg.server.workers)]
+    restarts: list[float] = []
     stopping = False
 
     def _forward(signum, frame):  # noqa: ARG001
@@ -131,12 +146,21 @@ def _supervise(cfg: GatewayConfig) -> int:
     rc = 0
     try:
         while any(p.is_alive() for p in procs):
-            for p in procs:
-                p.join(0.5)
-                if not p.is_alive() and not stopping and p.exitcode not in (0, None):
-                    log.error("worker exited", extra={"fields": {"worker": p.name, "exitcode": p.exitcode}})
-                    rc = p.exitcode if p.exitcode == 2 else 1
+            for i, p in enumerate(procs):
+                p.join(0.5 / len(procs))
+                if p.is_alive() or stopping or p.exitcode is None:
+                    continue
+                multiprocess.mark_process_dead(p.pid)
+                now = time.monotonic()
+                restarts[:] = [t for t in restarts if now - t < _RESTART_WINDOW_S] + [now]
+                if p.exitcode == 2 or len(restarts) > _MAX_RESTARTS:
+                    log.error("worker exited, stopping", extra={"fields": {"worker": p.name, "exitcode": p.exitcode,
+                                                                          "restarts": len(restarts) - 1}})
+                    rc = 2 if p.exitcode == 2 else 1
                     _forward(signal.SIGTERM, None)
+                    continue
+                log.error("worker exited, restarting it", extra={"fields": {"worker": p.name, "exitcode": p.exitcode}})
+                procs[i] = spawn(i)
         return rc
     finally:
         shutil.rmtree(mdir, ignore_errors=True)

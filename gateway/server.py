@@ -156,7 +156,7 @@ class Gateway:
 
     def _start_feed(self) -> None:
         if self.feed is None:
-            self.feed = open_feed(self.cfg.feed.url)
+            self.feed = open_feed(self.cfg.feed.url, inflight_ttl_s=self.cfg.feed.inflight_ttl_s)
         # Follow exactly the pool's replicas (an agent's --replica-id must equal the gateway's id).
         self.index_sync = IndexSync(self.feed, self.routing.index, replicas=self.membership.ids())
         self._spawn(run_index_sync(self.index_sync, self.feed_health), "index-sync")

@@ -2,11 +2,17 @@
 `/debug/index` description (pure reads of a `gateway.server.Gateway`; no I/O).
 
 Readiness (`/readyz` 200) needs: the tokenizer loaded, the model's name and context length known,
-at least one replica, one of them available, the feed usable (unless load-only), not draining.
+at least one replica, one of them available, not draining. What degrades routing without stopping
+it is listed in `degraded()` (`/readyz` "degraded", 200 all the same): the feed unreachable (the
+gateway serves from the last known index, then by load only as each replica's entries go stale;
+taking every gateway out of service because the shared Redis is down would be an outage of its
+own), and replicas whose index disagrees with their engine (gateway.index_health).
 """
 from __future__ import annotations
 
-__all__ = ["readiness", "state_for_metrics", "describe"]
+import os
+
+__all__ = ["readiness", "degraded", "state_for_metrics", "describe"]
 
 
 def readiness(gw) -> tuple[bool, list[str]]:
@@ -21,11 +27,22 @@ def readiness(gw) -> tuple[bool, list[str]]:
         why.append("no replicas")
     elif not gw.membership.any_available():
         why.append("no replica available")
-    if not gw.cfg.feed.load_only and not gw.feed_ok:
-        why.append("feed not usable")
     if gw.draining:
         why.append("draining")
     return not why, why
+
+
+def degraded(gw) -> list[str]:
+    """What makes routing worse without stopping it (module header), one sentence each."""
+    out = []
+    if not gw.cfg.feed.load_only and not gw.feed_ok:
+        out.append(f"feed unreachable ({gw.board_health.failures} failed polls in a row): routing from the "
+                   f"last known index, by load only for replicas silent over {gw.cfg.feed.stale_after_s:g}s")
+    health = gw.routing.health
+    for rid, mean in sorted(health.distrusted().items()):
+        out.append(f"replica {rid}: index disagrees with the engine (mean agreement {mean:.2f} over the last "
+                   f"{health.window_reqs} requests, below {health.distrust_below:g}): routed by load only")
+    return out
 
 
 def state_for_metrics(gw) -> dict:
@@ -36,19 +53,25 @@ def state_for_metrics(gw) -> dict:
     for s in gw.membership.all():
         ld = load.get(s.replica_id)
         reps[s.replica_id] = {"available": s.available(now), "index_live": index.is_live(s.replica_id),
-                              "inflight_reqs": ld.inflight_reqs, "active_reqs": ld.active_reqs}
+                              "inflight_reqs": ld.inflight_reqs, "active_reqs": ld.active_reqs,
+                              "index_trusted": gw.routing.health.trusted(s.replica_id),
+                              "index_agreement": gw.routing.health.agreement(s.replica_id)}
     rates = {rid: (cal.prefill_s_per_token(rid), cal.decode_step_s(rid)) for rid in gw.membership.ids()}
     return {"index_entries": st.entries, "index_bytes": st.bytes_estimate, "index_evictions": st.evictions,
             "index_speculative": st.speculative_entries, "feed_lag": st.feed_lag_s_by_replica,
             "entries_by_replica": st.entries_by_replica, "rates": rates, "replicas": reps,
-            "ready": readiness(gw)[0]}
+            "ready": readiness(gw)[0], "feed_up": gw.cfg.feed.load_only or gw.feed_ok,
+            "feed_errors": gw.board_health.total_failures + (gw.index_sync.stats["feed_errors"] if gw.index_sync else 0),
+            "index_distrusted": gw.routing.health.distrusted_counts()}
 
 
 def describe(gw) -> dict:
     index = gw.routing.index
     st = index.stats()
     return {
-        "model": gw.model.name, "block_size": gw.cfg.model.block_size, "policy": gw.cfg.policy.name,
+        "model": gw.model.name, "block_size": gw.cfg.model.block_size, "policy": gw.cfg.policy.name, "pid": os.getpid(),
+        "feed": {"ok": gw.cfg.feed.load_only or gw.feed_ok, "failed_polls": gw.board_health.failures,
+                 "sync": dict(gw.index_sync.stats) if gw.index_sync else None},
         "index": {"entries": st.entries, "bytes_estimate": st.bytes_estimate, "evictions": st.evictions,
                   "replicas": st.replicas, "live_replicas": st.live_replicas,
                   "speculative_entries": st.speculative_entries, "max_entries": gw.cfg.feed.index_max_entries},
@@ -65,6 +88,8 @@ def _replica(gw, s, st) -> dict:
         "replica_id": s.replica_id, "url": s.url, "available": s.available(now), "probe_ok": s.probe_ok,
         "failures": s.failures, "ejected_for_s": max(0.0, s.ejected_until - now), "last_error": s.last_error,
         "index_live": index.is_live(s.replica_id), "entries": st.entries_by_replica.get(s.replica_id, 0),
+        "index_trusted": gw.routing.health.trusted(s.replica_id),
+        "index_agreement": gw.routing.health.agreement(s.replica_id),
         "feed_lag_s": st.feed_lag_s_by_replica.get(s.replica_id),
         "load_report": None if rep is None else {"running_reqs": rep.running_reqs, "waiting_reqs": rep.waiting_reqs,
                                                  "kv_usage": rep.kv_usage},

@@ -169,6 +169,34 @@ class StateCollector:
         rd = GaugeMetricFamily("warmroute_gateway_ready", "1 when /readyz answers 200")
         rd.add_metric([], 1.0 if s.get("ready") else 0.0)
         yield rd
+        yield from _feed_and_trust(s)
+
+
+def _feed_and_trust(s: dict):
+    """The feed's reachability and each replica's index trust (gateway.index_health)."""
+    up = GaugeMetricFamily("warmroute_gateway_feed_up", "1 while the feed (Redis) answers the gateway's polls")
+    up.add_metric([], 1.0 if s.get("feed_up", True) else 0.0)
+    yield up
+    err = CounterMetricFamily("warmroute_gateway_feed_errors", "Failed feed calls (index sync and in-flight exchange)")
+    err.add_metric([], s.get("feed_errors", 0))
+    yield err
+    trusted = GaugeMetricFamily("warmroute_gateway_index_trusted",
+                                "1 while the replica's index predictions agree with its engine (else routed by load only)",
+                                labels=["replica"])
+    agree = GaugeMetricFamily("warmroute_gateway_index_agreement_window_ratio",
+                              "Mean predicted/engine cached-token agreement over the replica's last requests",
+                              labels=["replica"])
+    for rid, r in s.get("replicas", {}).items():
+        trusted.add_metric([rid], 1.0 if r.get("index_trusted", True) else 0.0)
+        if r.get("index_agreement") is not None:
+            agree.add_metric([rid], r["index_agreement"])
+    yield trusted
+    yield agree
+    dis = CounterMetricFamily("warmroute_gateway_index_distrusted", "Times a replica's index became distrusted",
+                              labels=["replica"])
+    for rid, n in s.get("index_distrusted", {}).items():
+        dis.add_metric([rid], n)
+    yield dis
 
 
 def build_tracer_provider(service_name: str = "warmroute-gateway", env: dict | None = None):

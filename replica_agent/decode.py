@@ -139,6 +139,8 @@ def decode_payload(payload: bytes) -> EventBatch:
         top = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise EngineDecodeError(f"KV-event payload is not msgpack: {exc}") from exc
+    except RecursionError:  # nested past Python's recursion limit: msgspec raises this, not DecodeError
+        raise EngineDecodeError("KV-event payload is nested too deeply") from None
     if not isinstance(top, list) or len(top) < 2 or not isinstance(top[1], list):
         raise EngineDecodeError(f"KV-event payload is not [ts, [events], rank]: got {type(top).__name__}")
     ts = float(top[0]) if isinstance(top[0], (int, float)) else 0.0

@@ -24,6 +24,7 @@ class FailureLog:
         self.every_s = every_s
         self.clock = clock
         self.failures = 0  # in the current failing spell
+        self.total_failures = 0  # ever (a counter for metrics)
         self._since: float | None = None  # start of the current failing spell
         self._last_logged_at = 0.0
         self._last_error = ""
@@ -37,6 +38,7 @@ class FailureLog:
         now = self.clock()
         text = str(error) or type(error).__name__
         self.failures += 1
+        self.total_failures += 1
         if self._since is None:
             self._since = now
             self.log.warning("%s failed: %s (repeats logged at most every %.0f s)", self.what, text, self.every_s)

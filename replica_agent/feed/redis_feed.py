@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from urllib.parse import urlsplit, urlunsplit
 from typing import Mapping, Sequence
 
 import redis.asyncio as aioredis
@@ -39,8 +40,6 @@ __all__ = ["RedisFeed", "redact_url"]
 def redact_url(url: str) -> str:
     """The URL without its password (redis://user:secret@host -> redis://user:***@host): error
     messages and logs never carry secrets."""
-    from urllib.parse import urlsplit, urlunsplit
-
     parts = urlsplit(url)
     if parts.password is None:
         return url
