@@ -49,8 +49,7 @@ async def run_index_sync(sync: IndexSync, health: FailureLog) -> None:
     backoff = 0.5
     while True:
         try:
-            health.ok()  # IndexSync retries short outages itself; a raise is a long one
-            await sync.run()
+            await sync.run()  # it reports outages it rides out to `health` itself
             return
         except asyncio.CancelledError:
             raise

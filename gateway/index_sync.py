@@ -28,7 +28,7 @@ import logging
 import time
 from typing import Callable, Iterable
 
-from replica_agent.feed import INVALID_KIND, FeedEvent, FeedReader, FeedUnavailable
+from replica_agent.feed import INVALID_KIND, FailureLog, FeedEvent, FeedReader, FeedUnavailable
 
 from .index import KVIndex
 
@@ -41,8 +41,10 @@ class IndexSync:
     def __init__(self, feed: FeedReader, index: KVIndex, *, replicas: Iterable[str] | None = None,
                  discover_every_s: float = 2.0, check_every_s: float = 5.0, block_s: float = 0.5,
                  batch_records: int = 2000, min_read_interval_s: float = 0.1,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, health: FailureLog | None = None) -> None:
         self.feed = feed
+        # a feed outage is logged when it starts, about once a minute while it lasts, and when it ends
+        self.health = health or FailureLog(log, "feed (index sync)")
         self.index = index
         self._only: set[str] | None = set(replicas) if replicas is not None else None
         self.discover_every_s = discover_every_s
@@ -94,11 +96,12 @@ class IndexSync:
             try:
                 await self.step()
                 backoff_s = 0.1
+                self.health.ok()
             except asyncio.CancelledError:
                 raise
             except FeedUnavailable as exc:
                 self.stats["feed_errors"] += 1
-                log.warning("feed unavailable (%s); retrying in %.1fs", exc, backoff_s)
+                self.health.failed(exc)
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, 2.0)
                 self._next_check = 0.0  # after an outage: re-check every replica for a wiped feed
