@@ -11,7 +11,9 @@ environment variable name; inline API keys must be `sha256:HEX`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ from policies.registry import POLICY_NAMES, get_policy
 __all__ = [
     "ConfigError", "GatewayConfig", "ServerConfig", "ModelConfig", "ReplicaSpec", "MembershipConfig",
     "FeedConfig", "PolicyConfig", "AuthConfig", "JwtConfig", "TenantConfig", "SaltConfig", "ProxyConfig",
-    "TelemetryConfig", "load_config", "config_from_dict", "apply_args", "validate", "ENV_PREFIX",
+    "TelemetryConfig", "FlowConfig", "FlowTenantConfig", "load_config", "config_from_dict", "apply_args", "validate", "ENV_PREFIX",
 ]
 
 ENV_PREFIX = "WARMROUTE_"
@@ -153,6 +155,33 @@ class TelemetryConfig:
 
 
 @dataclass
+class FlowTenantConfig:
+    weight: float | None = None  # share of a saturated pool, relative (None: keys file / JWT claim, else default_weight)
+    priority: str | None = None  # the tenant's priority class (None: keys file / JWT claim, else default_priority)
+    allowed_priorities: list[str] | None = None  # higher classes the tenant may ask for with the priority header
+
+
+@dataclass
+class FlowConfig:
+    enabled: bool = True  # hold requests in the gateway when no replica has room (False: straight through)
+    max_num_seqs: int | None = None  # sequence slots per replica (None: policy.params.max_num_seqs, else 256)
+    engine_queue_reqs: int = 0  # requests left to wait inside each engine beyond its slots
+    max_queue_penalty_s: float = 1.0  # a replica with more queued prefill than this (seconds) has no room
+    max_queue_reqs_per_tenant: int = 1000  # held requests per tenant (all gateways); beyond: 429
+    max_queue_wait_s: float = 30.0  # held longer than this: 429
+    priorities: list[str] = field(default_factory=lambda: ["interactive", "standard", "batch"])  # classes, highest first
+    default_priority: str = "standard"  # class of a request nothing else classifies
+    priority_header: str = "X-Warmroute-Priority"  # request header naming a class (lower: always; higher: if allowed)
+    default_weight: float = 1.0  # weight of a tenant nothing else weighs
+    weight_claim: str = "warmroute_weight"  # JWT claim holding the tenant's weight
+    priority_claim: str = "warmroute_priority"  # JWT claim holding the caller's class
+    allowed_priorities_claim: str = "warmroute_allowed_priorities"  # JWT claim listing classes the header may ask for
+    tenants: dict[str, FlowTenantConfig] = field(default_factory=dict)  # per tenant id
+    release_interval_s: float = 0.02  # while requests are held: re-check room this often (besides first tokens and finishes)
+    share_interval_s: float = 0.1  # exchange fair shares and queue lengths with the other gateways (feed) this often
+
+
+@dataclass
 class GatewayConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -163,6 +192,7 @@ class GatewayConfig:
     salt: SaltConfig = field(default_factory=SaltConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -360,7 +390,7 @@ def _err(path: str, msg: str) -> ConfigError:
 def validate(cfg: GatewayConfig) -> None:
     """Checks that types alone do not catch. Raises ConfigError naming the field."""
     for check in (_check_server, _check_model, _check_membership, _check_feed, _check_policy, _check_auth,
-                  _check_proxy_and_telemetry):
+                  _check_proxy_and_telemetry, _check_flow):
         check(cfg)
 
 
@@ -478,6 +508,49 @@ def _check_proxy_and_telemetry(cfg: GatewayConfig) -> None:
         raise _err("proxy.pool_limit", "must be >= 1")
     if cfg.telemetry.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise _err("telemetry.log_level", f"unknown level {cfg.telemetry.log_level!r}")
+
+
+_HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+def _check_flow(cfg: GatewayConfig) -> None:
+    f = cfg.flow
+    if f.max_num_seqs is not None and f.max_num_seqs < 1:
+        raise _err("flow.max_num_seqs", f"must be >= 1, got {f.max_num_seqs}")
+    if f.engine_queue_reqs < 0:
+        raise _err("flow.engine_queue_reqs", f"must be >= 0, got {f.engine_queue_reqs}")
+    if f.max_queue_reqs_per_tenant < 0:
+        raise _err("flow.max_queue_reqs_per_tenant", f"must be >= 0 (0: never hold, answer 429), got {f.max_queue_reqs_per_tenant}")
+    for name in ("max_queue_penalty_s", "max_queue_wait_s", "release_interval_s", "share_interval_s"):
+        v = getattr(f, name)
+        if not (v > 0 and math.isfinite(v)):
+            raise _err(f"flow.{name}", f"must be a finite number > 0, got {v}")
+    if not f.priorities:
+        raise _err("flow.priorities", "must name at least one class")
+    for i, p in enumerate(f.priorities):
+        if not p or not p.isprintable() or len(p) > 64:
+            raise _err(f"flow.priorities[{i}]", f"must be a printable name of 1..64 characters, got {p!r}")
+        if p in f.priorities[:i]:
+            raise _err(f"flow.priorities[{i}]", f"duplicate class {p!r}")
+    known = ", ".join(f.priorities)
+    if f.default_priority not in f.priorities:
+        raise _err("flow.default_priority", f"unknown class {f.default_priority!r} (flow.priorities: {known})")
+    if not _HEADER_NAME_RE.match(f.priority_header or ""):
+        raise _err("flow.priority_header", f"not a valid HTTP header name: {f.priority_header!r}")
+    if not (f.default_weight > 0 and math.isfinite(f.default_weight)):
+        raise _err("flow.default_weight", f"must be a finite number > 0, got {f.default_weight}")
+    for name in ("weight_claim", "priority_claim", "allowed_priorities_claim"):
+        if not getattr(f, name):
+            raise _err(f"flow.{name}", "must not be empty")
+    for tenant, t in f.tenants.items():
+        where = f"flow.tenants.{tenant}"
+        if t.weight is not None and not (t.weight > 0 and math.isfinite(t.weight)):
+            raise _err(f"{where}.weight", f"must be a finite number > 0, got {t.weight}")
+        if t.priority is not None and t.priority not in f.priorities:
+            raise _err(f"{where}.priority", f"unknown class {t.priority!r} (flow.priorities: {known})")
+        for i, p in enumerate(t.allowed_priorities or []):
+            if p not in f.priorities:
+                raise _err(f"{where}.allowed_priorities[{i}]", f"unknown class {p!r} (flow.priorities: {known})")
 
 
 def check_files(cfg: GatewayConfig) -> None:
