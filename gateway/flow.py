@@ -94,6 +94,7 @@ class Ticket:
     wait_s: float = 0.0  # time held
     held_ahead: int = 0  # requests held when it was queued
     held: bool = False  # in the queue now (counted in the queued gauge)
+    pending: bool = False  # released, its coroutine not yet back to dispatch it (counted on `replica`)
     replica: str | None = None  # where its grant counts (SlotLedger) until it finishes
 
     def span_attrs(self) -> dict:
@@ -142,6 +143,7 @@ class FlowControl:
         self._my_arrivals: dict[str, int] = {}
         self._ids_of_hash = {tenant_hash(t): t for t in limiter.policies}
         self._rate: dict[str, tuple[float, float]] = {}  # tenant -> (releases/s EWMA, at)
+        self._pending: dict[str, int] = {}  # replica -> released requests not yet dispatched
         self._kicked = False
         self._wake: asyncio.Event | None = None
         self._keys_mtime = file_mtime(self.keys_file)
@@ -172,12 +174,16 @@ class FlowControl:
         if self._wake is not None:
             self._wake.set()
         try:
-            await w.future
+            await w.future  # from here to the dispatch's in-flight count nothing awaits
         except asyncio.CancelledError:
             if self.queue.remove(entry):  # the client left while held
                 self._unhold(t)
                 self.metrics.child(self.metrics.sheds, fc.tenant, fc.priority_name, "client_gone").inc()
             raise
+        finally:
+            if t.pending:
+                t.pending = False
+                self._pending[t.replica] -= 1
 
     def first_token(self) -> None:
         """A request of this gateway got its first token: its prefill left the replica's backlog."""
@@ -209,8 +215,8 @@ class FlowControl:
         if rep is not None and self.wall() - rep.ts > self.ledger.horizon_s:
             rep = None  # older than the ledger remembers: the floor alone
         delta = self.ledger.since(rid, rep.ts) if rep is not None else 0
-        occ = occupancy_reqs(rep, delta, own_active=ld.active_reqs, own_inflight=ld.inflight_reqs,
-                             others_inflight=ld.others_reqs)
+        occ = occupancy_reqs(rep, delta, own_active=ld.active_reqs,
+                             own_inflight=ld.inflight_reqs + self._pending.get(rid, 0), others_inflight=ld.others_reqs)
         f = self.cfg
         return has_room(v, occ, slots=self.slots, engine_queue_reqs=f.engine_queue_reqs,
                         max_queue_penalty_s=f.max_queue_penalty_s)
@@ -272,6 +278,8 @@ class FlowControl:
             if not self._grant(w.ctx, t):  # the pool view had room: trust it for the best-ranked
                 t.replica = w.ctx.routing.decision.ranked[0].replica_id
                 self.ledger.add(t.replica, self.wall(), +1)
+            t.pending = True
+            self._pending[t.replica] = self._pending.get(t.replica, 0) + 1
             t.path = "released"
             t.wait_s = self.clock() - t.t_arrival
             m.child(m.wait, t.cls.tenant, t.cls.priority_name).observe(t.wait_s)
