@@ -32,11 +32,16 @@ class HeldReplica:
     async def start(self) -> "HeldReplica":
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/health", lambda r: web.Response(status=self.health))
-        app.router.add_get("/v1/models", lambda r: web.json_response(
-            {"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 4096}]}))
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
         self.runner, self.url = await serve_app(app, shutdown_timeout=1.0)
         return self
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 4096}]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
