@@ -98,13 +98,35 @@ class FlowRules:
 
     def __init__(self, cfg: FlowConfig, key_flows: Mapping[str, TenantFlow] | None = None) -> None:
         self.cfg = cfg
-        self.key_flows: Mapping[str, TenantFlow] = key_flows or {}
+        self._key_flows: Mapping[str, TenantFlow] = key_flows or {}
+        self._memo: dict[tuple[str, str | None], FlowClass] = {}  # (tenant id, header) -> class, without claims
         self.index = {p: i for i, p in enumerate(cfg.priorities)}
         self._conf = {t: TenantFlow(tc.weight, tc.priority,
                                     frozenset(tc.allowed_priorities) if tc.allowed_priorities is not None else None)
                       for t, tc in cfg.tenants.items()}
 
+    @property
+    def key_flows(self) -> Mapping[str, TenantFlow]:
+        return self._key_flows
+
+    @key_flows.setter
+    def key_flows(self, flows: Mapping[str, TenantFlow]) -> None:
+        self._key_flows = flows
+        self._memo = {}
+
     def classify(self, identity: Identity, headers: Mapping[str, str]) -> FlowClass:
+        if identity.claims:
+            return self._classify(identity, headers)
+        key = (identity.tenant_id, headers.get(self.cfg.priority_header))
+        fc = self._memo.get(key)
+        if fc is None:
+            fc = self._classify(identity, headers)  # raises for a refused header: never memoized
+            if len(self._memo) > 10_000:
+                self._memo = {}
+            self._memo[key] = fc
+        return fc
+
+    def _classify(self, identity: Identity, headers: Mapping[str, str]) -> FlowClass:
         cfg = self.cfg
         claimed = self._from_claims(identity.claims) if identity.claims else None
         sources = [s for s in (claimed, self.key_flows.get(identity.tenant_id), self._conf.get(identity.tenant_id)) if s]
