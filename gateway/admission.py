@@ -3,9 +3,10 @@ which tenant share, weight and priority class a request counts against.
 
 Room, per replica r, from the signals the cache_aware policy prices (policies/cache_aware.py):
     occupancy_reqs = running + waiting of r's last engine report, brought up to date with this
-                     gateway's own grants (+1) and finishes (-1) since the report was taken
-                     (`SlotLedger`), and never below what the gateways know is there (this
-                     gateway's active and in-flight requests, the other gateways' in-flight ones);
+                     gateway's own grants (+1) since the report's time and finishes (-1) since
+                     REPORT_SLACK_S before it (`SlotLedger`s), and never below what the gateways
+                     know is there (this gateway's active and in-flight requests, the other
+                     gateways' in-flight ones);
                      without a usable report (load-only, an agent not heard from, a report older
                      than the ledger's horizon): that floor alone
     backlog_s      = max(waiting x mean uncached prefill tokens, in-flight prefill tokens) x
@@ -15,7 +16,12 @@ Room, per replica r, from the signals the cache_aware policy prices (policies/ca
 So a request goes on while an engine can start it now (a free sequence slot, little prefill ahead
 of it) and waits in the gateway, where tenants are ordered fairly, instead of in an engine's
 first-come queue. The ledger is what keeps the slots busy: an engine report is up to an agent
-scrape old, and without it a slot freed by a finish would stay idle until the next report.
+scrape old, and without it a slot freed by a finish would stay idle until the next report. The
+slack is there because a report's time is the agent's (after its scrape returned) while the
+engine's counts are from earlier, and an engine frees a slot before the gateway relays the end:
+a finish seen just before the report's time may not be in it. Counting it again errs on the
+side that costs little (a request waiting briefly inside the engine) instead of the one that
+costs throughput (a free slot left idle until the next report).
 
 Classification (`FlowRules.classify`), each field from the first source that sets it: the JWT's
 claims (flow.weight_claim, priority_claim, allowed_priorities_claim), the tenant's keys-file
@@ -39,7 +45,9 @@ from gateway.routing import MEAN_UNCACHED_EXTRA
 from policies.base import ReplicaView
 
 __all__ = ["TenantFlow", "FlowClass", "FlowRules", "SlotLedger", "occupancy_reqs", "backlog_s", "has_room",
-           "load_tenant_flows", "tenant_flow", "retry_after_s"]
+           "load_tenant_flows", "tenant_flow", "retry_after_s", "REPORT_SLACK_S"]
+
+REPORT_SLACK_S = 0.05  # finishes this long before a report's time still count as after it (module header)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,10 +173,10 @@ class FlowRules:
 
 
 class SlotLedger:
-    """Per replica, this gateway's grants (+1) and finishes (-1) since that replica's last engine
-    report: `since(rid, ts)` is the net change after the report taken at `ts` (wall-clock
-    seconds, the agent's scrape time). Events older than the newest report seen are dropped, and
-    all are dropped after `horizon_s`, so each call is O(1) amortized."""
+    """Per replica, timed changes of this gateway's requests there (grants +1, finishes -1; the
+    gateway keeps one ledger of each): `since(rid, ts)` is their sum after wall-clock time `ts`.
+    Events at or before the newest `ts` asked about are dropped, and all after `horizon_s`, so each
+    call is O(1) amortized."""
 
     def __init__(self, horizon_s: float = 30.0) -> None:
         self.horizon_s = horizon_s

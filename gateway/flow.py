@@ -39,7 +39,8 @@ from typing import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from gateway.admission import FlowClass, FlowRules, SlotLedger, has_room, load_tenant_flows, occupancy_reqs, retry_after_s
+from gateway.admission import (REPORT_SLACK_S, FlowClass, FlowRules, SlotLedger, has_room, load_tenant_flows,
+                               occupancy_reqs, retry_after_s)
 from gateway.auth import TenantLimiter, tenant_hash
 from gateway.background import Trouble, file_mtime
 from gateway.config import ConfigError, GatewayConfig
@@ -129,7 +130,7 @@ class FlowControl:
         self.slots = slots  # sequence slots per replica
         self.clock, self.wall = clock, wall
         self.queue = FairQueue(len(f.priorities))
-        self.ledger = SlotLedger()
+        self.grants, self.finishes = SlotLedger(), SlotLedger()  # this gateway's, per replica, timed
         self.metrics = FlowMetrics(registry)
         self.closed = False
         # sharing: what the other gateways hold and released, as of the last exchange
@@ -195,7 +196,7 @@ class FlowControl:
         t = ctx.flow
         if t is None or t.replica is None:
             return
-        self.ledger.add(t.replica, self.wall(), -1)
+        self.finishes.add(t.replica, self.wall(), -1)
         t.replica = None
         if len(self.queue):
             self._kick()
@@ -212,9 +213,9 @@ class FlowControl:
         rid = v.replica_id
         ld = self.routing.load.get(rid)
         rep = self.routing.index.last_load(rid)
-        if rep is not None and self.wall() - rep.ts > self.ledger.horizon_s:
-            rep = None  # older than the ledger remembers: the floor alone
-        delta = self.ledger.since(rid, rep.ts) if rep is not None else 0
+        if rep is not None and self.wall() - rep.ts > self.grants.horizon_s:
+            rep = None  # older than the ledgers remember: the floor alone
+        delta = self.grants.since(rid, rep.ts) + self.finishes.since(rid, rep.ts - REPORT_SLACK_S) if rep is not None else 0
         occ = occupancy_reqs(rep, delta, own_active=ld.active_reqs,
                              own_inflight=ld.inflight_reqs + self._pending.get(rid, 0), others_inflight=ld.others_reqs)
         f = self.cfg
@@ -239,7 +240,7 @@ class FlowControl:
             rest = [c for c in ranked if c.replica_id not in ids]
             ctx.routing = dataclasses.replace(routing, decision=Decision(routing.decision.policy, tuple(roomy + rest)))
             rid = roomy[0].replica_id
-        self.ledger.add(rid, self.wall(), +1)
+        self.grants.add(rid, self.wall(), +1)
         t.replica = rid
         return True
 
@@ -277,7 +278,7 @@ class FlowControl:
                 continue
             if not self._grant(w.ctx, t):  # the pool view had room: trust it for the best-ranked
                 t.replica = w.ctx.routing.decision.ranked[0].replica_id
-                self.ledger.add(t.replica, self.wall(), +1)
+                self.grants.add(t.replica, self.wall(), +1)
             t.pending = True
             self._pending[t.replica] = self._pending.get(t.replica, 0) + 1
             t.path = "released"
