@@ -92,7 +92,8 @@ def load_tenant_flows(path: str | Path, priorities: list[str]) -> dict[str, Tena
         where = f"api keys file {path}: tenant {tenant!r}"
         unknown = set(entry) - {"keys", "weight", "priority", "allowed_priorities"}
         if unknown:
-            raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r} (known: keys, weight, priority, allowed_priorities)")
+            raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r} "
+                             "(known: keys, weight, priority, allowed_priorities)")
         tf = tenant_flow(entry.get("weight"), entry.get("priority"), entry.get("allowed_priorities"), where=where)
         for p in ([tf.priority] if tf.priority else []) + sorted(tf.allowed_priorities or ()):
             if p not in priorities:
@@ -137,7 +138,8 @@ class FlowRules:
     def _classify(self, identity: Identity, headers: Mapping[str, str]) -> FlowClass:
         cfg = self.cfg
         claimed = self._from_claims(identity.claims) if identity.claims else None
-        sources = [s for s in (claimed, self.key_flows.get(identity.tenant_id), self._conf.get(identity.tenant_id)) if s]
+        tid = identity.tenant_id
+        sources = [s for s in (claimed, self._key_flows.get(tid), self._conf.get(tid)) if s]
         weight = next((s.weight for s in sources if s.weight is not None), cfg.default_weight)
         own = next((s.priority for s in sources if s.priority is not None), cfg.default_priority)
         allowed = next((s.allowed_priorities for s in sources if s.allowed_priorities is not None), frozenset())
@@ -163,8 +165,8 @@ class FlowRules:
         try:
             tf = tenant_flow(w, p, a, where="JWT")
         except ValueError as exc:
-            raise ApiError(401, f"{exc} (claims {cfg.weight_claim}, {cfg.priority_claim}, {cfg.allowed_priorities_claim})",
-                           code="invalid_token") from None
+            names = f"{cfg.weight_claim}, {cfg.priority_claim}, {cfg.allowed_priorities_claim}"
+            raise ApiError(401, f"{exc} (claims {names})", code="invalid_token") from None
         for name in ([tf.priority] if tf.priority else []) + sorted(tf.allowed_priorities or ()):
             if name not in self.index:
                 raise ApiError(401, f"JWT names unknown priority class {name!r} (known: {', '.join(cfg.priorities)})",

@@ -68,13 +68,15 @@ class FlowMetrics:
                             ["tenant_hash", "priority"], registry=r, multiprocess_mode="livesum")
         self.wait = Histogram("warmroute_gateway_flow_queue_wait_seconds", "Time a request was held before release",
                               ["tenant_hash", "priority"], buckets=_WAIT_BUCKETS, registry=r)
-        self.admissions = Counter("warmroute_gateway_flow_admissions", "Requests flow control let on: direct (room at "
-                                  "arrival) or released (after being held)", ["tenant_hash", "priority", "path"], registry=r)
+        self.admissions = Counter("warmroute_gateway_flow_admissions",
+                                  "Requests flow control let on: direct (room at arrival) or released (after being held)",
+                                  ["tenant_hash", "priority", "path"], registry=r)
         self.sheds = Counter("warmroute_gateway_flow_sheds", "Held or refused requests by reason: queue_full, "
-                             "queue_timeout, no_replica, shutting_down, client_gone", ["tenant_hash", "priority", "reason"],
-                             registry=r)
-        self.shared = Gauge("warmroute_gateway_flow_shared", "1 while fair shares and limits are exchanged with the other "
-                            "gateways, 0 while this gateway runs on its local share", registry=r, multiprocess_mode="min")
+                             "queue_timeout, no_replica, shutting_down, client_gone",
+                             ["tenant_hash", "priority", "reason"], registry=r)
+        self.shared = Gauge("warmroute_gateway_flow_shared", "1 while fair shares and limits are exchanged with the "
+                            "other gateways, 0 while this gateway runs on its local share", registry=r,
+                            multiprocess_mode="min")
         self._children: dict[tuple, object] = {}
 
     def child(self, metric, *labels):
@@ -215,7 +217,9 @@ class FlowControl:
         rep = self.routing.index.last_load(rid)
         if rep is not None and self.wall() - rep.ts > self.grants.horizon_s:
             rep = None  # older than the ledgers remember: the floor alone
-        delta = self.grants.since(rid, rep.ts) + self.finishes.since(rid, rep.ts - REPORT_SLACK_S) if rep is not None else 0
+        delta = 0
+        if rep is not None:
+            delta = self.grants.since(rid, rep.ts) + self.finishes.since(rid, rep.ts - REPORT_SLACK_S)
         occ = occupancy_reqs(rep, delta, own_active=ld.active_reqs,
                              own_inflight=ld.inflight_reqs + self._pending.get(rid, 0), others_inflight=ld.others_reqs)
         f = self.cfg
