@@ -281,6 +281,45 @@ def _scenario(name: str, n_gw: int, flow: bool, reqs, ctx, args) -> dict:
     return row
 
 
+def hot_path_us(n: int = 20_000, replicas: int = 4) -> dict[str, float]:
+    """Microseconds the admission stage costs a request that goes straight on (in process, no
+    I/O): flow control on, and off (the stage returns at once), side by side."""
+    import random as _random
+
+    from prometheus_client import CollectorRegistry
+
+    from gateway.auth import Identity, TenantLimiter
+    from gateway.config import config_from_dict
+    from gateway.context import RequestContext
+    from gateway.flow import FlowControl
+    from gateway.index import KVIndex
+    from gateway.load import LoadTracker
+    from gateway.membership import Membership
+    from gateway.routing import RoutingState
+    from policies.base import RequestView
+    from policies.calibration import Calibrator
+    from policies.registry import get_policy
+
+    async def one(enabled: bool) -> float:
+        mem = Membership()
+        mem.set_members({f"r{i}": f"http://r{i}" for i in range(replicas)})
+        rs = RoutingState(KVIndex(max_entries=1000, stale_after_s=10.0), LoadTracker(), Calibrator(), speculative_ttl_s=2.0)
+        fc = FlowControl(config_from_dict({"flow": {"enabled": enabled}}, env={}), routing=rs, membership=mem,
+                         limiter=TenantLimiter({}), slots=256, registry=CollectorRegistry())
+        routing = rs.decide(RequestView(prompt_tokens=100, block_size=16, keys=tuple(range(6))),
+                            {r: True for r in mem.ids()}, get_policy("cache_aware"), _random.Random(0))
+        ident = Identity("tenant")
+        t0 = time.perf_counter()
+        for _ in range(n):
+            ctx = RequestContext("x", "/v1/chat/completions", "chat", {}, 0.0, identity=ident, routing=routing)
+            await fc.hold(ctx, None)
+            fc.finished(ctx)
+        return (time.perf_counter() - t0) / n * 1e6
+
+    on, off = asyncio.run(one(True)), asyncio.run(one(False))
+    return {"on_us": round(on, 2), "off_us": round(off, 2), "added_us": round(on - off, 2)}
+
+
 def _verdicts(rows: list[dict]) -> list[dict]:
     out = []
     for n_gw in sorted({r["gateways"] for r in rows}):
@@ -314,15 +353,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet-share", type=float, default=0.5,
                     help="the quiet tenant's rate, in fair shares (1.0: exactly its share, which leaves it no headroom "
                          "when the pool's capacity dips: its queue is then critically loaded)")
-    ap.add_argument("--engine-queue-reqs", type=int, default=0, help="flow.engine_queue_reqs of the runs")
+    ap.add_argument("--engine-queue-reqs", type=int, default=1, help="flow.engine_queue_reqs of the runs")
     ap.add_argument("--noisy-multiple", type=float, default=5.0, help="the noisy tenant's rate, in fair shares")
     ap.add_argument("--max-queue-wait-s", type=float, default=5.0, help="flow.max_queue_wait_s of the runs")
     ap.add_argument("--max-queue-reqs", type=int, default=200, help="flow.max_queue_reqs_per_tenant of the runs")
     ap.add_argument("--client-timeout-s", type=float, default=120.0)
     ap.add_argument("--gateways", default="1,2", help="gateway counts to run")
     ap.add_argument("--json", default=None, help="write the report here")
+    ap.add_argument("--hot-path-only", action="store_true", help="only the in-process cost of the straight-on path")
     args = ap.parse_args(argv)
+    if args.hot_path_only:
+        print(json.dumps(hot_path_us()))
+        return 0
 
+    hot = hot_path_us()
+    report_hot = {"admission_direct_path_us": hot}
+    print(f"admission stage, straight-on path: {hot['on_us']} us/request with flow control, {hot['off_us']} without "
+          f"(added {hot['added_us']} us)", flush=True)
     exe = shutil.which("redis-server")
     if exe is None:
         raise SystemExit("redis-server not found (apt-get install redis-server)")
@@ -335,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     redis_url = f"redis://127.0.0.1:{rport}/0"
     pool: list = []
     report: dict = {"command": " ".join(["python -m loadtests.bench_flow"] + (argv if argv is not None else sys.argv[1:])),
-                    "params": vars(args), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "rows": []}
+                    "params": vars(args), "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), **report_hot,
+                    "rows": []}
     try:
         time.sleep(0.3)
         spec = {"max_num_seqs": args.max_num_seqs, "num_blocks": args.num_blocks, "time_scale": args.time_scale,
