@@ -5,7 +5,8 @@ Rules:
   an attained service `served` (the cost of its requests released so far, by any gateway that
   shares it) and a weight; a tenant with held requests has the tag `max(served / weight, V)`,
   where V, the queue's virtual time, is the tag of the last request released (it never goes
-  back). The lowest tag goes next; equal tags go to the head queued first. Releasing a request
+  back). The lowest tag goes next; equal tags go to the tenant whose key sorts first (a rule no
+  held request can change: arrival order would let a leaving request reorder the others). Releasing a request
   of cost c adds c to its tenant's `served`; a tenant new to the queue starts at served = V x
   weight, and a weight change keeps served / weight. So two tenants with held requests are served in
   proportion to their weights, within one request's cost of it at every point
@@ -38,7 +39,7 @@ class Entry:
     __slots__ = ("seq", "tenant", "cls", "cost", "t_queued", "payload", "queued")
 
     def __init__(self, seq: int, tenant: str, cls: int, cost: float, t_queued: float, payload: Any) -> None:
-        self.seq = seq  # global push order (ties between tenants)
+        self.seq = seq  # global push order
         self.tenant = tenant  # tenant key (the gateway uses the tenant's hash)
         self.cls = cls  # priority class, 0 highest
         self.cost = cost  # service it takes (the gateway counts requests: 1.0)
@@ -119,15 +120,14 @@ class FairQueue:
 
     def peek(self) -> Entry | None:
         """The entry `pop` would release, without releasing it."""
-        best: tuple[float, int] | None = None
-        best_e = None
+        best: tuple[float, str] | None = None
+        best_t = None
         v = self.vtime
-        for t in self._backlogged.values():
-            e = t.head()
-            key = (max(t.served / t.weight, v), e.seq)
+        for name, t in self._backlogged.items():
+            key = (max(t.served / t.weight, v), name)
             if best is None or key < best:
-                best, best_e = key, e
-        return best_e
+                best, best_t = key, t
+        return best_t.head() if best_t is not None else None
 
     def pop(self) -> Entry | None:
         """Release the next entry (module rules); None when nothing is held."""

@@ -112,7 +112,7 @@ def flow_config(tmp_path, replicas: dict[str, str], tenants: dict, flow: dict | 
         "salt": {"secret_file": str(tmp_path / "salt")},
         "auth": {"api_keys_file": keys_file(tmp_path / "keys.yaml", tenants),
                  "jwt": {"hs256_secret_file": str(tmp_path / "hs")}},
-        "flow": {"max_num_seqs": 2, **(flow or {})},
+        "flow": {"max_num_seqs": 2, "engine_queue_reqs": 0, **(flow or {})},  # saturated at exactly 2 per replica
     }
     for k, v in sections.items():
         cfg[k] = {**cfg.get(k, {}), **v}

@@ -181,7 +181,7 @@ def test_weights_set_the_long_run_shares():
         q.push("big", n, now=0.0, weight=3.0)
         q.push("small", n, now=0.0, weight=1.0)
     first = [q.pop().tenant for _ in range(200)]
-    assert first.count("big") == 150 and first.count("small") == 50
+    assert abs(first.count("big") - 150) <= 1 and first.count("big") + first.count("small") == 200
 
 
 def test_a_weight_change_keeps_the_tenants_place():
@@ -231,7 +231,7 @@ def test_prune_forgets_only_tenants_that_would_come_back_the_same():
     q.push("a", 1, now=0.0)
     q.push("b", 1, now=0.0)
     q.push("b", 2, now=0.0)
-    q.pop(), q.pop()  # a then b (ties: the earlier head)
+    q.pop(), q.pop()  # a then b (ties: the tenant key)
     assert q.prune() == 0  # a: served 1 > V; b still held
     q.pop()
     q.push("c", 1, now=0.0)

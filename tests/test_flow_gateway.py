@@ -75,7 +75,8 @@ async def test_held_requests_come_out_fairly_between_tenants(tmp_path, tok):
             await _release_one_by_one(rep, g, 8)
             order = rep.arrived[2:]
             # without flow control the engine would see n0..n5 then q0, q1; fair: alternating
-            assert order[:4] == ["n0", "q0", "n1", "q1"], order
+            assert sorted(order[:4]) == ["n0", "n1", "q0", "q1"], order
+            assert [x for x in order if x[0] == "n"] == [f"n{i}" for i in range(6)]  # FIFO within the tenant
             rep.drain()
             results = await asyncio.gather(*fill, *noisy, *quiet)
             assert all(st == 200 for st, _, _ in results)
@@ -102,9 +103,9 @@ async def test_weights_from_the_keys_file_and_from_a_jwt_claim(tmp_path, tok):
             await until(lambda: len(g.gateway.flow.queue) == 8)
             tasks += [asyncio.create_task(ask(s, g.url, "k-heavy", f"h{i}")) for i in range(8)]
             await until(lambda: len(g.gateway.flow.queue) == 16)
-            await _release_one_by_one(rep, g, 8)
-            first = rep.arrived[2:10]
-            assert sum(x.startswith("h") for x in first) == 6, first  # weight 3 against 1
+            await _release_one_by_one(rep, g, 12)
+            first = rep.arrived[2:14]
+            assert 8 <= sum(x.startswith("h") for x in first) <= 10, first  # weight 3 against 1: 9, within a request
             # a JWT's weight claim: tenant "jwt-big" weighs 3 against light's 1
             rep.drain()
             await asyncio.gather(*fill, *tasks)
@@ -115,9 +116,9 @@ async def test_weights_from_the_keys_file_and_from_a_jwt_claim(tmp_path, tok):
             await until(lambda: len(g.gateway.flow.queue) == 8)
             tasks += [asyncio.create_task(ask(s, g.url, big, f"j{i}")) for i in range(8)]
             await until(lambda: len(g.gateway.flow.queue) == 16)
-            await _release_one_by_one(rep, g, 8)
-            first = rep.arrived[2:10]
-            assert sum(x.startswith("j") for x in first) == 6, first
+            await _release_one_by_one(rep, g, 12)
+            first = rep.arrived[2:14]
+            assert 8 <= sum(x.startswith("j") for x in first) <= 10, first
             rep.drain()
             assert all(st == 200 for st, _, _ in await asyncio.gather(*fill, *tasks))
     finally:
