@@ -9,8 +9,9 @@ Room, per replica r, from the signals the cache_aware policy prices (policies/ca
                      gateways' in-flight ones);
                      without a usable report (load-only, an agent not heard from, a report older
                      than the ledger's horizon): that floor alone
-    backlog_s      = max(waiting x mean uncached prefill tokens, in-flight prefill tokens) x
-                     prefill seconds per token (the backlog part of the policy's queue_penalty_s)
+    backlog_s      = gateway.routing.queued_prefill_tokens (max(waiting x mean uncached prefill
+                     tokens, in-flight prefill tokens): the queue the policies price) x prefill
+                     seconds per token
     room           = healthy AND occupancy_reqs < max_num_seqs + engine_queue_reqs
                      AND backlog_s <= max_queue_penalty_s
 So a request goes on while an engine can start it now (a free sequence slot, little prefill ahead
@@ -41,7 +42,7 @@ from typing import Any, Mapping
 from gateway.auth import Identity, read_keys_file
 from gateway.config import FlowConfig
 from gateway.errors import ApiError
-from gateway.routing import MEAN_UNCACHED_EXTRA
+from gateway.routing import queued_prefill_tokens
 from policies.base import ReplicaView
 
 __all__ = ["TenantFlow", "FlowClass", "FlowRules", "SlotLedger", "occupancy_reqs", "backlog_s", "has_room",
@@ -223,8 +224,7 @@ def occupancy_reqs(report, ledger_delta: int, *, own_active: int, own_inflight: 
 
 def backlog_s(v: ReplicaView) -> float:
     """Seconds of prefill queued ahead of a new request on the replica (module header)."""
-    per_req = v.extra.get(MEAN_UNCACHED_EXTRA, 0.0) if v.extra else 0.0
-    return max(v.waiting_reqs * per_req, float(v.inflight_prefill_tokens)) * v.prefill_s_per_token
+    return queued_prefill_tokens(v) * v.prefill_s_per_token
 
 
 def has_room(v: ReplicaView, occupancy: int, *, slots: int, engine_queue_reqs: int, max_queue_penalty_s: float) -> bool:

@@ -4,23 +4,25 @@ constructor), and how they report trouble.
 - `run_index_sync`: keeps the KV index current from the feed (gateway.index_sync), restarting it
   with backoff when the feed fails.
 - `run_inflight_exchange`: every `inflight_poll_s`, adds this gateway's in-flight changes to the
-  feed's shared counters and reads everyone's (so active-active gateways see each other's load);
-  a zero increment every ~10 s keeps our counters' TTL alive while idle.
+  feed's shared counters and reads everyone's, in one round trip (so active-active gateways see
+  each other's load; the exchange also keeps our counters' TTL alive while idle); every
+  QUIET_EXCHANGE_S instead while no other gateway has anything in flight (idle CPU: each
+  exchange wakes Redis and this process). A board with
+  `exchange_inflight` (RedisFeed) does the increments, the TTL refresh and the read in one round
+  trip per period instead (each round trip wakes the gateway and costs it a send and a receive).
 - `run_keys_reload`: re-reads the API-keys file when its mtime changes (keeps the old keys if the
   new file is invalid).
 - `discover_model` / `run_model_discovery`: the model name and context length from the replicas'
   `/v1/models` when config does not give them.
-A failing dependency is logged once when it fails, then at most once per `Trouble.every_s` with
-the count, and once when it recovers: a Redis outage is a few lines, not one per second.
+A failing dependency is logged once when it fails, then at most once a minute with the count, and
+once when it recovers (replica_agent.feed.FailureLog): a Redis outage is a few lines, not one per
+second.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import time
-from typing import Callable
-
 import aiohttp
 
 from gateway.auth import ApiKeyStore, Authenticator, load_api_keys_file, parse_key_entry
@@ -29,79 +31,50 @@ from gateway.index_sync import IndexSync
 from gateway.load import LoadTracker
 from gateway.membership import Membership
 from gateway.model import ModelInfo
-from replica_agent.feed import InflightBoard
+from replica_agent.feed import FailureLog, InflightBoard
 
-__all__ = ["Trouble", "run_index_sync", "run_inflight_exchange", "run_keys_reload", "discover_model",
+__all__ = ["trouble", "run_index_sync", "run_inflight_exchange", "run_keys_reload", "discover_model",
            "run_model_discovery", "file_mtime"]
 
 log = logging.getLogger("warmroute.gateway")
 
 
-class Trouble:
-    """The health of one dependency, logged without flooding (module header)."""
-
-    def __init__(self, what: str, *, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.what = what  # e.g. "feed (index sync)"
-        self.every_s = every_s  # at most one repeat line per this many seconds
-        self.clock = clock
-        self.ok = False  # False until the first success
-        self.failures = 0  # consecutive failures
-        self._since = 0.0  # clock() of the first failure of this run
-        self._logged = -1e18  # clock() of the last warning
-
-    def failed(self, exc: BaseException) -> None:
-        now = self.clock()
-        self.ok = False
-        if self.failures == 0:
-            self._since = now
-        self.failures += 1
-        if self.failures == 1 or now - self._logged >= self.every_s:
-            self._logged = now
-            log.warning(f"{self.what} unavailable: {exc}", extra={"fields": {
-                "failures": self.failures, "for_s": round(now - self._since, 1)}})
-
-    def succeeded(self) -> None:
-        if self.failures:
-            log.info(f"{self.what} recovered", extra={"fields": {
-                "failures": self.failures, "after_s": round(self.clock() - self._since, 1)}})
-        self.ok = True
-        self.failures = 0
+def trouble(what: str) -> FailureLog:
+    """The failure log of one of the gateway's dependencies (module header)."""
+    return FailureLog(log, what)
 
 
-async def run_index_sync(sync: IndexSync, trouble: Trouble) -> None:
+async def run_index_sync(sync: IndexSync, health: FailureLog) -> None:
     backoff = 0.5
     while True:
         try:
-            trouble.ok = True  # IndexSync retries short outages itself; a raise is a long one
+            health.ok()  # IndexSync retries short outages itself; a raise is a long one
             await sync.run()
             return
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001
-            trouble.failed(exc)
+            health.failed(exc)
             await asyncio.sleep(backoff)
             backoff = min(10.0, backoff * 2)
 
 
-async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, membership: Membership, trouble: Trouble,
-                                period_s: float) -> None:
-    last_beat = time.monotonic()
+QUIET_EXCHANGE_S = 1.0  # the exchange period while no other gateway has work in flight
+
+
+async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health: FailureLog, period_s: float) -> None:
     while True:
-        await asyncio.sleep(period_s)
+        # while the other gateways have nothing in flight (or there are none), a slower exchange:
+        # their first requests then weigh on our view at most QUIET_EXCHANGE_S late
+        await asyncio.sleep(period_s if load.others_active() else max(period_s, QUIET_EXCHANGE_S))
         try:
-            pending = await flush_inflight(board, load)
-            if time.monotonic() - last_beat > 10.0:
-                last_beat = time.monotonic()
-                for rid in membership.ids():
-                    if rid not in pending:
-                        await board.incr_inflight(rid, 0, 0)
-            shared = await board.inflight()
+            shared = await board.exchange_inflight(load.take_pending())
             load.set_shared({rid: (v.reqs, v.prefill_tokens) for rid, v in shared.items()})
-            trouble.succeeded()
+            health.ok()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001
-            trouble.failed(exc)
+            health.failed(exc)
             await asyncio.sleep(1.0)
 
 

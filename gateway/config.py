@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import yaml
 
 from gateway.auth import parse_key_entry
-from policies.registry import POLICY_NAMES, get_policy
+from policies.registry import POLICY_NAMES, PolicyParamError, get_policy
 
 __all__ = [
     "ConfigError", "GatewayConfig", "ServerConfig", "ModelConfig", "ReplicaSpec", "MembershipConfig",
@@ -34,7 +34,10 @@ ENV_PREFIX = "WARMROUTE_"
 
 
 class ConfigError(ValueError):
-    """Invalid configuration; the message starts with the dotted field name."""
+    """Invalid configuration; the message starts with the dotted field name. `env_var` names the
+    environment variable that set the offending field (None: the file, a flag or a default)."""
+
+    env_var: str | None = None
 
 
 @dataclass
@@ -302,16 +305,47 @@ def env_overrides(env: Mapping[str, str]) -> dict:
     return out
 
 
+def _env_fields(env: Mapping[str, str]) -> dict[str, str]:
+    """dotted field path -> the environment variable that sets it (as env_overrides reads them)."""
+    out = {}
+    for name in env:
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
+            if parts:
+                out[".".join(parts)] = name
+    return out
+
+
+def _blame_env(exc: ConfigError, fields: Mapping[str, str]) -> ConfigError:
+    """The same error, saying which environment variable set the field it is about (an error in
+    `policy.params.w_cache` or `membership.replicas[0].url` is the variable's that set that field,
+    or the whole mapping or list; `bogus: unknown field` is WARMROUTE_BOGUS__X's; an error about a
+    section is a variable's inside it only when it names that variable's field)."""
+    path, _, detail = str(exc).partition(": ")
+    for field_path, var in fields.items():
+        inside = field_path.startswith(path + ".") and (  # the error is about a section holding the field
+            detail.startswith("unknown field") or field_path.rsplit(".", 1)[-1] in detail)
+        if path == field_path or path.startswith(field_path + ".") or path.startswith(field_path + "[") or inside:
+            out = ConfigError(f"{exc} (set by the environment variable {var}, not the config file)")
+            out.env_var = var
+            return out
+    return exc
+
+
 def config_from_dict(data: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> GatewayConfig:
     merged = dict(data or {})
+    fields = _env_fields(env) if env else {}
     if env:
         merged = _deep_merge(merged, env_overrides(env))
-    # `membership.replicas` also accepts "ID=URL" strings and {id: url} mappings.
-    mem = merged.get("membership")
-    if isinstance(mem, Mapping) and "replicas" in mem:
-        merged["membership"] = dict(mem, replicas=_normalise_replicas(mem["replicas"], "membership.replicas"))
-    cfg = _build(GatewayConfig, merged, "")
-    validate(cfg)
+    try:
+        # `membership.replicas` also accepts "ID=URL" strings and {id: url} mappings.
+        mem = merged.get("membership")
+        if isinstance(mem, Mapping) and "replicas" in mem:
+            merged["membership"] = dict(mem, replicas=_normalise_replicas(mem["replicas"], "membership.replicas"))
+        cfg = _build(GatewayConfig, merged, "")
+        validate(cfg)
+    except ConfigError as exc:
+        raise _blame_env(exc, fields) from None
     return cfg
 
 
@@ -466,6 +500,8 @@ def _check_policy(cfg: GatewayConfig) -> None:
             raise _err(f"policy.params.{k}", f"must be a number or string, got {v!r}")
     try:
         get_policy(p.name, **p.params)  # policies are pure: building one checks its parameters
+    except PolicyParamError as exc:  # names the parameter: blame that field
+        raise _err(f"policy.params.{exc.param}", str(exc)) from None
     except (TypeError, ValueError) as exc:
         raise _err("policy.params", str(exc)) from None
     if p.prior_prefill_s_per_token <= 0:
@@ -515,30 +551,23 @@ _HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 def _check_flow(cfg: GatewayConfig) -> None:
     f = cfg.flow
-    if f.max_num_seqs is not None and f.max_num_seqs < 1:
-        raise _err("flow.max_num_seqs", f"must be >= 1, got {f.max_num_seqs}")
-    if f.engine_queue_reqs < 0:
-        raise _err("flow.engine_queue_reqs", f"must be >= 0, got {f.engine_queue_reqs}")
-    if f.max_queue_reqs_per_tenant < 0:
-        raise _err("flow.max_queue_reqs_per_tenant", f"must be >= 0 (0: never hold, answer 429), got {f.max_queue_reqs_per_tenant}")
-    for name in ("max_queue_penalty_s", "max_queue_wait_s", "release_interval_s", "share_interval_s"):
+    for name, low in (("max_num_seqs", 1), ("engine_queue_reqs", 0), ("max_queue_reqs_per_tenant", 0)):
         v = getattr(f, name)
-        if not (v > 0 and math.isfinite(v)):
-            raise _err(f"flow.{name}", f"must be a finite number > 0, got {v}")
+        if v is not None and v < low:
+            raise _err(f"flow.{name}", f"must be >= {low}, got {v}")
+    for name in ("max_queue_penalty_s", "max_queue_wait_s", "release_interval_s", "share_interval_s", "default_weight"):
+        if not (getattr(f, name) > 0 and math.isfinite(getattr(f, name))):
+            raise _err(f"flow.{name}", f"must be a finite number > 0, got {getattr(f, name)}")
     if not f.priorities:
         raise _err("flow.priorities", "must name at least one class")
     for i, p in enumerate(f.priorities):
-        if not p or not p.isprintable() or len(p) > 64:
-            raise _err(f"flow.priorities[{i}]", f"must be a printable name of 1..64 characters, got {p!r}")
-        if p in f.priorities[:i]:
-            raise _err(f"flow.priorities[{i}]", f"duplicate class {p!r}")
-    known = ", ".join(f.priorities)
+        if not p or not p.isprintable() or len(p) > 64 or p in f.priorities[:i]:
+            raise _err(f"flow.priorities[{i}]", f"must be a printable name of 1..64 characters, once, got {p!r}")
+    known = f"(flow.priorities: {', '.join(f.priorities)})"
     if f.default_priority not in f.priorities:
-        raise _err("flow.default_priority", f"unknown class {f.default_priority!r} (flow.priorities: {known})")
+        raise _err("flow.default_priority", f"unknown class {f.default_priority!r} {known}")
     if not _HEADER_NAME_RE.match(f.priority_header or ""):
         raise _err("flow.priority_header", f"not a valid HTTP header name: {f.priority_header!r}")
-    if not (f.default_weight > 0 and math.isfinite(f.default_weight)):
-        raise _err("flow.default_weight", f"must be a finite number > 0, got {f.default_weight}")
     for name in ("weight_claim", "priority_claim", "allowed_priorities_claim"):
         if not getattr(f, name):
             raise _err(f"flow.{name}", "must not be empty")
@@ -546,11 +575,11 @@ def _check_flow(cfg: GatewayConfig) -> None:
         where = f"flow.tenants.{tenant}"
         if t.weight is not None and not (t.weight > 0 and math.isfinite(t.weight)):
             raise _err(f"{where}.weight", f"must be a finite number > 0, got {t.weight}")
-        if t.priority is not None and t.priority not in f.priorities:
-            raise _err(f"{where}.priority", f"unknown class {t.priority!r} (flow.priorities: {known})")
-        for i, p in enumerate(t.allowed_priorities or []):
+        names = [(f"{where}.priority", t.priority)] if t.priority is not None else []
+        names += [(f"{where}.allowed_priorities[{i}]", p) for i, p in enumerate(t.allowed_priorities or [])]
+        for path, p in names:
             if p not in f.priorities:
-                raise _err(f"{where}.allowed_priorities[{i}]", f"unknown class {p!r} (flow.priorities: {known})")
+                raise _err(path, f"unknown class {p!r} {known}")
 
 
 def check_files(cfg: GatewayConfig) -> None:

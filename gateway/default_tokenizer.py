@@ -19,7 +19,7 @@ from pathlib import Path
 
 __all__ = ["CHATML_TEMPLATE", "QWEN_SPECIAL_TOKENS", "default_tokenizer_dir", "build_tokenizer_dir"]
 
-# The template the captured real-vLLM fixtures were produced with (shared/fixtures): ChatML.
+# The template the captured real-vLLM fixtures were produced with (tests/fixtures): ChatML.
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -25,8 +25,9 @@ from gateway.proxy import Attempt, UpstreamFailure, attempt
 from gateway.routing import RoutingState, predicted_matched_tokens
 from gateway.telemetry import Metrics
 from gateway.upstream import UpstreamPool
+from policies.base import Candidate
 
-__all__ = ["Dispatcher", "Answer"]
+__all__ = ["Dispatcher", "Answer", "start_try"]
 
 log = logging.getLogger("warmroute.gateway")
 
@@ -74,14 +75,8 @@ class Dispatcher:
                 up_span.end()
         raise _exhausted(last)
 
-    def _start(self, ctx: RequestContext, n: int, cand) -> Try:
-        view = ctx.routing.view_of(cand.replica_id)
-        predicted = predicted_matched_tokens(ctx.routing.request, view)
-        uncached = max(0, ctx.prompt.total_tokens - predicted)
-        flight = self.routing.dispatched(cand.replica_id, ctx.keys, uncached, ctx.request.max_tokens)
-        ctx.attempt = Try(n, cand, view, predicted, uncached, flight)
-        ctx.replica = cand.replica_id
-        return ctx.attempt
+    def _start(self, ctx: RequestContext, n: int, cand: Candidate) -> Try:
+        return start_try(self.routing, ctx, n, cand)
 
     def _failed(self, ctx: RequestContext, f: UpstreamFailure, up_span, *, retrying: bool) -> None:
         rid = ctx.replica
@@ -94,6 +89,17 @@ class Dispatcher:
         up_span.error(f.reason, f.status)
         if retrying:
             m.child(m.retries, f.phase).inc()
+
+
+def start_try(routing: RoutingState, ctx: RequestContext, n: int, cand: Candidate) -> Try:
+    """Attempt `n` goes to `cand`: count its work there (until `ctx.attempt.flight.finish()`)."""
+    view = ctx.routing.view_of(cand.replica_id)
+    predicted = predicted_matched_tokens(ctx.routing.request, view)
+    uncached = max(0, ctx.prompt.total_tokens - predicted)
+    flight = routing.dispatched(cand.replica_id, ctx.keys, uncached, ctx.request.max_tokens, view)
+    ctx.attempt = Try(n, cand, view, predicted, uncached, flight)
+    ctx.replica = cand.replica_id
+    return ctx.attempt
 
 
 def _exhausted(last: UpstreamFailure | None) -> ApiError:

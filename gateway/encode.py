@@ -2,8 +2,10 @@
 
 Rule: chat applies the model's chat template with the request's template options; completions
 encode each prompt with special tokens (a token-id prompt is taken as is). Short inputs tokenize
-inline and long ones on the tokenizer's worker threads: a thread hop for a short input costs more
-than the encoding, and with a busy loop the worker waits for the GIL up to a switch interval. A
+inline; for long ones the tokenizer encodes inline what its segment cache holds plus at most
+`inline_max_chars` of new text, and sends more than that to its worker threads: a thread hop costs
+more than a short encoding (or a cached document), and with a busy loop the worker waits for the
+GIL up to a switch interval. A completions batch of several prompts goes to the workers. A
 tokenizer refusal (unknown token id, invalid text) is the client's error (400 invalid_prompt); the
 context length check (gateway.parse) runs on the result.
 """
@@ -40,10 +42,12 @@ async def _chat(tok: TokenizerService, req: ParsedRequest, inline_max_chars: int
               tools=req.tools, continue_final_message=req.continue_final_message)
     if chat_chars(req.messages) <= inline_max_chars and not req.tools:
         return tok.encode_chat(req.messages, **kw)
-    return await tok.encode_chat_async(req.messages, **kw)
+    return await tok.encode_chat_auto(req.messages, inline_max_chars=inline_max_chars, **kw)
 
 
 async def _prompt(tok: TokenizerService, prompt, inline_max_chars: int, *, batch: bool) -> list[int]:
     if not batch and (not isinstance(prompt, str) or len(prompt) <= inline_max_chars):
         return tok.encode_prompt(prompt)
-    return await tok.encode_prompt_async(prompt)
+    if batch:
+        return await tok.encode_prompt_async(prompt)
+    return await tok.encode_prompt_auto(prompt, inline_max_chars=inline_max_chars)

@@ -22,7 +22,7 @@ Rules:
   held requests count against the per-tenant queue bound, and the tenant limiter gets the others'
   active requests and this gateway's share of each tenant's rate. When the board is away the
   gateway runs on its local share (bounds and limits divided by the gateways last seen), says so
-  in `warmroute_gateway_flow_shared`, /readyz and the log (background.Trouble), and goes back to
+  in `warmroute_gateway_flow_shared`, /readyz and the log (background.trouble), and goes back to
   sharing when the board returns.
 - Visible: held requests and their wait per tenant hash and class, admissions (direct or
   released), sheds by reason (metrics below), and the request's class, weight, wait and path as
@@ -42,7 +42,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from gateway.admission import (REPORT_SLACK_S, FlowClass, FlowRules, SlotLedger, has_room, load_tenant_flows,
                                occupancy_reqs, retry_after_s)
 from gateway.auth import TenantLimiter, tenant_hash
-from gateway.background import Trouble, file_mtime
+from gateway.background import file_mtime
 from gateway.config import ConfigError, GatewayConfig
 from gateway.context import RequestContext
 from gateway.errors import ApiError
@@ -50,7 +50,7 @@ from gateway.fairness import FairQueue
 from gateway.membership import Membership
 from gateway.routing import RoutingState
 from policies.base import Decision
-from replica_agent.feed import FairShareBoard, TenantShare
+from replica_agent.feed import FailureLog, FairShareBoard, TenantShare
 
 __all__ = ["FlowControl", "FlowMetrics", "Ticket", "run_share_exchange"]
 
@@ -448,18 +448,18 @@ class FlowControl:
         return None
 
 
-async def run_share_exchange(flow: FlowControl, board: FairShareBoard, trouble: Trouble, period_s: float) -> None:
+async def run_share_exchange(flow: FlowControl, board: FairShareBoard, health: FailureLog, period_s: float) -> None:
     """Exchange rows with the other gateways every `period_s` (module rules)."""
     flow.has_board = True
     while True:
         try:
             others = await board.exchange_shares(flow.share_row())
             flow.apply_shares(others)
-            trouble.succeeded()
+            health.ok()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001
-            trouble.failed(exc)
+            health.failed(exc)
             flow.board_lost()
             await asyncio.sleep(max(period_s, 1.0))
             continue

@@ -24,7 +24,6 @@ import asyncio
 import collections
 import http
 import logging
-import socket
 import time
 from email.utils import formatdate
 from typing import Awaitable, Callable
@@ -196,13 +195,10 @@ class _Conn(asyncio.Protocol):
 
     # --- transport callbacks
     def connection_made(self, transport) -> None:
+        # TCP_NODELAY (tokens are tiny writes) is already set on every accepted TCP socket by
+        # uvloop and by asyncio; setting it again cost a syscall per connection
+        # (tests/test_http_front.py checks it is on).
         self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:  # not TCP (tests on unix sockets)
-                pass
         self.server.conns.add(self)
 
     def connection_lost(self, exc) -> None:

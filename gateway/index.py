@@ -104,7 +104,7 @@ class KVIndex:
         self._lag_s: dict[str, float] = {}  # replica -> feed lag (set by the consumer)
         # speculative entries: key -> mask; (key, slot) -> expiry; heap of batches to sweep
         self._spec: dict[int, int] = {}
-        self._spec_until: dict[tuple[int, int], float] = {}
+        self._spec_until: dict[int, dict[int, float]] = {}  # slot -> key -> expiry (no tuple per key)
         self._spec_heap: list[tuple[float, int, int, tuple[int, ...]]] = []
         self._spec_seq = 0
 
@@ -244,10 +244,9 @@ class KVIndex:
             for k, m in list(self._spec.items()):
                 if m & bit:
                     self._spec[k] = (m & ~bit) | nbit
-            for (k, sl), until in list(self._spec_until.items()):
-                if sl == slot:
-                    del self._spec_until[(k, sl)]
-                    self._spec_until[(k, new)] = until
+            moved = self._spec_until.pop(slot, None)
+            if moved:
+                self._spec_until[new] = moved
             self._spec_heap = [(u, q, new if sl == slot else sl, ks) for u, q, sl, ks in self._spec_heap]
             heapq.heapify(self._spec_heap)
         self._zombies[slot] = None
@@ -372,16 +371,20 @@ class KVIndex:
         self._expire_spec(now)
         until = now + ttl_s
         spec = self._spec
-        spec_until = self._spec_until
+        get = spec.get
         for k in keys:
-            spec[k] = spec.get(k, 0) | bit
-            spec_until[(k, slot)] = until
+            spec[k] = get(k, 0) | bit
+        su = self._spec_until.get(slot)
+        if su is None:
+            su = self._spec_until[slot] = {}
+        su.update(dict.fromkeys(keys, until))  # C speed: one expiry per (key, slot), the latest wins
         self._spec_seq += 1
         heapq.heappush(self._spec_heap, (until, self._spec_seq, slot, tuple(keys)))
 
     def _drop_spec(self, slot: int, keys: Sequence[int]) -> None:
         bit = self._bit(slot)
         spec = self._spec
+        su = self._spec_until.get(slot)
         for k in keys:
             m = spec.get(k)
             if m is not None and m & bit:
@@ -390,14 +393,20 @@ class KVIndex:
                     spec[k] = m
                 else:
                     del spec[k]
-                self._spec_until.pop((k, slot), None)
+                if su is not None:
+                    su.pop(k, None)
+        if su is not None and not su:
+            del self._spec_until[slot]
 
     def _expire_spec(self, now: float) -> None:
         heap = self._spec_heap
         while heap and heap[0][0] <= now:
             _, _, slot, keys = heapq.heappop(heap)
-            until = self._spec_until
-            due = [k for k in keys if until.get((k, slot), now + 1) <= now]
+            su = self._spec_until.get(slot)
+            if su is None:
+                continue
+            later = now + 1
+            due = [k for k in keys if su.get(k, later) <= now]
             self._drop_spec(slot, due)
 
     # ---------------------------------------------------------------- match
@@ -409,51 +418,13 @@ class KVIndex:
             self._expire_spec(self._clock())
         live = self._live()
         spec = self._spec
-        gpu_get = self._gpu.get
-        oth_get = self._other.get
-        spec_get = spec.get
-        have_other = bool(self._other)
-        g = a = self._all_mask if spec else live
+        a = self._all_mask if spec else live
         if not a:
             return {}
-        gpu_run: dict[int, int] = {}
-        any_run: dict[int, int] = {}
-        n = len(keys)
-        if not spec and not have_other:
-            # fast path: GPU only, nothing speculative; `a` starts as the live mask so `a & held`
-            # needs no extra masking. gpu run == any run.
-            for i, k in enumerate(keys):
-                na = a & gpu_get(k, 0)
-                if na != a:
-                    _record(any_run, a ^ na, i)
-                    a = na
-                    if not a:
-                        break
-            else:
-                _record(any_run, a, n)
-            gpu_run = any_run
-            g = a = 0
-        else:
-            for i, k in enumerate(keys):
-                hg = gpu_get(k, 0) & live
-                if spec:
-                    hg |= spec_get(k, 0)
-                if g:
-                    ng = g & hg
-                    if ng != g:
-                        _record(gpu_run, g ^ ng, i)
-                        g = ng
-                ha = (hg | (oth_get(k, 0) & live)) if have_other else hg
-                na = a & ha
-                if na != a:
-                    _record(any_run, a ^ na, i)
-                    a = na
-                    if not a:
-                        break
-        if g:
-            _record(gpu_run, g, n)
-        if a:
-            _record(any_run, a, n)
+        if self._other:
+            gpu_run, any_run = _tier_runs(keys, a, live, self._gpu.get, self._other.get, spec.get if spec else None)
+        else:  # GPU only: gpu run == any run
+            gpu_run = any_run = _gpu_runs(keys, a, live, self._gpu.get, spec.get if spec else None)
         out: dict[str, Match] = {}
         replica_of = self._replica_of
         for slot, run in any_run.items():
@@ -497,9 +468,61 @@ class KVIndex:
             replicas=len(self._slot_of),
             entries_by_replica={r: self._entries_by_slot.get(s, 0) for r, s in self._slot_of.items()},
             feed_lag_s_by_replica=dict(self._lag_s),
-            speculative_entries=len(self._spec_until),
+            speculative_entries=sum(len(su) for su in self._spec_until.values()),
             live_replicas=bin(live).count("1"),
         )
+
+
+def _gpu_runs(keys: Sequence[int], a: int, live: int, gpu_get, spec_get) -> dict[int, int]:
+    """Slot -> leading run over the GPU medium (and speculative entries when `spec_get`)."""
+    runs: dict[int, int] = {}
+    if spec_get is None:
+        # `a` starts as the live mask, so `a & held` needs no extra masking
+        for i, k in enumerate(keys):
+            na = a & gpu_get(k, 0)
+            if na != a:
+                _record(runs, a ^ na, i)
+                a = na
+                if not a:
+                    return runs
+    else:
+        for i, k in enumerate(keys):
+            na = a & ((gpu_get(k, 0) & live) | spec_get(k, 0))
+            if na != a:
+                _record(runs, a ^ na, i)
+                a = na
+                if not a:
+                    return runs
+    _record(runs, a, len(keys))
+    return runs
+
+
+def _tier_runs(keys: Sequence[int], a: int, live: int, gpu_get, oth_get, spec_get) -> tuple[dict[int, int], dict[int, int]]:
+    """(GPU runs, any-medium runs) by slot when other tiers hold keys too."""
+    gpu_run: dict[int, int] = {}
+    any_run: dict[int, int] = {}
+    g = a
+    for i, k in enumerate(keys):
+        hg = gpu_get(k, 0) & live
+        if spec_get is not None:
+            hg |= spec_get(k, 0)
+        if g:
+            ng = g & hg
+            if ng != g:
+                _record(gpu_run, g ^ ng, i)
+                g = ng
+        na = a & (hg | (oth_get(k, 0) & live))
+        if na != a:
+            _record(any_run, a ^ na, i)
+            a = na
+            if not a:
+                break
+    n = len(keys)
+    if g:
+        _record(gpu_run, g, n)
+    if a:
+        _record(any_run, a, n)
+    return gpu_run, any_run
 
 
 def _record(runs: dict[int, int], dropped: int, i: int) -> None:

@@ -11,6 +11,15 @@ snapshot yet is read from the start of its stream (the agent writes one on its f
 the position are duplicates and skipped. A record that fails to apply is counted and skipped; a feed
 outage is retried with backoff, after which every followed replica is re-checked. `run()` never
 returns except by cancellation. Started by the gateway service (or a test), never by a constructor.
+
+Reads are coalesced: after a read that came back with records but less than a full batch (the
+consumer is caught up), the next read waits until `min_read_interval_s` after the previous one
+started, so records that arrive meanwhile come in one call. Without it every publish of every
+agent (one per engine step) woke the gateway for a read of a few records, and the per-call cost of
+the Redis client was the largest part of the gateway's CPU on long prompts; the price is at most
+`min_read_interval_s` more feed lag (the gateway's own routing is covered by speculative entries).
+A full batch from some replica (`batch_records` is per stream: a backlog) is followed by the next
+read at once.
 """
 from __future__ import annotations
 
@@ -31,7 +40,8 @@ log = logging.getLogger("warmroute.index_sync")
 class IndexSync:
     def __init__(self, feed: FeedReader, index: KVIndex, *, replicas: Iterable[str] | None = None,
                  discover_every_s: float = 2.0, check_every_s: float = 5.0, block_s: float = 0.5,
-                 batch_records: int = 2000, wall_clock: Callable[[], float] = time.time) -> None:
+                 batch_records: int = 2000, min_read_interval_s: float = 0.1,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.feed = feed
         self.index = index
         self._only: set[str] | None = set(replicas) if replicas is not None else None
@@ -39,6 +49,9 @@ class IndexSync:
         self.check_every_s = check_every_s
         self.block_s = block_s
         self.batch_records = batch_records
+        self.min_read_interval_s = min_read_interval_s
+        self._read_at = -1e18  # time.monotonic() when the last read started
+        self._coalesce = False  # the last read returned a partial batch: wait before the next
         self._wall = wall_clock
         self._positions: dict[str, int] = {}  # replica -> last applied offset
         self._rebuild: set[str] = set()  # replicas to rebuild from the snapshot before reading on
@@ -110,12 +123,35 @@ class IndexSync:
         if not self._positions:
             await asyncio.sleep(self.block_s)
             return 0
+        if self._coalesce:
+            wait_s = self._read_at + self.min_read_interval_s - time.monotonic()
+            if wait_s > 0:
+                await asyncio.sleep(wait_s)
+        self._read_at = time.monotonic()
         events = await self.feed.read(dict(self._positions), block_s=self.block_s, count=self.batch_records)
+        self._coalesce = bool(events) and not self._backlog(events)
+        applied: dict[str, float] = {}  # replica -> publish time of its last record applied in this batch
         for ev in events:
-            self._handle(ev)
+            if self._handle(ev) and ev.ts:
+                applied[ev.replica_id] = ev.ts
+        if applied:  # one lag per replica and batch: the last record's is the one reported
+            now = self._wall()
+            for rid, ts in applied.items():
+                lag = max(0.0, now - ts)
+                self._lag_s[rid] = lag
+                self.index.set_feed_lag(rid, lag)
         if not events:
             self.index.maintain(50_000)  # idle: finish sweeping cleared replicas' old entries
         return len(events)
+
+    def _backlog(self, events: list[FeedEvent]) -> bool:
+        """Did some replica's stream fill the batch (`count` is per stream)? Then more is waiting."""
+        if len(events) < self.batch_records:
+            return False
+        per: dict[str, int] = {}
+        for ev in events:
+            per[ev.replica_id] = per.get(ev.replica_id, 0) + 1
+        return max(per.values()) >= self.batch_records
 
     async def _discover(self) -> None:
         for rid in await self.feed.replicas():
@@ -154,14 +190,15 @@ class IndexSync:
         self._positions[rid] = snap.offset
         self._snapshot_offset[rid] = snap.offset
 
-    def _handle(self, ev: FeedEvent) -> None:
+    def _handle(self, ev: FeedEvent) -> bool:
+        """Apply one record in order (module rule); True if the index applied it."""
         rid = ev.replica_id
         pos = self._positions.get(rid)
         if pos is None or rid in self._rebuild:
-            return  # forgotten, or waiting for a rebuild: the snapshot covers it
+            return False  # forgotten, or waiting for a rebuild: the snapshot covers it
         if ev.offset <= pos:
             self.stats["duplicates"] += 1
-            return
+            return False
         if ev.offset != pos + 1 and pos != 0:
             if self._snapshot_offset.get(rid) == pos:
                 # just rebuilt and still a gap: the snapshot is older than the retained stream
@@ -170,21 +207,18 @@ class IndexSync:
             else:
                 self.stats["gaps"] += 1
                 self._rebuild.add(rid)
-                return
+                return False
         self._positions[rid] = ev.offset
         self._snapshot_offset.pop(rid, None)
         if ev.kind == INVALID_KIND:
             self.stats["bad_records"] += 1
             log.warning("undecodable feed record %s@%d: skipped", rid, ev.offset)
-            return
+            return False
         try:
             self.index.apply(ev)
         except Exception:
             self.stats["bad_records"] += 1
             log.exception("bad feed record %s@%d (%s): skipped", rid, ev.offset, ev.kind)
-            return
+            return False
         self.stats["records"] += 1
-        if ev.ts:
-            lag = max(0.0, self._wall() - ev.ts)
-            self._lag_s[rid] = lag
-            self.index.set_feed_lag(rid, lag)
+        return True

@@ -142,6 +142,10 @@ class LoadTracker:
             ld.others_reqs = max(0, int(reqs) - mine[0])
             ld.others_tokens = max(0, int(tokens) - mine[1])
 
+    def others_active(self) -> bool:
+        """Another gateway had requests in flight at the last exchange."""
+        return any(ld.others_reqs or ld.others_tokens for ld in self._loads.values())
+
     def routed_rps(self, replica_id: str, now: float) -> float:
         """Requests routed here per second, an EWMA with time constant routed_tau_s, decayed to `now`
         (the cache_aware balance guard compares it across replicas)."""

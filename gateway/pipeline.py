@@ -27,11 +27,11 @@ import os
 import random
 import time
 from functools import partial
-from typing import Mapping
+from typing import Collection, Mapping
 
 from gateway.auth import Authenticator, Identity, TenantLimiter
 from gateway.config import GatewayConfig
-from gateway.context import Outcome, RequestContext
+from gateway.context import Outcome, RequestContext, Try
 from gateway.dispatch import Dispatcher
 from gateway.encode import tokenize
 from gateway.errors import ApiError, sse_error_event
@@ -44,14 +44,14 @@ from gateway.parse import check_model, parse_body, parse_request
 from gateway.proxy import Attempt
 from gateway.relay import relay, send_whole
 from gateway.rewrite import upstream_body
-from gateway.routing import RoutingState
+from gateway.routing import RoutingState, queued_prefill_tokens
 from gateway.salt import SaltDeriver
 from gateway.telemetry import Metrics
 from gateway.tokenization import TokenizerService
 from gateway.tracing import NO_SPAN, Tracing
 from policies.base import Policy, RequestView
 
-__all__ = ["Pipeline", "ROUTES"]
+__all__ = ["Pipeline", "ROUTES", "outcome_of"]
 
 log = logging.getLogger("warmroute.gateway")
 access_log = logging.getLogger("warmroute.gateway.access")
@@ -135,10 +135,7 @@ class Pipeline:
         if r.client_gone:
             return 499  # the client closed the request
         if at.status == 200:
-            terms = tr.candidate.terms
-            self.learn(ctx, Outcome(tr.replica_id, ttft_s, tr.predicted_cached_tokens, tr.uncached_tokens,
-                                    float(terms.get("backlog_tokens", 0.0)) if terms else 0.0,
-                                    tr.view.running_reqs if tr.view is not None else 0, r.usage, r.decode_step_s))
+            self.learn(ctx, outcome_of(tr, ttft_s=ttft_s, usage=r.usage, decode_step_s=r.decode_step_s))
         return at.status
 
     # ------------------------------------------------------------------ the stages
@@ -148,13 +145,16 @@ class Pipeline:
             rid = f"wr-{self._id_prefix}-{next(self._ids)}"
         return RequestContext(rid, route, ROUTES[route], headers, time.perf_counter(), span=NO_SPAN)
 
-    async def prepare(self, ctx: RequestContext, raw_body: bytes) -> None:
-        """admit, plan, flow and rewrite: afterwards `ctx.body` goes to `ctx.routing`'s ranked replicas."""
-        await self.admit(ctx, raw_body)
-        await self.plan(ctx)
+    async def prepare(self, ctx: RequestContext, raw_body: bytes, *, identity: Identity | None = None,
+                      only: Collection[str] | None = None) -> None:
+        """admit, plan, flow and rewrite: afterwards `ctx.body` goes to `ctx.routing`'s ranked replicas.
+        `identity`: already established by a trusted front (skips authentication); `only`: the
+        replicas that may be picked (None: all)."""
+        await self.admit(ctx, raw_body, identity=identity)
+        await self.plan(ctx, only=only)
         self.metrics.tokenize.observe(ctx.prompt.tokenize_s)
-        if ctx.routing.decision.ranked:
-            await self.flow.hold(ctx, self.decide)  # may wait, and then decide again (late binding)
+        if ctx.routing.decision.ranked:  # may wait, and then decide again (late binding)
+            await self.flow.hold(ctx, partial(self.decide, only=only))
         routing = ctx.routing
         self.metrics.decision.observe(routing.decision_s)
         ctx.span.decision(routing, ctx.flow.span_attrs() if ctx.flow is not None and self.tracing.enabled else None)
@@ -164,16 +164,16 @@ class Pipeline:
         ctx.body = upstream_body(ctx.payload, ctx.request, salt=ctx.salt, model_name=self.model.name,
                                  force_include_usage=p.force_include_usage, kv_cache_report_mode=p.kv_cache_report_mode)
 
-    async def admit(self, ctx: RequestContext, raw_body: bytes) -> None:
+    async def admit(self, ctx: RequestContext, raw_body: bytes, *, identity: Identity | None = None) -> None:
         """Who asks, for which model, within the tenant's limits; the trace span starts here."""
-        ctx.identity = self.auth.authenticate(ctx.headers)
+        ctx.identity = identity if identity is not None else self.auth.authenticate(ctx.headers)
         ctx.payload = parse_body(raw_body)  # the front already bounded its size (413)
         model = check_model(ctx.payload, self.model.served, self.model.known)
         self.auth.authorize_model(ctx.identity, model)
         ctx.limited = self.limiter.acquire(ctx.identity.tenant_id)
         ctx.span = self.tracing.request_span(ctx, model)
 
-    async def plan(self, ctx: RequestContext) -> None:
+    async def plan(self, ctx: RequestContext, *, only: Collection[str] | None = None) -> None:
         """Validate, tokenize, salt, key and decide (`ctx.identity` and `ctx.payload` are set)."""
         ident: Identity = ctx.identity
         ctx.request = parse_request(ctx.kind, ctx.payload, ctx.payload["model"])
@@ -183,14 +183,16 @@ class Pipeline:
         ctx.keys = self.model.keychain.request_keys(ctx.prompt.first_ids, salt=ctx.salt)
         rv = RequestView(prompt_tokens=len(ctx.prompt.first_ids), block_size=self.model.block_size,
                          keys=tuple(ctx.keys), max_output_tokens=ctx.request.max_tokens,
-                         tenant_hash=ident.tenant_hash if self.auth.enabled else "", request_id=ctx.request_id)
-        self.decide(ctx, rv)
+                         tenant_hash=ident.tenant_hash if ident.method != "none" else "", request_id=ctx.request_id)
+        self.decide(ctx, rv, only=only)
 
-    def decide(self, ctx: RequestContext, rv: RequestView | None = None) -> None:
+    def decide(self, ctx: RequestContext, rv: RequestView | None = None, *, only: Collection[str] | None = None) -> None:
         """Rank the replicas for the request (`rv`, else the one decided before: flow control's
-        late binding) as the index, load and health stand now."""
+        late binding) as the index, load and health stand now; `only`: the replicas that may be
+        picked (None: all)."""
         now = self.membership.clock()
-        available = {st.replica_id: st.available(now) for st in self.membership.all()}
+        available = {st.replica_id: st.available(now) for st in self.membership.all()
+                     if only is None or st.replica_id in only}
         ctx.routing = self.routing.decide(rv or ctx.routing.request, available, self.policy, self.rng)
 
     def learn(self, ctx: RequestContext, outcome: Outcome) -> None:
@@ -209,7 +211,7 @@ class Pipeline:
         m = self.metrics
         m.request_done(ctx.route, ctx.status, ctx.replica)
         m.child(m.e2e, ctx.route).observe(elapsed)
-        if ident is not None and self.auth.enabled:
+        if ident is not None and ident.method != "none":  # a tenant was identified (key, JWT or trusted header)
             m.child(m.tenant_requests, ident.tenant_hash).inc()
         ctx.span.set("http.response.status_code", ctx.status)
         ctx.span.end()
@@ -219,6 +221,13 @@ class Pipeline:
             access_log.info("request", extra={"fields": fields})
         elif ctx.status in (401, 403, 429):  # refusals are worth a line even with the access log off
             log.info("request refused", extra={"fields": {**fields, "error": ctx.error}})
+
+
+def outcome_of(tr: Try, *, ttft_s: float | None, usage, decode_step_s: float | None) -> Outcome:
+    """What the learner needs of an answered attempt (its prediction and the queue it saw)."""
+    return Outcome(tr.replica_id, ttft_s, tr.predicted_cached_tokens, tr.uncached_tokens,
+                   queued_prefill_tokens(tr.view), tr.view.running_reqs if tr.view is not None else 0, usage,
+                   decode_step_s)
 
 
 async def _internal_error(resp: FrontResponse, request_id: str) -> None:

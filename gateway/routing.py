@@ -6,14 +6,15 @@ the one place both fronts and the virtual-time simulator (loadtests/vtime.py) de
 `decide()` assembles the views and ranks them, `dispatched()` records where a request went (its
 in-flight work, and its keys speculatively in the index). Time comes from the injected clock.
 
-Per replica r (DESIGN.md "One request, end to end", steps 5-6):
+Per replica r (the README's "What it does", steps 5-6):
 - matched blocks: the index's leading run for r (GPU, and GPU-or-CPU); 0 when r is absent;
 - load: the agent's last report (running, waiting, KV usage) plus in-flight work: this gateway's
   and the other gateways' requests without a first token yet, with their uncached prefill tokens.
   Without a report (load-only mode, or an agent not yet heard from) the running count is this
   gateway's own active requests;
-- extras: mean uncached prefill tokens and mean max_tokens of requests sent there (LoadTracker),
-  cache fill (index entries / KV blocks), routed requests per second;
+- what was sent there: mean uncached prefill tokens and mean max_tokens of its requests, routed
+  requests per second (LoadTracker); cache fill (index entries / the engine's KV blocks) and
+  those KV blocks (the agent's load report);
 - rates: the calibrator's prefill seconds per token and decode step seconds (priors at first);
 - health: probes and passive ejection (`Membership`); index liveness from the feed.
 Nothing here does I/O or reads a clock except through the arguments.
@@ -30,13 +31,8 @@ from gateway.load import Flight, LoadTracker
 from policies.base import Decision, Policy, ReplicaView, RequestView
 from policies.calibration import Calibrator
 
-__all__ = ["RoutingState", "build_views", "explain", "predicted_matched_tokens",
-           "MEAN_UNCACHED_EXTRA", "CACHE_FILL_EXTRA", "ROUTED_RATE_EXTRA", "MEAN_OUTPUT_EXTRA"]
-
-MEAN_UNCACHED_EXTRA = "mean_uncached_prefill_tokens"  # policies.cache_aware reads these extras
-CACHE_FILL_EXTRA = "kv_cached_frac"  # share of the replica's KV blocks holding indexed prefixes
-ROUTED_RATE_EXTRA = "routed_rps"  # requests routed to the replica per second (EWMA)
-MEAN_OUTPUT_EXTRA = "mean_output_tokens"  # mean max_tokens of requests routed to the replica (EWMA)
+__all__ = ["RoutingState", "build_views", "explain", "predicted_matched_tokens", "queued_prefill_tokens",
+           "PRIOR_UNCACHED_TOKENS"]
 
 
 class RoutingState:
@@ -76,12 +72,20 @@ class RoutingState:
         decision = policy.rank(request, views, rng)
         return Routing(request, tuple(views), decision, time.perf_counter() - t0)
 
-    def dispatched(self, replica_id: str, keys: Sequence[int], uncached_tokens: int, max_tokens: int) -> Flight:
+    def dispatched(self, replica_id: str, keys: Sequence[int], uncached_tokens: int, max_tokens: int,
+                   view: ReplicaView | None = None) -> Flight:
         """A request goes to `replica_id`: count its work there until `Flight.finish()`, and expect
-        its keys there (speculatively, until the engine's events confirm or the TTL passes)."""
+        its keys there (speculatively) until the engine's events confirm them. The engine stores a
+        block when its prefill completes, so the speculation lasts `speculative_ttl_s` plus the
+        prefill the view says is ahead of the request and its own (a 3,000-token document on a
+        1 ms/token replica takes 3 s: a fixed 2 s TTL would let the copy's last blocks lapse while
+        the engine is still computing them)."""
         flight = self.load.dispatch(replica_id, uncached_tokens, self.clock(), max_tokens)
         if keys:
-            self.index.insert_speculative(replica_id, keys, self.speculative_ttl_s)
+            ttl = self.speculative_ttl_s
+            if view is not None:
+                ttl += (view.inflight_prefill_tokens + uncached_tokens) * view.prefill_s_per_token
+            self.index.insert_speculative(replica_id, keys, ttl)
         return flight
 
     def forget(self, replica_id: str) -> None:
@@ -117,21 +121,10 @@ def build_views(
         rep = reports.get(rid)
         ld = loads.get(rid)
         prefill, decode = rates[rid]
-        inflight_reqs = (ld.inflight_reqs + ld.others_reqs) if ld is not None else 0
-        inflight_tokens = (ld.inflight_tokens + ld.others_tokens) if ld is not None else 0
         if rep is not None:
             running, waiting, kv = rep.running_reqs, rep.waiting_reqs, rep.kv_usage
         else:
             running, waiting, kv = (ld.active_reqs if ld is not None else 0), 0, 0.0
-        extra = {}
-        if ld is not None and ld.mean_uncached_tokens >= 0:
-            extra[MEAN_UNCACHED_EXTRA] = ld.mean_uncached_tokens
-        if ld is not None and ld.mean_output_tokens >= 0:
-            extra[MEAN_OUTPUT_EXTRA] = ld.mean_output_tokens
-        if cached_frac and rid in cached_frac:
-            extra[CACHE_FILL_EXTRA] = cached_frac[rid]
-        if routed_rps is not None:
-            extra[ROUTED_RATE_EXTRA] = routed_rps.get(rid, 0.0)
         views.append(ReplicaView(
             replica_id=rid,
             healthy=bool(available.get(rid, False)),
@@ -140,14 +133,32 @@ def build_views(
             index_live=bool(live.get(rid, False)),
             running_reqs=running,
             waiting_reqs=waiting,
-            inflight_reqs=inflight_reqs,
-            inflight_prefill_tokens=inflight_tokens,
+            inflight_reqs=(ld.inflight_reqs + ld.others_reqs) if ld is not None else 0,
+            inflight_prefill_tokens=(ld.inflight_tokens + ld.others_tokens) if ld is not None else 0,
             kv_usage=kv,
             prefill_s_per_token=prefill,
             decode_step_s=decode,
-            extra=extra,
+            kv_capacity_blocks=rep.num_gpu_blocks if rep is not None else 0,
+            kv_cached_frac=cached_frac.get(rid) if cached_frac else None,
+            mean_uncached_prefill_tokens=ld.mean_uncached_tokens if ld is not None and ld.mean_uncached_tokens >= 0 else None,
+            mean_output_tokens=ld.mean_output_tokens if ld is not None and ld.mean_output_tokens >= 0 else None,
+            routed_rps=routed_rps.get(rid, 0.0) if routed_rps is not None else None,
         ))
     return views
+
+
+PRIOR_UNCACHED_TOKENS = 512.0  # a waiting request's prefill when nothing is known (cache_aware's prior too)
+
+
+def queued_prefill_tokens(view: ReplicaView | None) -> float:
+    """Prefill work queued ahead of a new request on the replica, in tokens, whatever the policy:
+    its waiting requests at their mean uncached size, or the gateways' in-flight uncached tokens,
+    whichever is larger (two views of one queue: the engine's last count, and what was sent since).
+    The rate calibration takes this wait out of a TTFT before it attributes the rest to prefill."""
+    if view is None:
+        return 0.0
+    per_req = view.mean_uncached_prefill_tokens if view.mean_uncached_prefill_tokens is not None else PRIOR_UNCACHED_TOKENS
+    return max(view.waiting_reqs * per_req, float(view.inflight_prefill_tokens))
 
 
 def predicted_matched_tokens(request: RequestView, view: ReplicaView | None) -> int:
@@ -177,6 +188,11 @@ def explain(request: RequestView, views: Sequence[ReplicaView], decision: Decisi
             "kv_usage": v.kv_usage,
             "prefill_s_per_token": v.prefill_s_per_token,
             "decode_step_s": v.decode_step_s,
+            "kv_capacity_blocks": v.kv_capacity_blocks,
+            "kv_cached_frac": v.kv_cached_frac,
+            "mean_uncached_prefill_tokens": v.mean_uncached_prefill_tokens,
+            "mean_output_tokens": v.mean_output_tokens,
+            "routed_rps": v.routed_rps,
             "rank": rank_c[0] if rank_c else None,
             "score": rank_c[1].score if rank_c else None,
             "terms": dict(rank_c[1].terms) if rank_c else None,

@@ -1,4 +1,4 @@
-"""The cache salt (DESIGN.md "Salt", a contract).
+"""The cache salt (a contract: the engine's `cache_salt`, and so tenant isolation, depends on it).
 
     cache_salt = base64url( HMAC-SHA256(secret, scope_id) )   without padding: 43 characters
 

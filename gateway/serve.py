@@ -53,7 +53,7 @@ def main_from_args(args) -> int:
 
 def _run_worker(cfg: GatewayConfig, *, reuse_port: bool) -> int:
     try:
-        return _run_loop(_serve(cfg, reuse_port))
+        return run_loop(_serve(cfg, reuse_port))
     except ConfigError as exc:
         print(f"invalid configuration: {exc}", file=sys.stderr)
         return 2
@@ -95,7 +95,7 @@ async def _serve(cfg: GatewayConfig, reuse_port: bool) -> int:
     return 0
 
 
-def _run_loop(coro) -> int:
+def run_loop(coro) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency where it builds

@@ -26,8 +26,8 @@ from aiohttp import web
 from gateway.admin import build_admin_app
 from gateway.assemble import build_authenticator, build_policy, build_salter
 from gateway.auth import TenantLimiter
-from gateway.background import (Trouble, discover_model, flush_inflight, run_index_sync, run_inflight_exchange,
-                                run_keys_reload, run_model_discovery)
+from gateway.background import (discover_model, flush_inflight, run_index_sync, run_inflight_exchange,
+                                run_keys_reload, run_model_discovery, trouble)
 from gateway.config import GatewayConfig, check_files
 from gateway.dispatch import Dispatcher
 from gateway.errors import ApiError
@@ -58,8 +58,10 @@ class Gateway:
     """All state of one gateway process; see the module header."""
 
     def __init__(self, cfg: GatewayConfig, *, feed: Feed | None = None, tracer_provider=None,
-                 tokenizer: TokenizerService | None = None, registry=None, reuse_port: bool = False) -> None:
+                 tokenizer: TokenizerService | None = None, registry=None, reuse_port: bool = False,
+                 api_port: bool = True) -> None:
         self.cfg = cfg
+        self.api_port = api_port  # serve the OpenAI API (False: the Envoy picker is the front)
         self.reuse_port = reuse_port  # share the ports with sibling workers (SO_REUSEPORT)
         self.feed = feed  # a Feed, or None: opened from cfg.feed.url at start
         self._own_feed = feed is None
@@ -87,9 +89,9 @@ class Gateway:
         self.flow = FlowControl(cfg, routing=self.routing, membership=self.membership, limiter=self.limiter,
                                 slots=cfg.flow.max_num_seqs or int(getattr(self.policy, "max_num_seqs", 256)),
                                 registry=self.metrics.registry)
-        self.share_trouble = Trouble("feed (flow control's fair shares)")
-        self.feed_trouble = Trouble("feed (index sync)")
-        self.board_trouble = Trouble("feed (shared in-flight counters)")
+        self.share_health = trouble("feed (flow control's fair shares)")
+        self.feed_health = trouble("feed (index sync)")
+        self.board_health = trouble("feed (shared in-flight counters)")
         self.index_sync: IndexSync | None = None
         self.session: aiohttp.ClientSession | None = None  # probes and model discovery
         self.pool: UpstreamPool | None = None  # proxied requests (the hot path)
@@ -145,9 +147,10 @@ class Gateway:
             metrics=self.metrics, tracing=self.tracing, flow=self.flow)
         if cfg.flow.enabled:
             self._spawn(self.flow.run(), "flow")
-        self._front, port = await start_front(self.h_api, cfg.server.host, cfg.server.port,
-                                              max_body_bytes=cfg.server.max_body_bytes, reuse_port=self.reuse_port)
-        self.url = f"http://{_host_for_url(cfg.server.host)}:{port}"
+        if self.api_port:
+            self._front, port = await start_front(self.h_api, cfg.server.host, cfg.server.port,
+                                                  max_body_bytes=cfg.server.max_body_bytes, reuse_port=self.reuse_port)
+            self.url = f"http://{_host_for_url(cfg.server.host)}:{port}"
 
     async def _start_admin(self) -> None:
         runner = web.AppRunner(build_admin_app(self), access_log=None, handler_cancellation=True)
@@ -163,11 +166,11 @@ class Gateway:
             self.feed = open_feed(self.cfg.feed.url)
         # Follow exactly the pool's replicas (an agent's --replica-id must equal the gateway's id).
         self.index_sync = IndexSync(self.feed, self.routing.index, replicas=self.membership.ids())
-        self._spawn(run_index_sync(self.index_sync, self.feed_trouble), "index-sync")
-        self._spawn(run_inflight_exchange(self.feed, self.routing.load, self.membership, self.board_trouble,
-                                          self.cfg.feed.inflight_poll_s), "inflight")
+        self._spawn(run_index_sync(self.index_sync, self.feed_health), "index-sync")
+        self._spawn(run_inflight_exchange(self.feed, self.routing.load, self.board_health, self.cfg.feed.inflight_poll_s),
+                    "inflight")
         if self.cfg.flow.enabled:
-            self._spawn(run_share_exchange(self.flow, fair_share_board(self.feed), self.share_trouble,
+            self._spawn(run_share_exchange(self.flow, fair_share_board(self.feed), self.share_health,
                                            self.cfg.flow.share_interval_s), "flow-shares")
 
     async def _start_membership(self) -> None:
@@ -231,7 +234,7 @@ class Gateway:
     # ------------------------------------------------------------------ state (admin, metrics)
     @property
     def feed_ok(self) -> bool:
-        return self.feed_trouble.ok and self.board_trouble.failures == 0
+        return not self.feed_health.failing and not self.board_health.failing
 
     def readiness(self) -> tuple[bool, list[str]]:
         ok, why = readiness(self)

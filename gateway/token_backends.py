@@ -56,6 +56,11 @@ class SegmentCache:
             self.hits += 1
             return item[0]
 
+    def holds(self, text: str) -> bool:
+        """Is `text` cached? A peek: no hit/miss counted, LRU order unchanged."""
+        with self._lock:
+            return text in self._d
+
     def put(self, text: str, ids: list[int]) -> None:
         size = self.entry_size(text, ids)
         if size > self.max_bytes or not self.enabled:

@@ -37,11 +37,14 @@ Why the fast path is still exact
    (lone surrogates) is rejected with TokenizationError -- HF cannot encode it either.
 
 Rendering is not cached: transformers renders an 8k-token conversation in ~35 us, far below the
-cost of tokenizing, so a per-message render cache would add risk for no gain.
+cost of tokenizing, so a per-message render cache would add risk for no gain. Where the work runs
+(`encode_*_auto`): on the caller's event loop when the text the segment cache does not hold is
+short, else on the worker threads: a long prompt whose document is cached costs a dict lookup, and
+a thread hop (~70 us of CPU: futures, wake-ups, GIL hand-offs) would cost more than the encoding.
 
 Tests (tests/test_tokenization.py) compare against plain ``AutoTokenizer`` (hypothesis property
 tests over random messages with special-token strings, unicode, whitespace runs) and against the
-real engine's ``/tokenize`` captured from vLLM (tests/fixtures).
+real engine's ``/tokenize`` captured in tests/fixtures.
 """
 from __future__ import annotations
 
@@ -230,12 +233,26 @@ class TokenizerService:
             return tt.encode_ordinary(piece)
         return self._hf_encode(piece, False)
 
-    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _pieces(self, text: str, add_special_tokens: bool) -> list[str] | None:
+        """`text` split at added tokens (piece, token, piece, ...), or None when it is encoded whole."""
         if not self._segmented or (add_special_tokens and self._adds_specials):
-            check_unicode(text)
-            return self._hf_encode(text, add_special_tokens)
+            return None
+        return self._split_re.split(text) if self._split_re is not None else [text]
+
+    def _uncached_chars(self, pieces: list[str] | None, text: str) -> int:
+        """Characters of `text` that the segment cache does not hold (what encoding it would cost)."""
+        if pieces is None or not self._cache.enabled:
+            return len(text)
+        held = self._cache.holds
+        return sum(len(p) for p in pieces[::2] if p and not held(p))
+
+    def _encode_text(self, text: str, add_special_tokens: bool, pieces: list[str] | None = None) -> list[int]:
+        if pieces is None:
+            pieces = self._pieces(text, add_special_tokens)
+            if pieces is None:
+                check_unicode(text)
+                return self._hf_encode(text, add_special_tokens)
         added = self._added
-        pieces = self._split_re.split(text) if self._split_re is not None else [text]
         out: list[int] = []
         cache = self._cache
         use_cache = cache.enabled
@@ -254,6 +271,15 @@ class TokenizerService:
                     cache.put(piece, ids)
             out += ids
         return out
+
+    async def _encode_text_auto(self, text: str, add_special_tokens: bool, inline_max_chars: int) -> list[int]:
+        """Encode on the caller's loop when at most `inline_max_chars` are not in the segment cache
+        (a repeated document costs a lookup there, less than a thread hop), else on the pool."""
+        pieces = self._pieces(text, add_special_tokens)
+        if self._uncached_chars(pieces, text) <= inline_max_chars:
+            return self._encode_text(text, add_special_tokens, pieces)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode_text, text,
+                                                                add_special_tokens, pieces)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -384,6 +410,38 @@ class TokenizerService:
             continue_final_message=continue_final_message, add_special_tokens=add_special_tokens,
         )
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    async def encode_prompt_auto(self, prompt: str | list[int], *, inline_max_chars: int) -> list[int]:
+        """`encode_prompt`, on the loop or the pool by what is left to encode (`_encode_text_auto`)."""
+        self._check_open()
+        if not isinstance(prompt, str):
+            return self.encode_prompt(prompt)
+        return await self._encode_text_auto(prompt, True, inline_max_chars)
+
+    async def encode_chat_auto(
+        self,
+        messages: list[dict],
+        *,
+        inline_max_chars: int,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+        tools: list | None = None,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """`encode_chat`, rendered on the loop (the template holds the GIL wherever it runs) and
+        encoded on the loop or the pool by what the segment cache leaves to encode
+        (`_encode_text_auto`). With tools, or kwargs that make transformers tokenize itself, all of
+        it runs on the pool as `encode_chat_async`."""
+        self._check_open()
+        kw = dict(add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs, tools=tools,
+                  continue_final_message=continue_final_message)
+        ctk = chat_template_kwargs if isinstance(chat_template_kwargs, dict) else {}
+        if tools or _TOKENIZER_KWARGS & (ctk.keys() | self._default_kwargs.keys()):
+            return await self.encode_chat_async(messages, **kw)
+        text, ids = self._render(messages, add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
+        if ids is not None:
+            return ids
+        return await self._encode_text_auto(text, False, inline_max_chars)
 
     def close(self) -> None:
         """Stop the thread pool (waits for running work) and drop the cache. Idempotent."""

@@ -17,7 +17,6 @@ mid-message. Idle connections are closed after `idle_keepalive_s` (default 4 s, 
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 from collections import deque
 from urllib.parse import urlsplit
@@ -69,10 +68,9 @@ class _Conn(asyncio.Protocol):
 
     # -- asyncio.Protocol --
     def connection_made(self, transport) -> None:
+        # TCP_NODELAY (tokens are tiny writes) is set on connect by uvloop and asyncio alike
+        # (tests/test_upstream_pool.py checks it)
         self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:  # tokens are tiny writes: never let Nagle hold them back
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
         if not self.busy or self.done:

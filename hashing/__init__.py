@@ -1,6 +1,6 @@
 """Pure hashing: token ids -> block keys. No I/O, no asyncio, no sockets.
 
-- `hashing.keys`: warmroute's own chained block keys (the DESIGN contract), computed identically
+- `hashing.keys`: warmroute's own chained block keys (a contract; layout in hashing/keys.py), computed identically
   by the gateway (from a request's tokens) and by the replica agent (from engine events).
 - `hashing.vllm_hash`: vLLM's engine-exact prefix-cache hashes (sha256, sha256_cbor), used by the
   simulator to emit the same hashes a real engine would and by checks.

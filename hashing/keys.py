@@ -1,4 +1,4 @@
-"""warmroute block keys (DESIGN.md "Block keys", a contract).
+"""warmroute block keys (a contract: the gateway and the replica agent must compute the same keys).
 
 Rule: only full blocks get a key. For block i of a request (0-based),
 

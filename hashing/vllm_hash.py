@@ -6,8 +6,8 @@ chained over full blocks; block 0's parent is NONE_HASH = H(serialize(seed)), se
 $PYTHONHASHSEED if set, else "vllm-none-hash". `serialize` is pickle protocol 5 for `sha256` and
 canonical CBOR for `sha256_cbor`. Extra keys as hashed are tagged tuples: `("cache_salt", salt)` on
 block 0 only, `("lora", name, path)`... (only the salt is modelled here). KV events carry the last
-8 bytes of the digest as an unsigned big-endian int (`event_int`). Verified against the vectors in
-ENGINE_FACTS.md and the captured real-vLLM fixture (tests/test_hashing.py).
+8 bytes of the digest as an unsigned big-endian int (`event_int`). Verified against vLLM's own
+hashes (seed "vllm-none-hash", tokens 0..15) and the captured real-vLLM fixture (tests/test_hashing.py).
 """
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ phase (one-token streams, closed loop) drives the gateway alone to find peak str
 CPU seconds (from /proc) to give CPU-ms per request and requests/s per core.
 
 Processes: the gateway runs in its own process; with `--gateway-cpu N` it is pinned to CPU N and
-the upstream and this load generator to the other CPU(s), as in PEERS.md's overhead measurements
-(default: no pinning; see the flag's help). The
+the upstream and this load generator to the other CPU(s), as the peer routers' published overhead
+measurements do (default: no pinning; see the flag's help). The
 upstream is by default a minimal fake replica (answers `/v1/chat/completions` with an immediate
 first event, then a few events, usage and [DONE]) so the figures measure the gateway and not a
 simulated engine; `--upstream sim` uses the replica simulator instead.

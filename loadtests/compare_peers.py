@@ -3,6 +3,14 @@
     python -m loadtests.compare_peers [--replicas 4] [--requests N] [--rate R]
         [--workload shared_docs|shared_docs_zipf|...] [--routers warmroute:cache_aware,...]
         [--json FILE] [--md FILE]
+    python -m loadtests.compare_peers --regime busy --case shared_docs_zipf [--seed S] [--routers ...]
+
+`--regime NAME --case CASE` runs a virtual-time regime's case (loadtests/vtime_regimes.py) on the
+wall clock: its replicas, KV blocks, max_num_seqs, token budget per step, client timeout, agent
+interval, request stream and rate, and its pre-warm (one request per shared document, sent one
+after another through the router under test before the measured stream). The text is rendered
+so the engine sees the nominal token counts vtime uses (loadtests.workloads.text_words_per_token:
+a pseudo-word is ~1.5 tokens). The gateway's max_num_seqs policy parameter is set to the sims'.
 
 Every component is a separate process on 127.0.0.1, started here and stopped here by PID (process
 group = that PID; also on error and Ctrl-C): N `warmroute sim` replicas (wall-clock time profile,
@@ -14,7 +22,7 @@ router's run the sims drain, their prefix caches are reset (POST /reset_prefix_c
 router is freshly started, so every router starts cold; then the identical request stream (same
 seed, Poisson arrivals and prompts: loadtests.bench.bench_requests + runner.run_load) is sent with
 a fresh TCP connection per request (sglang-router sets no TCP_NODELAY on accepted sockets, which
-adds ~40 ms to TTFT on reused connections; PEERS.md).
+adds ~40 ms to TTFT on reused connections: Nagle's algorithm meets delayed ACKs).
 
 Per router the report has the client-side figures (runner.summarize), and from the sims' own
 counters (deltas of /metrics, since peers do not name the replica in a header): requests per
@@ -43,8 +51,12 @@ from pathlib import Path
 
 import aiohttp
 
+from gateway.tokenization import TokenizerService
 from loadtests.bench import WALLCLOCK_DEFAULTS, _parse_params, bench_requests
 from loadtests.runner import CpuMeter, run_load, summarize
+from loadtests.vtime_regimes import REGIMES, build_case
+from loadtests.workloads import build_workload, text_words_per_token
+from policies.registry import policy_params
 
 MODEL = "warmroute-sim"
 DEFAULT_ROUTERS = "warmroute:cache_aware,warmroute:round_robin,sglang:cache_aware,sglang:round_robin,vllm:cache_aware"
@@ -196,6 +208,18 @@ async def _sim_counters(session: aiohttp.ClientSession, sims: dict[str, str]) ->
 async def _drain_and_reset(session: aiohttp.ClientSession, sims: dict[str, str], timeout_s: float) -> float:
     """Wait until no sim has work, then reset every prefix cache; return seconds waited."""
     t0 = time.monotonic()
+    await _drain(session, sims, timeout_s)
+    for url in sims.values():
+        async with session.post(url + "/reset_prefix_cache") as r:
+            if r.status != 200:
+                raise RuntimeError(f"reset_prefix_cache on {url}: HTTP {r.status}")
+    await asyncio.sleep(1.0)  # AllBlocksCleared -> agents -> feed
+    return time.monotonic() - t0
+
+
+async def _drain(session: aiohttp.ClientSession, sims: dict[str, str], timeout_s: float) -> None:
+    """Wait until no sim has work (restarting them after `timeout_s`)."""
+    t0 = time.monotonic()
     while True:
         stats = await _sim_counters(session, sims)
         busy = {rid: (s["stats"]["num_running"], s["stats"]["num_waiting"]) for rid, s in stats.items()
@@ -209,14 +233,8 @@ async def _drain_and_reset(session: aiohttp.ClientSession, sims: dict[str, str],
                 async with session.post(url + "/sim/fault", json={"kind": "restart"}) as r:
                     await r.read()
             await asyncio.sleep(2.0)
-            break
+            return
         await asyncio.sleep(0.5)
-    for url in sims.values():
-        async with session.post(url + "/reset_prefix_cache") as r:
-            if r.status != 200:
-                raise RuntimeError(f"reset_prefix_cache on {url}: HTTP {r.status}")
-    await asyncio.sleep(1.0)  # AllBlocksCleared -> agents -> feed
-    return time.monotonic() - t0
 
 
 # ------------------------------------------------------------------------------ routers
@@ -242,7 +260,9 @@ def _router_argv(kind: str, policy: str, port: int, sim_urls: list[str], venv: P
         # the sims run the wall-clock time model: give the calibration the same priors the
         # embedded harness gives (loadtests/harness.py), and log warnings only (as the peers)
         env = {"WARMROUTE_POLICY__PRIOR_PREFILL_S_PER_TOKEN": "0.001", "WARMROUTE_POLICY__PRIOR_DECODE_STEP_S": "0.012",
-               "WARMROUTE_MEMBERSHIP__HEALTH_INTERVAL_S": "0.5", "WARMROUTE_TELEMETRY__LOG_LEVEL": "WARNING"}
+               "WARMROUTE_TELEMETRY__LOG_LEVEL": "WARNING"}
+        if "max_num_seqs" in policy_params(policy):  # the operator's setting mirrors the engines' --max-num-seqs
+            env["WARMROUTE_POLICY__PARAMS__MAX_NUM_SEQS"] = str(ctx["max_num_seqs"])
         return argv, env, f"http://127.0.0.1:{admin}/readyz", f"http://127.0.0.1:{admin}/metrics"
     prom = _free_port()
     if kind == "sglang":
@@ -325,14 +345,48 @@ def _code_state() -> dict:
 # ------------------------------------------------------------------------------ the comparison
 
 
-async def _compare(args, procs: Procs, tmp: Path) -> dict:
-    from loadtests.workloads import build_workload
+def _apply_regime(args) -> None:
+    """`--regime NAME --case CASE`: the replicas, KV, scheduler, client timeout and agent interval
+    of a virtual-time regime (loadtests/vtime_regimes.py), so the wall clock runs what vtime does."""
+    reg = REGIMES[args.regime]
+    if args.case not in reg.cases:
+        raise SystemExit(f"--case: {args.regime} has {', '.join(reg.cases)}")
+    p = reg.params
+    args.replicas, args.num_blocks, args.max_num_seqs = reg.replicas, p.num_blocks, p.max_num_seqs
+    args.max_num_batched_tokens = p.max_batched_tokens
+    args.request_timeout = p.request_timeout_s or args.request_timeout
+    args.agent_load_interval = p.report_interval_s
 
-    params = dict(WALLCLOCK_DEFAULTS.get(args.workload, {}))
-    params.update(_parse_params(args.param))
-    params.update(rate_rps=args.rate, concurrency=None)
-    workload = build_workload(args.workload, args.requests, seed=args.seed, **params)
-    reqs = bench_requests(workload, MODEL, None)
+
+def _workload(args):
+    """(workload, its bench requests, pre-warm bench requests) of the run."""
+    if args.regime:
+        c = build_case(args.regime, args.case, args.seed, n_requests=args.regime_requests)
+        workload, warm = c.workload, c.warmup
+        args.rate, args.requests, args.prewarmed = round(c.rate_rps, 3), len(c.workload.requests), bool(warm)
+        # the engine must see the nominal token counts vtime uses: measure the text rendering
+        with TokenizerService() as tok:
+            wpt = text_words_per_token(tok.encode_prompt)
+    else:
+        params = dict(WALLCLOCK_DEFAULTS.get(args.workload, {}))
+        params.update(_parse_params(args.param))
+        params.update(rate_rps=args.rate, concurrency=None)
+        workload, warm, wpt = build_workload(args.workload, args.requests, seed=args.seed, **params), [], 1.0
+    return (workload, bench_requests(workload, MODEL, None, wpt),
+            bench_requests(workload, MODEL, None, wpt, requests=warm))
+
+
+async def _prewarm(url: str, warm: list, timeout_s: float) -> None:
+    """The pre-warm requests through the router, one after another (one per shared document)."""
+    if warm:
+        samples, _ = await run_load(url, warm, concurrency=1, fresh_connections=True, timeout_s=timeout_s)
+        failed = [x for x in samples if x.error]
+        if failed:
+            raise Unavailable(f"{len(failed)} of {len(warm)} pre-warm requests failed: {failed[0].error}")
+
+
+async def _compare(args, procs: Procs, tmp: Path) -> dict:
+    workload, reqs, warm = _workload(args)
     venv = Path(args.peers_venv)
     wr_bin = str(Path(sys.executable).with_name("warmroute"))
     if not Path(wr_bin).exists():
@@ -345,7 +399,7 @@ async def _compare(args, procs: Procs, tmp: Path) -> dict:
     feed_url = f"redis://127.0.0.1:{redis_port}/0"
     salt_file = tmp / "salt-secret"
     salt_file.write_text(os.urandom(24).hex())
-    ctx = {"warmroute_bin": wr_bin, "feed_url": feed_url, "salt_file": str(salt_file)}
+    ctx = {"warmroute_bin": wr_bin, "feed_url": feed_url, "salt_file": str(salt_file), "max_num_seqs": args.max_num_seqs}
 
     sims: dict[str, str] = {}
     endpoints = {}
@@ -359,6 +413,7 @@ async def _compare(args, procs: Procs, tmp: Path) -> dict:
         procs.start(f"sim-{rid}", [wr_bin, "sim", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
                                    "--block-size", "16", "--num-blocks", str(args.num_blocks),
                                    "--max-model-len", str(args.num_blocks * 16), "--max-num-seqs", str(args.max_num_seqs),
+                                   "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                                    "--time-profile", "wallclock", "--kv-events-endpoint", ev, "--replay-endpoint", rp])
         sims[rid] = f"http://127.0.0.1:{port}"
     sim_urls = list(sims.values())
@@ -388,6 +443,8 @@ async def _compare(args, procs: Procs, tmp: Path) -> dict:
                 await _wait_http(session, ready, procs, name, args.startup_timeout)
                 await _warmup(session, url)
                 await _drain_and_reset(session, sims, args.drain_timeout)
+                await _prewarm(url, warm, args.request_timeout)
+                await _drain(session, sims, args.drain_timeout)
             except Unavailable as exc:
                 print(f"  unavailable: {exc}", file=sys.stderr)
                 report[label] = {"available": False, "reason": str(exc), "command": shlex.join(argv)}
@@ -487,7 +544,10 @@ def _markdown(report: dict, args, command: str, started: str) -> str:
     any_r = next((r for r in report.values() if r.get("available")), {})
     wp = (any_r.get("params") or {}).get("workload_params", {})
     return "\n".join([
-        f"### {args.workload}: {args.replicas} replicas, {args.requests} requests at {args.rate} rps (seed {args.seed})",
+        (f"### regime {args.regime}, {args.case}: {args.replicas} replicas, {args.requests} requests at {args.rate} rps "
+         f"(seed {args.seed}; max_num_seqs {args.max_num_seqs}, {args.max_num_batched_tokens} tokens per step, "
+         f"pre-warmed: {'yes' if args.prewarmed else 'no'})" if args.regime else
+         f"### {args.workload}: {args.replicas} replicas, {args.requests} requests at {args.rate} rps (seed {args.seed})"),
         "",
         f"- date: {started}; command: `{command}`",
         "- warmroute code (working tree, loaded when each gateway started): " + "; ".join(
@@ -530,7 +590,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--md", default=None, metavar="FILE", help="append the markdown section to this file")
     p.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (their directory is printed)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the sims' token budget per step (chunked prefill)")
+    p.add_argument("--regime", default=None, choices=sorted(REGIMES),
+                   help="run a virtual-time regime's case on the wall clock (replicas, KV, scheduler, rate, pre-warm, "
+                        "request count from loadtests/vtime_regimes.py; the text is rendered to the nominal token counts)")
+    p.add_argument("--regime-requests", type=int, default=None, help="with --regime: this many requests instead of the case's (a short run)")
+    p.add_argument("--case", default="shared_docs", help="the regime's case (e.g. shared_docs, shared_docs_zipf, multi_turn, no_sharing)")
     args = p.parse_args(argv)
+    if args.regime:
+        _apply_regime(args)
 
     command = "python -m loadtests.compare_peers " + shlex.join(argv if argv is not None else sys.argv[1:])
     started = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")

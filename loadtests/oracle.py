@@ -18,6 +18,9 @@ turn) are inserted when their request is served, not counted.
   pinned by running requests and concurrency (a request arriving before its prefix was computed
   is counted a hit), both of which only make it looser.
 
+Warm-up (`warmup=n`): the first n requests are served (their blocks enter the cache) but neither
+their prompt tokens nor their hits count, as vtime's pre-warm requests.
+
 Both return `OracleResult(prompt_tokens, cached_tokens)`; `hit_ratio` is their ratio.
 """
 from __future__ import annotations
@@ -41,19 +44,20 @@ class OracleResult:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def infinite_bound(prompt_tokens: Sequence[int], prompt_keys: Sequence[Sequence[int]], output_keys: Sequence[Sequence[int] | None], block_size: int) -> OracleResult:
+def infinite_bound(prompt_tokens: Sequence[int], prompt_keys: Sequence[Sequence[int]], output_keys: Sequence[Sequence[int] | None], block_size: int, warmup: int = 0) -> OracleResult:
     seen: set = set()
     cached = 0
-    for n, keys, out in zip(prompt_tokens, prompt_keys, output_keys):
+    for i, (n, keys, out) in enumerate(zip(prompt_tokens, prompt_keys, output_keys)):
         cap = min(len(keys), (n - 1) // block_size)
         j = 0
         while j < cap and keys[j] in seen:
             j += 1
-        cached += j * block_size
+        if i >= warmup:
+            cached += j * block_size
         seen.update(keys)
         if out:
             seen.update(out)
-    return OracleResult("infinite", int(sum(prompt_tokens)), cached)
+    return OracleResult("infinite", int(sum(prompt_tokens[warmup:])), cached)
 
 
 def pooled_belady_bound(
@@ -62,14 +66,15 @@ def pooled_belady_bound(
     output_keys: Sequence[Sequence[int] | None],
     block_size: int,
     capacity_blocks: int,
+    warmup: int = 0,
 ) -> OracleResult:
     if capacity_blocks <= 0:
         raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
     # the access stream: (key, counted?) ; output keys are inserts (never counted)
     stream_keys: list = []
     stream_count: list = []
-    for n, keys, out in zip(prompt_tokens, prompt_keys, output_keys):
-        cap = min(len(keys), (n - 1) // block_size)
+    for i, (n, keys, out) in enumerate(zip(prompt_tokens, prompt_keys, output_keys)):
+        cap = min(len(keys), (n - 1) // block_size) if i >= warmup else 0
         stream_keys.extend(keys)
         stream_count.extend([True] * cap + [False] * (len(keys) - cap))
         if out:
@@ -112,4 +117,4 @@ def pooled_belady_bound(
             cache[k] = nu
             heapq.heappush(heap, (-nu, k))
     # a cached block whose next use is `never` is dead weight; the heap keeps it first in line
-    return OracleResult("pooled_belady", int(sum(prompt_tokens)), hits * block_size, capacity_blocks)
+    return OracleResult("pooled_belady", int(sum(prompt_tokens[warmup:])), hits * block_size, capacity_blocks)

@@ -5,22 +5,29 @@ Input: `BenchRequest`s (arrival offset, route, JSON body, API key). Open loop (`
 Poisson process) or closed loop (`concurrency` clients, arrivals ignored). Every request streams
 with `stream_options.include_usage` so the engine's `cached_tokens` comes back. Output: one
 `Sample` per request (TTFT, inter-token gaps, end-to-end, tokens, cached tokens, replica if the
-gateway names it, error) and `summarize()` turns samples into the report DESIGN.md "Measuring"
-asks for. The machine's CPU share during the run is recorded with the result: a run taken while
-the CPU was saturated measures the CPU, not the router.
+gateway names it, error) and `summarize()` turns samples into the report (requests, errors and their
+reasons, throughput, TTFT/ITL/e2e percentiles, prompt and cached tokens, hit ratio by tokens,
+per-replica requests). CPU is recorded with the result two ways (`CpuMeter`): this process's own
+CPU seconds (in the embedded mode the sims, agents, gateway and load generator all run in it) and
+the whole machine's busy share (other users' work included): a run taken while the CPU was
+saturated measures the CPU, not the router. `run_interruptible` runs a bench's main coroutine so
+SIGTERM and SIGINT cancel it (cleanly, at once) in any state.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import signal
 import time
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Callable, Coroutine, Iterable, Sequence
 
 import aiohttp
 
-__all__ = ["BenchRequest", "Sample", "run_load", "summarize", "percentiles", "CpuMeter"]
+__all__ = ["BenchRequest", "Sample", "run_load", "summarize", "percentiles", "CpuMeter", "error_reason",
+           "Interrupted", "run_interruptible"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +56,15 @@ class Sample:
 
 
 class CpuMeter:
-    """Whole-machine CPU share over an interval, from /proc/stat (Linux)."""
+    """CPU over an interval: the whole machine's busy share, from /proc/stat (Linux; every process
+    of every user), and this process's own CPU seconds (`process_s()`, user + system)."""
 
     def __init__(self) -> None:
         self._start = self._read()
+        self._proc_start = time.process_time()
+
+    def process_s(self) -> float:
+        return time.process_time() - self._proc_start
 
     @staticmethod
     def _read() -> tuple[int, int] | None:
@@ -89,7 +101,7 @@ async def _one(session: aiohttp.ClientSession, base_url: str, req: BenchRequest,
             s.status = resp.status
             s.replica = resp.headers.get("x-warmroute-replica", "")
             if resp.status != 200:
-                s.error = (await resp.text())[:300]
+                s.error = (await resp.text())[:500]
                 return s
             buf = b""
             async for chunk in resp.content.iter_any():
@@ -127,7 +139,7 @@ async def _one(session: aiohttp.ClientSession, base_url: str, req: BenchRequest,
             if not s.ok:
                 s.error = "stream ended without a token"
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
-        s.error = f"{type(exc).__name__}: {exc}"[:300]
+        s.error = (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)[:300]
     return s
 
 
@@ -138,9 +150,11 @@ async def run_load(
     concurrency: int | None = None,
     timeout_s: float = 120.0,
     fresh_connections: bool = False,
+    on_done: Callable[[Sample], None] | None = None,
 ) -> tuple[list[Sample], float]:
     """Send `requests`; return (samples in request order, wall seconds). Open loop unless
-    `concurrency` is given."""
+    `concurrency` is given. `on_done(sample)` is called as each request finishes (progress)."""
+    done = on_done or (lambda _s: None)
     connector = aiohttp.TCPConnector(limit=0, force_close=fresh_connections)
     samples: list[Sample | None] = [None] * len(requests)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -151,6 +165,7 @@ async def run_load(
             async def worker() -> None:
                 for i, r in it:
                     samples[i] = await _one(session, base_url, r, t0, timeout_s)
+                    done(samples[i])
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
         else:
@@ -159,6 +174,7 @@ async def run_load(
                 if delay > 0:
                     await asyncio.sleep(delay)
                 samples[i] = await _one(session, base_url, r, t0, timeout_s)
+                done(samples[i])
 
             await asyncio.gather(*(timed(i, r) for i, r in enumerate(requests)))
         wall = time.perf_counter() - t0
@@ -185,7 +201,7 @@ def _ms(d: dict[str, float]) -> dict[str, float]:
 
 
 def summarize(samples: Sequence[Sample], wall_s: float, **params) -> dict:
-    """The report of one policy/target: DESIGN.md "Measuring" and the bench JSON contract."""
+    """The report of one policy/target (the bench JSON contract: README "Results", `warmroute bench`)."""
     ok = [s for s in samples if s.ok]
     prompt = sum(s.prompt_tokens for s in ok)
     cached = sum(s.cached_tokens for s in ok)
@@ -195,9 +211,11 @@ def summarize(samples: Sequence[Sample], wall_s: float, **params) -> dict:
         if s.replica:
             per_replica[s.replica] = per_replica.get(s.replica, 0) + 1
     errors = [s.error for s in samples if not s.ok]
+    reasons = Counter(error_reason(s) for s in samples if not s.ok)
     return {
         "requests": len(samples),
         "errors": len(errors),
+        "error_reasons": dict(reasons.most_common()),
         "error_examples": errors[:3],
         "duration_s": round(wall_s, 3),
         "throughput_rps": round(len(ok) / wall_s, 3) if wall_s > 0 else 0.0,
@@ -213,3 +231,66 @@ def summarize(samples: Sequence[Sample], wall_s: float, **params) -> dict:
         "params": params,
         "cpu_count": os.cpu_count(),
     }
+
+
+def error_reason(s: Sample) -> str:
+    """One short line saying why a request failed, the same for every request that failed the same
+    way: `HTTP 401 invalid_api_key: Invalid API key` (from an OpenAI-shaped error body), `HTTP 502:
+    <body start>`, or the client-side error (`ClientConnectorError: ...`, `TimeoutError`)."""
+    if s.status and s.status != 200:
+        try:
+            err = json.loads(s.error).get("error")
+        except (ValueError, AttributeError):
+            err = None
+        if isinstance(err, dict):
+            code = err.get("code") or err.get("type") or ""
+            msg = str(err.get("message", ""))[:160]
+            return f"HTTP {s.status}{' ' + str(code) if code else ''}: {msg}".rstrip(": ")
+        body = " ".join(s.error.split())[:160]
+        return f"HTTP {s.status}: {body}" if body else f"HTTP {s.status}"
+    text = s.error or "unknown error"
+    if text.startswith("{"):  # an error event inside a 200 stream
+        try:
+            err = json.loads(text)
+            return f"error event in the stream: {str(err.get('message', text))[:160]}"
+        except ValueError:
+            pass
+    return text[:200]
+
+
+class Interrupted(Exception):
+    """The run was stopped by a signal (`signum`); what it had not finished is lost."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def run_interruptible(main: Coroutine[Any, Any, Any]) -> Any:
+    """`asyncio.run(main)`, with SIGTERM and SIGINT cancelling `main` (its `finally` and `async with`
+    blocks run, so embedded systems close) and raising `Interrupted`; a second signal exits at once."""
+
+    async def wrapper() -> Any:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        got: list[int] = []
+
+        def on_signal(signum: int) -> None:
+            if got:  # the user insists: do not wait for the cleanup
+                os._exit(128 + signum)
+            got.append(signum)
+            task.cancel()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            return await main
+        except asyncio.CancelledError:
+            if got:
+                raise Interrupted(got[0]) from None
+            raise
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    return asyncio.run(wrapper())

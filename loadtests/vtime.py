@@ -1,28 +1,27 @@
 """Virtual-time simulator: the real policy code against modelled vLLM replicas, no wall clock.
 
-Rule: a discrete-event simulation, deterministic for a seed, that drives `policies` exactly as the
-gateway does (same `RequestView`/`ReplicaView`, same `Calibrator`) against a lean model of a vLLM
+Rule: a discrete-event simulation, deterministic for a seed, that decides with the gateway's own
+code (the same index, load tracker, views, policy and learning) against a lean model of a vLLM
 replica. Nothing sleeps and nothing does I/O; 100k requests on 4-256 replicas run in minutes.
-(loadtests/sim/ did not exist when this was written, so the replica model below is our own; it
-hashes blocks with `hashing.keys.chain_keys` (xxh3, memoised per shared segment prefix).)
+Blocks are keyed with `hashing.keys.chain_keys` (xxh3, memoised per shared segment prefix), the
+gateway's own keys, so the index needs no translation.
 
-Replica model (per replica; defaults are GPU-like, one H100-class replica of an 8B model)
-- KV: `num_blocks` paged blocks of `block_size` tokens with prefix caching: a cached block is
-  keyed by its chained block key; blocks of running requests are referenced; a request's blocks
-  are released tail first into an LRU of free cached blocks, evicted oldest first when a new
-  allocation needs room (BlockRemoved events). Reservation: at admission a request reserves
-  ceil((prompt + max_output) / block_size) - hit blocks at once (no preemption is modelled).
-  Prompt blocks become cached (BlockStored) in the step that completes them; generated blocks of
-  requests whose output a later prompt quotes (multi-turn answers) become cached at finish.
-- Engine hits: the leading run of the prompt's keys in the cache, at most (prompt - 1) //
-  block_size blocks (the last token is always recomputed) = the `cached_tokens` the engine reports.
-- Scheduler (vLLM v1-like continuous batching): each step every decoding request gets 1 token,
-  prefilling requests (oldest first) get chunks from the remaining `max_batched_tokens`, and
-  waiting requests are admitted FCFS while budget, `max_num_seqs` and free blocks allow.
-- Time model: step_s = step_overhead_s + prefill_tokens x prefill_s_per_token
-  + decoding_seqs x decode_s_per_seq. Defaults 4 ms, 5e-5 s/token (20k tokens/s), 0.2 ms/seq (a
-  64-sequence decode step takes ~17 ms). First token at the end of the step that finishes the
-  prefill; then one token per step.
+Replica model: `loadtests/vtime_replica.py`, the same scheduler, KV and time model as the
+wall-clock simulator's engine (loadtests/sim/scheduler.py: continuous batching, chunked prefill
+with a per-step token budget, blocks taken as tokens are scheduled, recompute preemption, one LRU
+free queue), computed faster. Time model: step_s = step_overhead_s + prefill_tokens x
+prefill_s_per_token + decoding_seqs x decode_s_per_seq. `SimParams()` defaults are a GPU-like
+profile (4 ms, 5e-5 s/token = 20k tokens/s, 0.2 ms/seq; the sim's own GPU profile is 8 ms and
+0.25 ms/seq); `SimParams.wallclock()` is exactly the sim's `--time-profile wallclock` (12 ms,
+1 ms/token, 0.1 ms/seq), what the wall-clock comparison runs.
+
+Clients (`SimParams.request_timeout_s`): a request without its last token that long after it was
+sent is aborted (the client's total timeout, as loadtests/runner.py's): it leaves its replica's
+queue or frees its blocks, the router forgets it, and it counts as unfinished.
+
+Warm-up (`simulate(warmup=...)`): requests sent through the router one after another (each when
+the previous finished) before the measured stream, which then starts; they are left out of every
+figure (pre-warming the replicas with one request per document: workloads.warmup_requests).
 
 Multi-turn: a turn is never sent before the previous turn of its conversation has finished (a
 user reads the answer first): a turn scheduled earlier is sent at that finish. Without this,
@@ -32,33 +31,21 @@ router but a hit for the oracle.
 Collapse: with `collapse_ttft_s`, a run stops early (SimResult.collapsed) once a routed request
 has waited that long for its first token; see `simulate`.
 
-Router model (what the gateway would see)
-- load: every `report_interval_s` each replica's (running, waiting, kv usage) is copied into the
-  router's view (the agent's scrape), so it is up to one interval stale;
-- in-flight: the router's own count of requests without a first token and their predicted
-  uncached tokens, exact and immediate;
-- index: from the replicas' stored/removed events, delivered after `event_delay_s` (0: at once),
-  plus speculative insertion of the routed request's keys on the chosen replica for `spec_ttl_s`;
-- rates: a `policies.calibration.Calibrator` fed with each request's TTFT (with the backlog at
-  dispatch) and mean inter-token interval; `extra["mean_uncached_prefill_tokens"]` is an EWMA of
-  the predicted uncached tokens of requests sent to the replica;
-- extra["kv_cached_frac"]: the replica's blocks holding cached prefixes / its KV blocks, copied at
-  each load report (what the gateway gets from its index size over the replica's capacity);
-- extra["routed_rps"]: an EWMA (time constant `routed_tau_s`) of requests routed to the replica
-  per second, decayed at each load report;
-- extra["mean_output_tokens"]: an EWMA (`uncached_ewma_alpha`) of the max_tokens of requests sent
-  to the replica (the gateway's LoadTracker.mean_output_tokens);
-- cache_aware's `max_num_seqs` defaults to the modelled replicas' (an operator sets it to the
-  engines' --max-num-seqs) unless policy_params give one.
+Router (loadtests/vtime_router.py): the gateway's own `gateway.routing.RoutingState` (KV index,
+load tracker, view assembly, in-flight accounting) and `gateway.learn` on virtual time, fed as a
+gateway is: KV events after `event_delay_s`, load reports every `report_interval_s` (the agent's
+scrape, so load is up to one interval stale), speculative keys for `spec_ttl_s`; in-flight
+counts exact and immediate. cache_aware's and cache_plan's `max_num_seqs` default to the modelled
+replicas' (an operator sets it to the engines' --max-num-seqs) unless policy_params give one.
 
-API: `simulate(workload, policy_name, n_replicas, params=SimParams(), policy_params={}, seed=0,
-keys=None) -> SimResult`; `prepare_keys(workload, block_size)` computes every request's keys once
+API: `simulate(workload, policy, n_replicas, params=SimParams(), policy_params={}, seed=0,
+keys=None, collapse_ttft_s=None, warmup=None) -> SimResult` (`policy`: a registry name or a policy
+object); `prepare_keys(workload, block_size)` computes every request's keys once
 so several policies can share them. `SimResult.summary()` is a flat dict for reports.
 """
 from __future__ import annotations
 
 import heapq
-import math
 import random
 import time
 from collections import OrderedDict, deque
@@ -66,11 +53,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gateway.config import FeedConfig
 from hashing.keys import block_extras, chain_keys, root_key
+from loadtests.vtime_replica import ReplicaModel, SimReq
 from loadtests.workloads import ROLE_HEADER_TOKENS, Workload, WorkloadRequest, _ROLE_IDS, segment_token_ids
-from policies.base import ReplicaView, RequestView
-from policies.cache_aware import CACHE_FILL_EXTRA, MEAN_OUTPUT_EXTRA, MEAN_UNCACHED_EXTRA, ROUTED_RATE_EXTRA
-from policies.calibration import Calibrator
+from loadtests.vtime_router import SimRouter, VClock
 from policies.registry import get_policy
 
 __all__ = ["SimParams", "SimResult", "simulate", "prepare_keys", "RequestKeys"]
@@ -87,12 +74,24 @@ class SimParams:
     decode_s_per_seq: float = 2e-4  # cost of one decoding sequence in a step
     report_interval_s: float = 0.1  # agent load scrape period (router's view staleness)
     event_delay_s: float = 0.005  # KV event delivery delay to the router
-    spec_ttl_s: float = 5.0  # lifetime of speculative index entries
+    spec_ttl_s: float = FeedConfig().speculative_ttl_s  # lifetime of speculative index entries (the gateway's default)
     prior_prefill_s_per_token: float = 5e-5  # calibration prior
     prior_decode_step_s: float = 0.02  # calibration prior
-    uncached_ewma_alpha: float = 0.1  # smoothing of mean_uncached_prefill_tokens per replica
-    routed_tau_s: float = 10.0  # time constant of the routed-requests-per-second EWMA per replica (decayed at each report)
     model: str = "vtime-model"  # root of the key chain
+    request_timeout_s: float | None = None  # client's total timeout: abort and count unfinished (None: wait forever)
+    cache_answers: bool = True  # quoted answers (multi-turn) cached at finish; False = the wall-clock sim (filler output)
+
+    @classmethod
+    def wallclock(cls, **kw) -> "SimParams":
+        """The wall-clock simulator's time profile (`warmroute sim --time-profile wallclock`) and the
+        calibration priors compare_peers gives the gateway; `kw` overrides any field."""
+        from loadtests.sim.scheduler import TimeModel
+
+        tm = TimeModel.wallclock()
+        base = dict(step_overhead_s=tm.step_overhead_s, prefill_s_per_token=tm.prefill_s_per_token,
+                    decode_s_per_seq=tm.decode_s_per_seq, prior_prefill_s_per_token=1e-3, prior_decode_step_s=0.012)
+        base.update(kw)
+        return cls(**base)
 
 
 @dataclass(slots=True)
@@ -176,368 +175,11 @@ def prepare_keys(workload: Workload, block_size: int = 16, model: str = "vtime-m
 
 # -------------------------------------------------------------------------------- replica model
 
-
-class _Req:
-    __slots__ = (
-        "i", "wr", "keys", "out_keys", "prompt", "max_out", "arrival", "rep", "cached", "computed",
-        "held", "anon", "registered", "first_s", "finish_s", "pred_uncached", "backlog", "running_at",
-        "chunk",
-    )
-
-    def __init__(self, i: int, wr: WorkloadRequest, rk: RequestKeys, arrival: float) -> None:
-        self.i = i
-        self.wr = wr
-        self.keys = rk.prompt
-        self.out_keys = rk.output
-        self.prompt = wr.prompt_tokens
-        self.max_out = max(1, wr.max_output_tokens)
-        self.arrival = arrival
-        self.rep = -1
-        self.cached = 0
-        self.computed = 0
-        self.held: list = []
-        self.anon = 0
-        self.registered = 0
-        self.first_s = -1.0
-        self.finish_s = -1.0
-        self.pred_uncached = 0
-        self.backlog = 0.0
-        self.running_at = 0
-        self.chunk = 0
-
-
-class _Replica:
-    __slots__ = (
-        "idx", "rid", "p", "ref", "lru", "free_anon", "waiting", "prefilling", "decode_heap", "n_decoding",
-        "step_no", "stepping", "stored", "removed", "n_requests", "busy_s", "prefill_tokens", "seq",
-    )
-
-    def __init__(self, idx: int, p: SimParams) -> None:
-        self.idx = idx
-        self.rid = f"r{idx}"
-        self.p = p
-        self.ref: dict = {}  # cached key -> reference count (0: free, in lru)
-        self.lru: OrderedDict = OrderedDict()  # free cached keys, oldest first
-        self.free_anon = p.num_blocks  # free blocks holding nothing reusable
-        self.waiting: deque = deque()
-        self.prefilling: list = []
-        self.decode_heap: list = []  # (finish step, seq, req)
-        self.n_decoding = 0
-        self.step_no = 0
-        self.stepping = False
-        self.stored: list = []
-        self.removed: list = []
-        self.n_requests = 0
-        self.busy_s = 0.0
-        self.prefill_tokens = 0
-        self.seq = 0
-
-    @property
-    def running(self) -> int:
-        return len(self.prefilling) + self.n_decoding
-
-    def kv_usage(self) -> float:
-        return 1.0 - (self.free_anon + len(self.lru)) / self.p.num_blocks
-
-    def _try_admit(self, r: _Req) -> bool:
-        bs = self.p.block_size
-        ref = self.ref
-        cap = (r.prompt - 1) // bs
-        m = 0
-        in_lru = 0
-        keys = r.keys
-        lim = min(cap, len(keys))
-        while m < lim:
-            c = ref.get(keys[m])
-            if c is None:
-                break
-            if c == 0:
-                in_lru += 1
-            m += 1
-        need = -(-(r.prompt + r.max_out) // bs) - m
-        if self.free_anon + len(self.lru) - in_lru < need:
-            return False
-        lru = self.lru
-        for k in keys[:m]:
-            c = ref[k]
-            if c == 0:
-                del lru[k]
-            ref[k] = c + 1
-        r.held = list(keys[:m])
-        take = min(need, self.free_anon)
-        self.free_anon -= take
-        for _ in range(need - take):
-            k, _ = lru.popitem(last=False)
-            del ref[k]
-            self.removed.append(k)
-        r.anon = need
-        r.cached = m * bs
-        r.computed = m * bs
-        r.registered = m
-        return True
-
-    def _register(self, r: _Req, upto: int) -> None:
-        ref = self.ref
-        keys = r.keys
-        for j in range(r.registered, min(upto, len(keys))):
-            k = keys[j]
-            if k not in ref:
-                ref[k] = 1
-                r.held.append(k)
-                r.anon -= 1
-                self.stored.append(k)
-        r.registered = max(r.registered, upto)
-
-    def _release(self, r: _Req) -> None:
-        ref, lru = self.ref, self.lru
-        if r.out_keys:
-            for k in r.out_keys:
-                if k not in ref and r.anon > 0:
-                    ref[k] = 1
-                    r.held.append(k)
-                    r.anon -= 1
-                    self.stored.append(k)
-        for k in reversed(r.held):  # tail first: evicted before the prefix it extends
-            c = ref[k] - 1
-            ref[k] = c
-            if c == 0:
-                lru[k] = None
-        self.free_anon += r.anon
-        r.held = []
-        r.anon = 0
-
-    def start_step(self) -> float | None:
-        """Schedule one step; return its duration or None when idle."""
-        p = self.p
-        budget = p.max_batched_tokens - self.n_decoding
-        prefill = 0
-        for r in self.prefilling:
-            c = min(r.prompt - r.computed, budget)
-            r.chunk = c
-            budget -= c
-            prefill += c
-        while self.waiting and budget > 0 and self.running < p.max_num_seqs:
-            r = self.waiting[0]
-            if not self._try_admit(r):
-                if self.running == 0:
-                    raise ValueError(f"request {r.wr.request_id} needs more KV blocks than a replica has ({p.num_blocks}); raise num_blocks")
-                break
-            self.waiting.popleft()
-            c = min(r.prompt - r.computed, budget)
-            r.chunk = c
-            budget -= c
-            prefill += c
-            self.prefilling.append(r)
-        if prefill == 0 and self.n_decoding == 0:
-            return None
-        self.prefill_tokens += prefill
-        return p.step_overhead_s + prefill * p.prefill_s_per_token + self.n_decoding * p.decode_s_per_seq
-
-    def end_step(self, t: float, first_tokens: list, finished: list) -> None:
-        bs = self.p.block_size
-        self.step_no += 1
-        heap = self.decode_heap
-        while heap and heap[0][0] <= self.step_no:
-            r = heapq.heappop(heap)[2]
-            self.n_decoding -= 1
-            r.finish_s = t
-            self._release(r)
-            finished.append(r)
-        still = []
-        for r in self.prefilling:
-            if r.chunk:
-                r.computed += r.chunk
-                r.chunk = 0
-                self._register(r, r.computed // bs)
-            if r.computed >= r.prompt:
-                r.first_s = t
-                first_tokens.append(r)
-                rem = r.max_out - 1
-                if rem <= 0:
-                    r.finish_s = t
-                    self._release(r)
-                    finished.append(r)
-                else:
-                    self.seq += 1
-                    heapq.heappush(heap, (self.step_no + rem, self.seq, r))
-                    self.n_decoding += 1
-            else:
-                still.append(r)
-        self.prefilling = still
+_Req = SimReq  # the replica model lives in loadtests/vtime_replica.py
+_Replica = ReplicaModel
 
 
 # ------------------------------------------------------------------------------------ the router
-
-
-class _Router:
-    def __init__(self, n: int, p: SimParams, policy, rng: random.Random) -> None:
-        self.n = n
-        self.p = p
-        self.policy = policy
-        self.rng = rng
-        self.rids = [f"r{i}" for i in range(n)]
-        self.real: dict = {}  # key -> bitmask of replicas (from events)
-        self.spec: dict = {}  # key -> bitmask (speculative)
-        self.spec_exp: dict = {}  # (key, replica) -> expiry
-        self.spec_q: deque = deque()  # (expiry, replica, keys)
-        self.rep_running = [0] * n
-        self.rep_waiting = [0] * n
-        self.rep_kv = [0.0] * n
-        self.rep_fill = [0.0] * n
-        self.inflight = [0] * n
-        self.inflight_tok = [0] * n
-        self.mean_uncached = [None] * n
-        self.mean_output = [None] * n  # EWMA of max_tokens of requests routed there
-        self.routed_rps = [0.0] * n  # EWMA of requests routed per second (time constant routed_tau_s)
-        self.routed_t = 0.0  # time the EWMAs were last decayed to
-        self.cal = Calibrator(prior_prefill_s_per_token=p.prior_prefill_s_per_token, prior_decode_step_s=p.prior_decode_step_s)
-        self.views: list = [None] * n  # cached zero-match views
-
-    def apply_events(self, ri: int, stored: list, removed: list) -> None:
-        bit = 1 << ri
-        real = self.real
-        for k in stored:
-            real[k] = real.get(k, 0) | bit
-        nb = ~bit
-        for k in removed:
-            m = real.get(k, 0) & nb
-            if m:
-                real[k] = m
-            else:
-                real.pop(k, None)
-
-    def _expire_spec(self, now: float) -> None:
-        q = self.spec_q
-        while q and q[0][0] <= now:
-            exp, ri, keys = q.popleft()
-            nb = ~(1 << ri)
-            for k in keys:
-                if self.spec_exp.get((k, ri)) == exp:
-                    del self.spec_exp[(k, ri)]
-                    m = self.spec.get(k, 0) & nb
-                    if m:
-                        self.spec[k] = m
-                    else:
-                        self.spec.pop(k, None)
-
-    def matches(self, keys: list) -> dict:
-        """replica index -> leading run of `keys` it holds (real or speculative); absent = 0."""
-        real, spec = self.real, self.spec
-        cur = (1 << self.n) - 1
-        runs: dict = {}
-        i = 0
-        for k in keys:
-            h = (real.get(k, 0) | spec.get(k, 0)) & cur
-            if h != cur:
-                if i:
-                    d = cur & ~h
-                    while d:
-                        low = d & -d
-                        runs[low.bit_length() - 1] = i
-                        d ^= low
-                cur = h
-                if not cur:
-                    break
-            i += 1
-        else:
-            while cur:
-                low = cur & -cur
-                runs[low.bit_length() - 1] = i
-                cur ^= low
-        return runs
-
-    def view(self, ri: int, matched: int) -> ReplicaView:
-        if matched == 0 and self.views[ri] is not None:
-            return self.views[ri]
-        mu = self.mean_uncached[ri]
-        mo = self.mean_output[ri]
-        ex = {CACHE_FILL_EXTRA: self.rep_fill[ri], ROUTED_RATE_EXTRA: self.routed_rps[ri]}
-        if mu is not None:
-            ex[MEAN_UNCACHED_EXTRA] = mu
-        if mo is not None:
-            ex[MEAN_OUTPUT_EXTRA] = mo
-        v = ReplicaView(
-            self.rids[ri],
-            True,
-            matched,
-            matched,
-            True,
-            self.rep_running[ri],
-            self.rep_waiting[ri],
-            self.inflight[ri],
-            self.inflight_tok[ri],
-            self.rep_kv[ri],
-            self.cal.prefill_s_per_token(self.rids[ri]),
-            self.cal.decode_step_s(self.rids[ri]),
-            ex,
-        )
-        if matched == 0:
-            self.views[ri] = v
-        return v
-
-    def route(self, now: float, r: _Req) -> int:
-        self._expire_spec(now)
-        keys = r.keys
-        runs = self.matches(keys)  # every policy's in-flight estimate needs the predicted hit
-        views = [self.view(i, runs.get(i, 0)) for i in range(self.n)]
-        rq = RequestView(r.prompt, self.p.block_size, tuple(keys), r.max_out, "", r.wr.request_id)
-        d = self.policy.rank(rq, views, self.rng)
-        ri = int(d.ranked[0].replica_id[1:])
-        bs = self.p.block_size
-        m = min(runs.get(ri, 0), max(0, (r.prompt - 1) // bs))
-        unc = r.prompt - m * bs
-        v = views[ri]
-        per_req = v.extra.get(MEAN_UNCACHED_EXTRA, 512.0) if v.extra else 512.0
-        r.backlog = max(v.waiting_reqs * per_req, float(v.inflight_prefill_tokens))
-        r.running_at = v.running_reqs
-        r.pred_uncached = unc
-        self.inflight[ri] += 1
-        self.inflight_tok[ri] += unc
-        self.routed_rps[ri] += 1.0 / self.p.routed_tau_s
-        mu = self.mean_uncached[ri]
-        a = self.p.uncached_ewma_alpha
-        self.mean_uncached[ri] = float(unc) if mu is None else mu + a * (unc - mu)
-        mo = self.mean_output[ri]
-        self.mean_output[ri] = float(r.max_out) if mo is None else mo + a * (r.max_out - mo)
-        self.views[ri] = None
-        # speculative insertion
-        if keys:
-            exp = now + self.p.spec_ttl_s
-            bit = 1 << ri
-            spec, se = self.spec, self.spec_exp
-            for k in keys:
-                spec[k] = spec.get(k, 0) | bit
-                se[(k, ri)] = exp
-            self.spec_q.append((exp, ri, keys))
-        return ri
-
-    def first_token(self, r: _Req) -> None:
-        ri = r.rep
-        self.inflight[ri] -= 1
-        self.inflight_tok[ri] -= r.pred_uncached
-        self.views[ri] = None
-
-    def finished(self, r: _Req) -> None:
-        rid = self.rids[r.rep]
-        self.cal.observe_ttft(rid, r.first_s - r.arrival, r.prompt - r.cached, r.backlog, r.running_at)
-        if r.max_out > 1:
-            self.cal.observe_token_interval(rid, (r.finish_s - r.first_s) / (r.max_out - 1))
-        self.views[r.rep] = None
-
-    def report(self, reps: list, now: float = 0.0) -> None:
-        if now > self.routed_t:
-            f = math.exp(-(now - self.routed_t) / self.p.routed_tau_s)
-            self.routed_rps = [x * f for x in self.routed_rps]
-            self.routed_t = now
-        for i, rep in enumerate(reps):
-            self.rep_running[i] = rep.running
-            self.rep_waiting[i] = len(rep.waiting)
-            self.rep_kv[i] = rep.kv_usage()
-            self.rep_fill[i] = len(rep.ref) / rep.p.num_blocks
-        self.views = [None] * self.n
-
-
-_EMPTY: dict = {}
 
 
 # ------------------------------------------------------------------------------------- results
@@ -562,17 +204,25 @@ class SimResult:
     policy_params: dict = field(default_factory=dict)
     collapsed: bool = False  # stopped early: a request waited longer than `collapse_ttft_s` for its first token
     stopped_at_s: float = 0.0  # virtual time of the stop (collapsed runs only)
+    unfinished: int = 0  # measured requests aborted by the client timeout (SimParams.request_timeout_s)
+    e2e_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per completed request: arrival to last token
+    evicted_blocks: int = 0  # cached blocks evicted during the measured stream, all replicas
+    preemptions: int = 0  # requests preempted during the measured stream, all replicas
+    per_replica_prefill_tokens: list = field(default_factory=list)  # tokens prefilled, measured stream
 
     def summary(self) -> dict:
         t = self.ttft_s
+        e = self.e2e_s
         pr = np.asarray(self.per_replica_requests, dtype=float)
         mean = pr.mean() if len(pr) else 0.0
+        busy = self.per_replica_busy_s
         return {
             "workload": self.workload,
             "policy": self.policy,
             "replicas": self.n_replicas,
             "requests": self.requests,
             "completed": self.completed,
+            "unfinished": self.unfinished,
             "duration_s": self.duration_s,
             "throughput_rps": self.completed / self.duration_s if self.duration_s > 0 else 0.0,
             "output_tok_s": self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0,
@@ -580,12 +230,15 @@ class SimResult:
             "ttft_p90_s": float(np.percentile(t, 90)) if len(t) else float("nan"),
             "ttft_p99_s": float(np.percentile(t, 99)) if len(t) else float("nan"),
             "ttft_max_s": float(t.max()) if len(t) else float("nan"),
+            "e2e_p50_s": float(np.percentile(e, 50)) if len(e) else float("nan"),
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "hit_ratio": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "load_max_over_mean": float(pr.max() / mean) if mean > 0 else 0.0,
-            "busy_frac_mean": float(np.mean(self.per_replica_busy_s) / self.duration_s) if self.duration_s > 0 else 0.0,
-            "busy_max_over_mean": float(max(self.per_replica_busy_s) / np.mean(self.per_replica_busy_s)) if np.mean(self.per_replica_busy_s) > 0 else 0.0,
+            "busy_frac_mean": float(np.mean(busy) / self.duration_s) if self.duration_s > 0 else 0.0,
+            "busy_max_over_mean": float(max(busy) / np.mean(busy)) if np.mean(busy) > 0 else 0.0,
+            "evicted_blocks": self.evicted_blocks,
+            "preemptions": self.preemptions,
             "collapsed": self.collapsed,
             "wall_s": self.wall_s,
         }
@@ -596,48 +249,70 @@ class SimResult:
 
 def simulate(
     workload: Workload,
-    policy_name: str,
+    policy_name,
     n_replicas: int,
     params: SimParams = SimParams(),
     policy_params: dict | None = None,
     seed: int = 0,
     keys: list[RequestKeys] | None = None,
     collapse_ttft_s: float | None = None,
+    warmup: list[WorkloadRequest] | None = None,
 ) -> SimResult:
     """Run `workload` through `policy_name` on `n_replicas` modelled replicas (module header).
 
-    `collapse_ttft_s`: stop early, marked `collapsed`, once a routed request has waited that long
-    (virtual seconds) without its first token (checked at every load report). The figures then
-    cover the requests routed so far, and every request still waiting counts with the wait it
-    had at the stop (a lower bound of its TTFT), so a collapsed policy's percentiles are lower
-    bounds. Deterministic: the check runs on virtual time only.
+    `policy_name`: a registry name (built with `policy_params`) or a ready policy object (its
+    `name` labels the result). `collapse_ttft_s`: stop early, marked `collapsed`, once a routed
+    request has waited that long (virtual seconds) without its first token (checked at every load
+    report). The figures then cover the requests routed so far, and every request still waiting
+    counts with the wait it had at the stop (a lower bound of its TTFT), so a collapsed policy's
+    percentiles are lower bounds. Deterministic: the check runs on virtual time only.
+    `warmup`: requests sent one at a time before the stream (module header); the stream's arrival
+    times then count from the end of the warm-up.
     """
     if n_replicas < 1:
         raise ValueError("n_replicas must be >= 1")
     wall0 = time.perf_counter()
     p = params
+    wreqs = workload.requests
+    warm = list(warmup or ())
     if keys is None:
         keys = prepare_keys(workload, p.block_size, p.model)
-    if len(keys) != len(workload.requests):
+    if len(keys) != len(wreqs):
         raise ValueError("keys do not belong to this workload (lengths differ)")
-    pp = dict(policy_params or {})
-    if policy_name == "cache_aware":
-        pp.setdefault("max_num_seqs", p.max_num_seqs)  # the operator's setting mirrors the engines'
-    policy = get_policy(policy_name, **pp)
-    router = _Router(n_replicas, p, policy, random.Random(seed))
-    reps = [_Replica(i, p) for i in range(n_replicas)]
+    cap_tokens = p.num_blocks * p.block_size
+    for wr in list(wreqs) + warm:
+        if wr.prompt_tokens + max(1, wr.max_output_tokens) > cap_tokens:
+            raise ValueError(f"request {wr.request_id} needs {wr.prompt_tokens + wr.max_output_tokens} tokens of KV but a "
+                             f"replica holds {cap_tokens}; raise num_blocks")
+    n_total = len(wreqs)
+    if warm:
+        memo = _KeyMemo(p.model, p.block_size)
+        keys = list(keys) + [memo.keys(r) for r in warm]
+        wreqs = tuple(wreqs) + tuple(warm)
+    if isinstance(policy_name, str):
+        pp = dict(policy_params or {})
+        if policy_name in ("cache_aware", "cache_plan"):
+            pp.setdefault("max_num_seqs", p.max_num_seqs)  # the operator's setting mirrors the engines'
+        policy = get_policy(policy_name, **pp)
+    else:
+        if policy_params:
+            raise ValueError("policy_params go with a policy name, not a policy object")
+        policy = policy_name
+        policy_name = getattr(policy, "name", type(policy).__name__)
+    clock = VClock()
+    router = SimRouter(n_replicas, p, policy, random.Random(seed), clock)
+    reps = [ReplicaModel(i, p, p.cache_answers) for i in range(n_replicas)]
 
     heap: list = []  # (time, seq, kind, payload)
     seq = 0
-    STEP, REPORT, EVENTS, ARRIVE = 0, 1, 2, 3
+    STEP, REPORT, EVENTS, ARRIVE, TIMEOUT = 0, 1, 2, 3, 4
 
-    wreqs = workload.requests
     closed = workload.concurrency is not None
     # multi-turn: a user cannot send turn k+1 before reading answer k. A turn whose scheduled
     # arrival comes before its previous turn finished is sent when that turn finishes.
     prev_turn: dict = {}  # request index -> index of the previous turn of its conversation
     last_of: dict = {}
-    for i, wr in enumerate(wreqs):
+    for i, wr in enumerate(wreqs[:n_total]):
         if wr.conversation:
             j = last_of.get(wr.conversation)
             if j is not None and wr.turn > 0:
@@ -645,32 +320,47 @@ def simulate(
             last_of[wr.conversation] = i
     finished_idx: set = set()
     deferred: dict = {}  # index of an unfinished turn -> index of the next turn waiting for it
-    pending = deque(range(len(wreqs)))
-    if closed:
-        for _ in range(min(workload.concurrency, len(wreqs))):
-            i = pending.popleft()
-            heap.append((0.0, seq, ARRIVE, i))
-            seq += 1
+    pending = deque(range(n_total))
+    t_start = 0.0  # the measured stream's time origin (end of the warm-up)
+
+    def push(t: float, kind: int, payload) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (t, seq, kind, payload))
+
+    def start_stream(t0: float) -> None:
+        nonlocal t_start
+        t_start = t0
+        for rep in reps:  # figures count from here
+            rep.busy_s = 0.0
+            rep.n_requests = 0
+            rep.prefill_tokens = 0
+            rep.n_evicted = 0
+            rep.n_preemptions = 0
+        if closed:
+            for _ in range(min(workload.concurrency, n_total)):
+                push(t0, ARRIVE, pending.popleft())
+        else:
+            for i in range(n_total):
+                push(t0 + wreqs[i].arrival_s, ARRIVE, i)
+
+    if warm:
+        push(0.0, ARRIVE, n_total)
     else:
-        for i in range(len(wreqs)):
-            heap.append((wreqs[i].arrival_s, seq, ARRIVE, i))
-            seq += 1
-    heapq.heapify(heap)
-    heapq.heappush(heap, (0.0, seq, REPORT, None))
-    seq += 1
+        start_stream(0.0)
+    push(0.0, REPORT, None)
 
     step_start = [0.0] * n_replicas
     done: list = []
-    n_total = len(wreqs)
     n_done = 0
-    first_arrival = wreqs[0].arrival_s if wreqs and not closed else 0.0
+    n_unfinished = 0
     last_t = 0.0
     routed: deque = deque()  # routed requests in arrival order (head: oldest possibly without a first token)
     all_routed: list = []
     collapsed = False
+    timeout = p.request_timeout_s
 
     def kick(ri: int, t: float) -> None:
-        nonlocal seq
         rep = reps[ri]
         dur = rep.start_step()
         if dur is None:
@@ -678,11 +368,9 @@ def simulate(
             return
         rep.stepping = True
         step_start[ri] = t
-        seq += 1
-        heapq.heappush(heap, (t + dur, seq, STEP, ri))
+        push(t + dur, STEP, ri)
 
     def flush_events(ri: int, t: float) -> None:
-        nonlocal seq
         rep = reps[ri]
         if not rep.stored and not rep.removed:
             return
@@ -691,19 +379,29 @@ def simulate(
         if p.event_delay_s <= 0:
             router.apply_events(ri, st, rm)
         else:
-            seq += 1
-            heapq.heappush(heap, (t + p.event_delay_s, seq, EVENTS, (ri, st, rm)))
+            push(t + p.event_delay_s, EVENTS, (ri, st, rm))
+
+    def conversation_moves_on(i: int, t: float) -> None:
+        """Request i is over (finished or given up): its conversation's next turn may go."""
+        if prev_turn:
+            finished_idx.add(i)
+            nxt = deferred.pop(i, None)
+            if nxt is not None:
+                push(t, ARRIVE, nxt)
+        if closed and pending:
+            push(t, ARRIVE, pending.popleft())
 
     while heap:
         t, _, kind, payload = heapq.heappop(heap)
-        last_t = t
+        last_t = clock.t = t
         if kind == ARRIVE:
             pj = prev_turn.get(payload)
             if pj is not None and pj not in finished_idx:
                 deferred[pj] = payload
                 continue
-            r = _Req(payload, wreqs[payload], keys[payload], t)
-            if collapse_ttft_s is not None:
+            r = SimReq(payload, wreqs[payload], keys[payload], t)
+            r.warmup = payload >= n_total
+            if collapse_ttft_s is not None and not r.warmup:
                 routed.append(r)
                 all_routed.append(r)
             ri = router.route(t, r)
@@ -711,6 +409,8 @@ def simulate(
             rep = reps[ri]
             rep.n_requests += 1
             rep.waiting.append(r)
+            if timeout is not None and not r.warmup:
+                push(t + timeout, TIMEOUT, r)
             if not rep.stepping:
                 kick(ri, t)
         elif kind == STEP:
@@ -724,44 +424,47 @@ def simulate(
                 router.first_token(r)
             for r in fin:
                 router.finished(r)
+                if r.warmup:
+                    if r.i + 1 < len(wreqs):
+                        push(t, ARRIVE, r.i + 1)
+                    else:
+                        start_stream(t)
+                    continue
                 done.append(r)
                 n_done += 1
-                if prev_turn:
-                    finished_idx.add(r.i)
-                    nxt = deferred.pop(r.i, None)
-                    if nxt is not None:
-                        seq += 1
-                        heapq.heappush(heap, (t, seq, ARRIVE, nxt))
-                if closed and pending:
-                    i = pending.popleft()
-                    seq += 1
-                    heapq.heappush(heap, (t, seq, ARRIVE, i))
-            flush_events(ri, t)
+                conversation_moves_on(r.i, t)
+            flush_events(ri, t)  # the step's KV events go out when it ends (the sim publishes then)
             kick(ri, t)
-            flush_events(ri, t)  # evictions made by admissions in the new step
+        elif kind == TIMEOUT:
+            r = payload
+            if r.state != SimReq.DONE:
+                reps[r.rep].abort(r)
+                router.aborted(r)
+                n_unfinished += 1
+                conversation_moves_on(r.i, t)
         elif kind == EVENTS:
             ri, st, rm = payload
             router.apply_events(ri, st, rm)
         elif kind == REPORT:
             if collapse_ttft_s is not None:
-                while routed and routed[0].first_s >= 0.0:
+                while routed and (routed[0].first_s >= 0.0 or routed[0].aborted):
                     routed.popleft()
                 if routed and t - routed[0].arrival > collapse_ttft_s:
                     collapsed = True
                     break
             router.report(reps, t)
-            if n_done < n_total:
-                seq += 1
-                heapq.heappush(heap, (t + p.report_interval_s, seq, REPORT, None))
-        if n_done >= n_total and kind == STEP:
+            if n_done + n_unfinished < n_total:
+                push(t + p.report_interval_s, REPORT, None)
+        if n_done + n_unfinished >= n_total and kind in (STEP, TIMEOUT):
             break
 
     if collapsed:
         # TTFT: every routed request, those without a first token with their wait so far (lower
         # bounds); tokens and hits: the finished requests
-        ttft = np.array([(r.first_s if r.first_s >= 0.0 else last_t) - r.arrival for r in all_routed], dtype=float)
+        ttft = np.array([(r.first_s if r.first_s >= 0.0 else last_t) - r.arrival for r in all_routed if not r.aborted], dtype=float)
     else:
         ttft = np.array([r.first_s - r.arrival for r in done], dtype=float)
+    first_arrival = t_start + (wreqs[0].arrival_s if n_total and not closed else 0.0)
     return SimResult(
         workload=workload.name,
         policy=policy_name,
@@ -780,4 +483,9 @@ def simulate(
         policy_params=getattr(policy, "params", lambda: {})(),
         collapsed=collapsed,
         stopped_at_s=last_t if collapsed else 0.0,
+        unfinished=n_unfinished,
+        e2e_s=np.array([r.finish_s - r.arrival for r in done], dtype=float),
+        evicted_blocks=sum(rep.n_evicted for rep in reps),
+        preemptions=sum(rep.n_preemptions for rep in reps),
+        per_replica_prefill_tokens=[rep.prefill_tokens for rep in reps],
     )

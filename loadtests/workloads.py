@@ -31,6 +31,7 @@ runner keeps that many in flight, multi-turn follow-ups after their predecessor)
 """
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ __all__ = [
     "output_token_ids",
     "segment_token_ids",
     "segment_text",
+    "text_words_per_token",
+    "warmup_requests",
     "ROLE_HEADER_TOKENS",
 ]
 
@@ -110,11 +113,13 @@ def segment_token_ids(seg: Segment) -> tuple[int, ...]:
     return _segment_ids_cached(seg.seg_id, seg.n_tokens)
 
 
-def segment_text(seg: Segment) -> str:
-    """The segment as `n_tokens` pseudo-words (approximate token count)."""
+def segment_text(seg: Segment, words_per_token: float = 1.0) -> str:
+    """The segment as `n_tokens x words_per_token` pseudo-words. A pseudo-word is about 1.5 tokens
+    of the default (Qwen) vocabulary, so words_per_token = 1 makes ~1.5x `n_tokens` real tokens;
+    `text_words_per_token()` measures the factor that makes the text `n_tokens` long."""
     g = random.Random(_seed_of(seg.seg_id))
     words = []
-    for _ in range(seg.n_tokens):
+    for _ in range(max(1, round(seg.n_tokens * words_per_token))):
         n = 1 + (g.random() < 0.4) + (g.random() < 0.15)
         words.append("".join(g.choice(_SYLLABLES) for _ in range(n)))
     return " ".join(words)
@@ -130,9 +135,20 @@ def _messages(req: WorkloadRequest) -> list[tuple[str, list[Segment]]]:
     return out
 
 
-def render_messages(req: WorkloadRequest) -> list[dict]:
-    """OpenAI chat messages for the HTTP benchmark (text; token counts approximate)."""
-    return [{"role": role, "content": "\n\n".join(segment_text(s) for s in segs)} for role, segs in _messages(req)]
+def render_messages(req: WorkloadRequest, words_per_token: float = 1.0) -> list[dict]:
+    """OpenAI chat messages for the HTTP benchmark (text; see segment_text for the token count)."""
+    return [{"role": role, "content": "\n\n".join(segment_text(s, words_per_token) for s in segs)}
+            for role, segs in _messages(req)]
+
+
+def text_words_per_token(encode, sample_tokens: int = 20_000) -> float:
+    """The words_per_token at which segment_text is as many real tokens as it is nominal ones,
+    measured with `encode(text) -> token ids` (e.g. the default tokenizer's encode_prompt) on a
+    sample of segments (the ratio is stable: pseudo-words are drawn from one syllable table)."""
+    segs = [Segment(f"calibration/{i}", "user", 1000, "document") for i in range(max(1, sample_tokens // 1000))]
+    words = sum(max(1, round(s.n_tokens)) for s in segs)
+    tokens = sum(len(encode(segment_text(s))) for s in segs)
+    return words / tokens
 
 
 def render_token_ids(req: WorkloadRequest) -> list[int]:
@@ -225,15 +241,21 @@ def shared_docs(
     popularity: str = "uniform",
     zipf_s: float = 1.1,
     n_tenants: int = 1,
+    doc_jitter: float = 0.25,
     name: str = "shared_docs",
 ) -> Workload:
-    """Long documents with many questions: [system+document] [question]. popularity: uniform|zipf."""
+    """Long documents with many questions: [system+document] [question]. popularity: uniform|zipf.
+
+    Document lengths are doc_tokens x (1 +- doc_jitter) (uniform; 0: every document exactly
+    doc_tokens); questions question_tokens +- 25%."""
     _check_load(rate_rps, concurrency)
     if popularity not in ("uniform", "zipf"):
         raise ValueError(f"popularity must be 'uniform' or 'zipf', got {popularity!r}")
+    if not 0.0 <= doc_jitter < 1.0:
+        raise ValueError(f"doc_jitter must be in [0, 1), got {doc_jitter!r}")
     rng = random.Random(f"{name}/{seed}")
     weights = _zipf_weights(n_docs, zipf_s) if popularity == "zipf" else [1.0 / n_docs] * n_docs
-    doc_len = [_jitter(rng, doc_tokens) for _ in range(n_docs)]
+    doc_len = [_jitter(rng, doc_tokens, doc_jitter) for _ in range(n_docs)]
     times = _arrivals(n_requests, rate_rps, rng)
     docs = rng.choices(range(n_docs), weights=weights, k=n_requests)
     system = Segment("sys/shared", "system", system_tokens, "system")
@@ -242,7 +264,7 @@ def shared_docs(
         tenant = f"t{rng.randrange(n_tenants)}" if n_tenants > 1 else "t0"
         segs = (system, Segment(f"doc/{d}", "system", doc_len[d], "document"), Segment(f"q/{name}/{seed}/{i}", "user", _jitter(rng, question_tokens), "question"))
         reqs.append(_req(f"{name}-{i}", t, tenant, segs, output_tokens))
-    params = dict(n_docs=n_docs, doc_tokens=doc_tokens, question_tokens=question_tokens, output_tokens=output_tokens, popularity=popularity, zipf_s=zipf_s, n_tenants=n_tenants)
+    params = dict(n_docs=n_docs, doc_tokens=doc_tokens, question_tokens=question_tokens, output_tokens=output_tokens, popularity=popularity, zipf_s=zipf_s, n_tenants=n_tenants, doc_jitter=doc_jitter)
     return _finish(name, reqs, rate_rps, concurrency, params)
 
 
@@ -308,22 +330,37 @@ def multi_turn(
     user_tokens: int = 150,
     answer_tokens: int = 200,
     think_s: float = 8.0,
+    sessions: int | None = None,
 ) -> Workload:
     """Chats with growing histories: turn k's prompt = system, (user, assistant) x k, user.
 
     Conversations start as a Poisson process at rate_rps / turns; turn k+1 arrives an exponential
     think time (mean `think_s`) after turn k. Each turn generates exactly `answer_tokens` (its
     `output` segment), which the next turn quotes, so a replica that cached the answer hits it.
+
+    Steady sessions (`sessions` set, open loop): `sessions` conversations are live at any time,
+    each of `turns` turns; a session's first conversation starts uniformly within one think time,
+    and its next conversation starts one think time after its previous one's last turn (the
+    session whose next conversation starts first goes next, until n_requests); the think time's
+    mean is sessions / rate_rps (`think_s` is ignored), so arrivals run at about rate_rps for the
+    whole run instead of ramping up and down.
     """
     _check_load(rate_rps, concurrency)
     rng = random.Random(f"multi_turn/{seed}")
     n_conv = max(1, math.ceil(n_requests / turns))
-    starts = _arrivals(n_conv, None if rate_rps is None else rate_rps / turns, rng)
+    if sessions is not None:
+        if sessions < 1 or rate_rps is None:
+            raise ValueError("sessions needs open-loop arrivals (rate_rps) and must be >= 1")
+        think_s = sessions / rate_rps
+        slots = [(rng.uniform(0.0, think_s), i) for i in range(sessions)]  # (next conversation's start, session)
+        heapq.heapify(slots)
+    else:
+        starts = _arrivals(n_conv, None if rate_rps is None else rate_rps / turns, rng)
     reqs = []
     for c in range(n_conv):
         system = Segment(f"sys/chat/{seed}/{c % 8}", "system", system_tokens, "system")  # 8 shared system prompts
         hist: list[Segment] = [system]
-        t = starts[c]
+        t = heapq.heappop(slots)[0] if sessions is not None else starts[c]
         for k in range(turns):
             if len(reqs) >= n_requests:
                 break
@@ -334,7 +371,9 @@ def multi_turn(
             hist += [user, ans]
             if rate_rps is not None:
                 t += rng.expovariate(1.0 / think_s)
-    params = dict(turns=turns, system_tokens=system_tokens, user_tokens=user_tokens, answer_tokens=answer_tokens, think_s=think_s)
+        if sessions is not None:
+            heapq.heappush(slots, (t, c))
+    params = dict(turns=turns, system_tokens=system_tokens, user_tokens=user_tokens, answer_tokens=answer_tokens, think_s=think_s, sessions=sessions)
     return _finish("multi_turn", reqs, rate_rps, concurrency, params)
 
 
@@ -374,6 +413,27 @@ def rag(
 def shared_docs_zipf(n_requests: int = 1000, **kw) -> Workload:
     kw.setdefault("popularity", "zipf")
     return shared_docs(n_requests, name="shared_docs_zipf", **kw)
+
+
+def warmup_requests(w: Workload) -> list[WorkloadRequest]:
+    """One request per distinct shared prefix of `w` (all segments but the last; e.g. one per
+    document of shared_docs), in order of first appearance, with its own question and arrival 0:
+    what pre-warming the replicas with one request per document sends. Workloads whose prompts
+    share nothing but single segments (no_sharing) or whose prefixes are conversations
+    (multi_turn) get none."""
+    out: list[WorkloadRequest] = []
+    seen: set = set()
+    for r in w.requests:
+        if r.conversation or len(r.segments) < 2:
+            continue
+        prefix = tuple(s.seg_id for s in r.segments[:-1])
+        if prefix in seen:
+            continue
+        seen.add(prefix)
+        last = r.segments[-1]
+        q = Segment(f"warmup/{len(out)}/{last.seg_id}", last.role, last.n_tokens, last.kind)
+        out.append(_req(f"warmup-{len(out)}", 0.0, r.tenant, r.segments[:-1] + (q,), r.max_output_tokens))
+    return out
 
 
 WORKLOADS = {

@@ -1,4 +1,4 @@
-"""Pure routing policies (DESIGN.md "Score"): no I/O, no asyncio.
+"""Pure routing policies (the score of the README's "What it does", step 6): no I/O, no asyncio.
 
 `policies.base` is the interface; `policies.registry.get_policy(name, **params)` builds one;
 `policies.calibration.Calibrator` estimates per-replica prefill and decode rates online.

@@ -51,7 +51,11 @@ class ReplicaView:
     kv_usage: float = 0.0  # engine-reported KV cache usage, 0..1
     prefill_s_per_token: float = 5e-5  # calibrated (or prior) prefill seconds per uncached token
     decode_step_s: float = 0.02  # calibrated (or prior) seconds per decode step
-    extra: Mapping[str, float] = field(default_factory=dict)  # optional signals for custom terms
+    kv_capacity_blocks: int = 0  # the engine's KV blocks (vllm:cache_config_info num_gpu_blocks); 0: unknown
+    kv_cached_frac: float | None = None  # share of its KV blocks holding indexed prefixes, 0..1 (None: unknown)
+    mean_uncached_prefill_tokens: float | None = None  # moving mean of the uncached prompt tokens of requests sent there (None: none yet)
+    mean_output_tokens: float | None = None  # moving mean of the max_tokens of requests sent there (None: none gave one)
+    routed_rps: float | None = None  # requests the gateway routed there per second, a moving mean (None: not tracked)
 
 
 @dataclass(frozen=True, slots=True)

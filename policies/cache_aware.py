@@ -15,7 +15,7 @@ Every term is in seconds of this request's time to first token (TTFT), per repli
     queue_penalty_s  = max(backlog_tokens x prefill_s_per_token(r), slot_wait_s)
                      + running_reqs x running_step_share x decode_step_s(r)
                      + (decode_step_s(r) x busy_step_share  if the replica has any work)
-    cache_fill       = extra["kv_cached_frac"] (share of r's KV holding cached prefixes), else
+    cache_fill       = kv_cached_frac (share of r's KV holding cached prefixes), else
                        default_cache_fill                                         (0..1)
     evict_penalty_s  = cache_fill x uncached_tokens x prefill_s_per_token(r)
     kv_pressure      = max(0, kv_usage - kv_threshold) / (1 - kv_threshold)      (0..1)
@@ -30,7 +30,7 @@ Every term is in seconds of this request's time to first token (TTFT), per repli
                      = load_over AND structural AND load_reqs(r) > balance_exclusive_rel x mean_load
                                                                                        if sole_copy
                        (means over the healthy replicas of this decision; routed_rps =
-                       extra["routed_rps"], the gateway's EWMA of requests it sent there per second;
+                       routed_rps, the gateway's EWMA of requests it sent there per second;
                        terms() called without others_blocks treats the request as not a sole copy)
     balance_penalty_s= (w_cache + w_evict x cache_fill) x cache_benefit_s  if balance_guard else 0
     score            = w_cache x cache_benefit_s - w_queue x queue_penalty_s
@@ -97,7 +97,7 @@ Why these pieces
 - A replica whose feed is not live (`index_live` False) is routed by load only: its matches are
   ignored rather than trusted.
 - Backlog: the engine reports request *counts*; a waiting request costs its uncached prefill,
-  which we estimate per replica as ``extra["mean_uncached_prefill_tokens"]`` when the gateway
+  which we estimate per replica as the view's ``mean_uncached_prefill_tokens`` when the gateway
   tracks it (mean uncached tokens of requests recently sent there) and `prior_uncached_tokens`
   otherwise. The gateways' in-flight work (requests without a first token yet, with their
   uncached tokens) is the fresh view of the same queue; the two overlap, so the larger counts.
@@ -116,7 +116,7 @@ Why these pieces
   freed by completions, or budget freed by prefills; admitted prefills overlap the others'
   decodes), so the slower one counts: max, not sum. Dividing by max_num_seqs (equal to
   running_reqs whenever the gate is on) rather than by running_reqs keeps the term
-  non-decreasing in every load signal. output_tokens_per_req(r) is ``extra["mean_output_tokens"]``
+  non-decreasing in every load signal. output_tokens_per_req(r) is the view's ``mean_output_tokens``
   (the gateway's moving mean of max_tokens of requests it sent there; an upper bound of what they
   generate, which errs toward leaving a saturated replica) else `prior_output_tokens`.
   Not modelled: waiting for KV blocks with free slots (the view lacks the replica's block count
@@ -149,7 +149,7 @@ max_num_seqs         the engines' sequence-slot limit (vLLM --max-num-seqs); req
                      saturation is never priced, too low and a busy replica's passing waiting
                      requests are priced as a full queue)
 prior_output_tokens  output tokens assumed per request when the gateway has no per-replica mean
-                     (`extra["mean_output_tokens"]`); tokens, >= 0 (default 256)
+                     (`mean_output_tokens`); tokens, >= 0 (default 256)
 kv_threshold         KV usage above which pressure starts; 0..1 (default 0.9)
 default_cache_fill   cache_fill when the view has no `kv_cached_frac`; 0..1 (default 1.0)
 balance_rel          guard's relative threshold: load_reqs above this multiple of the mean;
@@ -192,16 +192,7 @@ from typing import ClassVar, Sequence
 from policies._common import SCORE_RESOLUTION_S, load_reqs
 from policies.base import Candidate, Decision, PolicyBase, ReplicaView, RequestView
 
-__all__ = ["CacheAwarePolicy", "MEAN_UNCACHED_EXTRA", "CACHE_FILL_EXTRA", "ROUTED_RATE_EXTRA", "MEAN_OUTPUT_EXTRA"]
-
-# ReplicaView.extra key: mean uncached prefill tokens of requests recently sent to the replica.
-MEAN_UNCACHED_EXTRA = "mean_uncached_prefill_tokens"
-# ReplicaView.extra key: share of the replica's KV blocks holding cached prefixes (index size / capacity), 0..1.
-CACHE_FILL_EXTRA = "kv_cached_frac"
-# ReplicaView.extra key: requests per second the gateway routed to the replica recently (EWMA), >= 0.
-ROUTED_RATE_EXTRA = "routed_rps"
-# ReplicaView.extra key: mean max_tokens (output tokens) of requests recently sent to the replica, >= 0.
-MEAN_OUTPUT_EXTRA = "mean_output_tokens"
+__all__ = ["CacheAwarePolicy"]
 
 
 class CacheAwarePolicy(PolicyBase):
@@ -297,7 +288,7 @@ class CacheAwarePolicy(PolicyBase):
 
         `mean_load_reqs` is the mean `load_reqs` over the healthy replicas of the decision (what
         the balance guard compares against); None switches the guard off for this call.
-        `mean_routed_rps` is the mean `extra["routed_rps"]` over them (None: the signal is missing
+        `mean_routed_rps` is the mean `routed_rps` over them (None: the signal is missing
         and the guard uses the load condition alone). `others_blocks` is the longest match (capped
         blocks, GPU or CPU) on any other healthy replica of the decision (None: not a sole copy).
         """
@@ -312,10 +303,9 @@ class CacheAwarePolicy(PolicyBase):
         uncached_tokens = max(0, request.prompt_tokens - gpu_blocks * bs - (any_blocks - gpu_blocks) * bs)
         p = v.prefill_s_per_token
         step = v.decode_step_s
-        extra = v.extra
-        per_req = extra.get(MEAN_UNCACHED_EXTRA, self.prior_uncached_tokens) if extra else self.prior_uncached_tokens
+        per_req = v.mean_uncached_prefill_tokens if v.mean_uncached_prefill_tokens is not None else self.prior_uncached_tokens
         backlog_tokens = max(v.waiting_reqs * per_req, float(v.inflight_prefill_tokens))
-        out_tokens = max(0.0, float(extra.get(MEAN_OUTPUT_EXTRA, self.prior_output_tokens))) if extra else self.prior_output_tokens
+        out_tokens = max(0.0, v.mean_output_tokens) if v.mean_output_tokens is not None else self.prior_output_tokens
         slots_full = v.waiting_reqs > 0 and v.running_reqs >= self.max_num_seqs
         # saturated: the newcomer waits for waiting + 1 completions of a full batch (module header)
         slot_wait_s = (v.waiting_reqs + 1) * out_tokens * step / self.max_num_seqs if slots_full else 0.0
@@ -326,14 +316,14 @@ class CacheAwarePolicy(PolicyBase):
             + (self.busy_step_share * step if busy else 0.0)
         )
         cache_benefit_s = matched_tokens * p
-        fill = extra.get(CACHE_FILL_EXTRA, self.default_cache_fill) if extra else self.default_cache_fill
+        fill = v.kv_cached_frac if v.kv_cached_frac is not None else self.default_cache_fill
         cache_fill = min(1.0, max(0.0, fill))
         evict_penalty_s = cache_fill * uncached_tokens * p
         kv_pressure = max(0.0, v.kv_usage - self.kv_threshold) / (1.0 - self.kv_threshold)
         kv_penalty_s = kv_pressure * uncached_tokens * p
         lr = load_reqs(v)
-        routed = float(extra.get(ROUTED_RATE_EXTRA, -1.0)) if extra else -1.0
-        rate_known = mean_routed_rps is not None and routed >= 0.0
+        routed = v.routed_rps if v.routed_rps is not None else -1.0
+        rate_known = mean_routed_rps is not None and v.routed_rps is not None
         if mean_load_reqs is None:
             guard = False
         else:
@@ -386,7 +376,7 @@ class CacheAwarePolicy(PolicyBase):
     def rank(self, request: RequestView, replicas: Sequence[ReplicaView], rng: random.Random) -> Decision:
         live = [v for v in replicas if v.healthy]
         mean = sum(load_reqs(v) for v in live) / len(live) if live else 0.0
-        rates = [v.extra.get(ROUTED_RATE_EXTRA) if v.extra else None for v in live]
+        rates = [v.routed_rps for v in live]
         mean_rate = sum(rates) / len(rates) if live and all(r is not None for r in rates) else None
         keyed = []
         bs = request.block_size

@@ -11,7 +11,8 @@ replica, a GC pause, a network hiccup) and is deterministic: same observations, 
       fixed_s = overhead_s + (decode_step_s x (1 + busy_step_share) if running_reqs > 0 else 0)
 
   where `queued_tokens` is the uncached prefill work that was ahead of the request at dispatch
-  (the policy's ``backlog_tokens``: the modelled queue wait, counted in tokens at the same rate,
+  (gateway.routing.queued_prefill_tokens, the same estimate as cache_aware's ``backlog_tokens``:
+  the modelled queue wait, counted in tokens at the same rate,
   so it is taken out of the TTFT rather than attributed to this request's prefill) and
   `running_reqs` the running requests then. Under load the rate absorbs the decode work that
   shares the prefill's steps, which is what predicting a queue needs. On a busy replica the fixed

@@ -14,13 +14,16 @@ Startup: resolve the model name (config, else the engine's /v1/models), publish 
 (a previous agent's state is stale), then run the event, load and snapshot tasks. The load task
 publishes a "load" record per scrape (or a bare heartbeat without an engine URL); a replica whose
 engine cannot be scraped publishes none and goes stale in the gateways' indexes. `/healthz` and
-`/metrics` are served on the admin port.
+`/metrics` are served on the admin port. A scrape that keeps failing is logged once a minute, and
+once when it recovers (feed.FailureLog). `main_from_args` stops on SIGTERM/SIGINT in every
+state: while waiting for the engine's /v1/models, with the engine or the feed unreachable, running.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from .decode import BlockStored, EngineDecodeError, decode_payload
 from .feed.base import Feed, FeedUnavailable, open_feed
 from .feed.records import MEDIUM_GPU, FeedEvent, Hello, LoadReport, Snapshot
+from .feed import FailureLog
 from .scraper import Scraper
 from .translate import Cleared, KeysRemoved, KeysStored, Translator
 from .transport import Deliver, EngineStream, Resync
@@ -91,6 +95,7 @@ class RunningAgent:
         self.stream = EngineStream(cfg.kv_events_endpoint, bind=cfg.bind, replay_endpoint=cfg.replay_endpoint,
                                    topic=cfg.topic, replay_timeout_s=cfg.replay_timeout_s)
         self.scraper = Scraper(cfg.engine_url) if cfg.engine_url else None
+        self._scrape_log = FailureLog(log, f"load scrape of {self.scraper.url}") if self.scraper else None
         self.last_load: LoadReport | None = None
         self.admin_url: str | None = None
         self._lock = asyncio.Lock()
@@ -115,7 +120,7 @@ class RunningAgent:
             try:
                 await self._scrape_once()
             except Exception as exc:  # the engine may still be starting
-                log.info("first load scrape failed: %s", exc)
+                self._scrape_log.failed(_describe(exc))
         async with self._lock:
             await self._publish([self._hello(), FeedEvent(self.cfg.replica_id, 0, "cleared")])
             await self._snapshot_locked()
@@ -152,14 +157,17 @@ class RunningAgent:
 
         url = self.cfg.engine_url.rstrip("/") + "/v1/models"
         delay = 0.2
+        waiting = FailureLog(log, f"waiting for the engine: GET {url}")
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as s:
             while True:
                 try:
                     async with s.get(url) as resp:
                         data = await resp.json()
-                        return str(data["data"][0]["id"])
+                        model = str(data["data"][0]["id"])
+                    waiting.ok()
+                    return model
                 except Exception as exc:
-                    log.info("waiting for %s (%s)", url, exc)
+                    waiting.failed(_describe(exc))
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)
 
@@ -259,14 +267,7 @@ class RunningAgent:
             self.stats.last_batch_engine_ts = batch.ts
             self.stats.last_batch_lag_s = max(0.0, time.time() - batch.ts) if batch.ts else 0.0
             async with self._lock:
-                drafts = []
-                for rec in self.translator.apply_all(batch.events):
-                    if type(rec) is KeysStored:
-                        drafts.append(FeedEvent(rid, 0, "stored", rec.keys, rec.medium))
-                    elif type(rec) is KeysRemoved:
-                        drafts.append(FeedEvent(rid, 0, "removed", rec.keys, rec.medium))
-                    elif type(rec) is Cleared:
-                        drafts.append(FeedEvent(rid, 0, "cleared"))
+                drafts = _feed_drafts(rid, self.translator.apply_all(batch.events))
                 if drafts:
                     self._keys_changed = True
                     await self._publish(drafts)
@@ -340,8 +341,9 @@ class RunningAgent:
                 load = await self._scrape_once()
             except Exception as exc:
                 self.stats.load_errors += 1
-                log.info("load scrape failed: %s", exc)
+                self._scrape_log.failed(_describe(exc))
                 continue
+            self._scrape_log.ok()
             async with self._lock:
                 if prev is not None and load.prefix_cache_queries_total < prev.prefix_cache_queries_total:
                     await self._metrics_reset_locked(prev, load)
@@ -441,6 +443,12 @@ async def start_agent(cfg: AgentConfig, feed: Feed) -> RunningAgent:
     return agent
 
 
+def _describe(exc: BaseException) -> str:
+    """An exception as one short line (aiohttp's connection errors carry no text of their own)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def config_from_args(args) -> AgentConfig:
     g = lambda name, default=None: getattr(args, name, default)  # noqa: E731
     return AgentConfig(
@@ -459,13 +467,42 @@ def config_from_args(args) -> AgentConfig:
     )
 
 
+def _feed_drafts(rid: str, recs) -> list[FeedEvent]:
+    """Feed records of translated key changes. vLLM reports evictions one block per event: a run of
+    adjacent removals on one medium becomes one record (adjacent only, so the order against the
+    stores around them is kept)."""
+    drafts: list[FeedEvent] = []
+    removed: list = []  # keys of the run of removals being gathered
+    medium = None
+    for rec in recs:
+        if type(rec) is KeysRemoved and (not removed or rec.medium == medium):
+            removed.extend(rec.keys)
+            medium = rec.medium
+            continue
+        if removed:
+            drafts.append(FeedEvent(rid, 0, "removed", tuple(removed), medium))
+            removed = []
+        if type(rec) is KeysRemoved:
+            removed.extend(rec.keys)
+            medium = rec.medium
+        elif type(rec) is KeysStored:
+            drafts.append(FeedEvent(rid, 0, "stored", rec.keys, rec.medium))
+        elif type(rec) is Cleared:
+            drafts.append(FeedEvent(rid, 0, "cleared"))
+    if removed:
+        drafts.append(FeedEvent(rid, 0, "removed", tuple(removed), medium))
+    return drafts
+
+
 def main_from_args(args) -> int:
-    """`warmroute agent`: run until SIGINT/SIGTERM; exit 0 on a clean stop."""
+    """`warmroute agent`: run until SIGINT/SIGTERM (in any state, also while still starting); exit 0
+    on a clean stop, 1 when a task died, 2 when it cannot start (e.g. its admin port is taken)."""
+    import errno
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args)
 
     async def amain() -> int:
-        feed = open_feed(args.feed)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -473,19 +510,46 @@ def main_from_args(args) -> int:
                 loop.add_signal_handler(sig, stop.set)
             except NotImplementedError:  # pragma: no cover
                 pass
-        agent = await start_agent(cfg, feed)
-        log.info("agent %s for model %r up (admin %s)", cfg.replica_id, agent.model, agent.admin_url)
+        feed = open_feed(args.feed)
         try:
-            while not stop.is_set():
-                try:
-                    await asyncio.wait_for(stop.wait(), 1.0)
-                except asyncio.TimeoutError:
-                    if not agent.healthy():
-                        log.error("an agent task died; exiting")
-                        return 1
-            return 0
+            # Starting can wait without bound (the engine's /v1/models, a feed that does not
+            # answer): race it against the stop signal so TERM/INT end it too.
+            starting = asyncio.create_task(start_agent(cfg, feed), name="agent-start")
+            stopped = asyncio.create_task(stop.wait(), name="agent-stop")
+            await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                log.info("stopping before start-up finished (signal)")
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+                return 0
+            stopped.cancel()
+            agent = starting.result()
+            admin = f"admin {agent.admin_url} (/healthz /metrics)" if agent.admin_url else "no admin port (--admin-port)"
+            log.info("agent %s for model %r up; %s", cfg.replica_id, agent.model, admin)
+            try:
+                while not stop.is_set():
+                    try:
+                        await asyncio.wait_for(stop.wait(), 1.0)
+                    except asyncio.TimeoutError:
+                        if not agent.healthy():
+                            log.error("an agent task died; exiting")
+                            return 1
+                return 0
+            finally:
+                await agent.close()
         finally:
-            await agent.close()
             await feed.close()
 
-    return asyncio.run(amain())
+    import zmq
+
+    try:
+        return asyncio.run(amain())
+    except zmq.ZMQError as exc:  # binding the SUB socket (--bind)
+        print(f"warmroute agent: cannot bind {cfg.kv_events_endpoint} (--kv-events-endpoint): {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        print(f"warmroute agent: cannot listen on {cfg.admin_host}:{cfg.admin_port} (--admin-port): "
+              "address already in use", file=sys.stderr)
+        return 2

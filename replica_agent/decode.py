@@ -1,4 +1,4 @@
-"""Decode a vLLM KV-event payload (msgpack bytes) into typed events (pure; ENGINE_FACTS.md).
+"""Decode a vLLM KV-event payload (msgpack bytes) into typed events (pure; vLLM's wire format).
 
 Rule: the payload is `[ts, [event, ...], data_parallel_rank?]`; each event is either a map with
 "type" first (current format) or a positional array `["BlockStored", block_hashes,

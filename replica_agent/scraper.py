@@ -1,4 +1,4 @@
-"""The engine's load, from its Prometheus `/metrics` (ENGINE_FACTS.md "Metrics").
+"""The engine's load, from its Prometheus `/metrics` (vLLM's metric names).
 
 Rule: `parse_load(text, ts)` is pure: it reads vllm:num_requests_running / _waiting (summed over
 engines), vllm:kv_cache_usage_perc (mean over engines, a fraction), the prefix-cache counters

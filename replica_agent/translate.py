@@ -1,4 +1,4 @@
-"""Engine hashes -> warmroute block keys, with reference counts (pure; DESIGN.md "Block keys").
+"""Engine hashes -> warmroute block keys, with reference counts (pure; the key layout is hashing/keys.py's).
 
 Rule: for each BlockStored run, keys are recomputed from its `token_ids` with hashing/keys.py:
   - parent nil: chain from `root_key(model)`; block 0's extras carry the salt, which the engine

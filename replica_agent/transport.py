@@ -252,10 +252,14 @@ class EngineStream:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        if self.bind:
-            sub.bind(self.endpoint)
-        else:
-            sub.connect(self.endpoint)
+        try:
+            if self.bind:
+                sub.bind(self.endpoint)
+            else:
+                sub.connect(self.endpoint)
+        except BaseException:  # e.g. the endpoint is in use: an open socket would block close()'s term()
+            sub.close(0)
+            raise
         self._sub = sub
 
     def close(self) -> None:

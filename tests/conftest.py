@@ -3,7 +3,6 @@ a missing redis-server or vLLM makes the test fail with the reason."""
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import socket
 import subprocess
@@ -14,8 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
-FIXTURE_EVENTS = SHARED / "fixtures" / "vllm-0.32-cpu-kv-events.json"
+FIXTURES = REPO / "tests" / "fixtures"
+FIXTURE_EVENTS = FIXTURES / "vllm-0.32-cpu-kv-events.json"
 
 
 def free_port() -> int:
@@ -55,13 +54,12 @@ def tok(tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def vllm_fixture() -> dict:
-    """Traffic captured from a real vLLM 0.32 CPU build (shared/fixtures/README.md)."""
+    """Traffic captured from a real vLLM 0.32 CPU build (tests/fixtures/README.md)."""
     import json
 
-    path = Path(os.environ.get("WARMROUTE_FIXTURES", FIXTURE_EVENTS))
-    if not path.exists():
-        pytest.fail(f"captured vLLM fixture missing at {path}: set WARMROUTE_FIXTURES or provide ../shared/fixtures")
-    return json.loads(path.read_text())
+    if not FIXTURE_EVENTS.exists():
+        pytest.fail(f"captured vLLM fixture missing at {FIXTURE_EVENTS} (it is part of the repository)")
+    return json.loads(FIXTURE_EVENTS.read_text())
 
 
 class RedisServer:

@@ -201,3 +201,14 @@ def test_pure_modules_import_no_io_libraries():
             "bad = [m for m in ('zmq', 'redis', 'aiohttp', 'asyncio') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_adjacent_removals_become_one_feed_record_and_order_is_kept():
+    from replica_agent.agent import _feed_drafts
+    from replica_agent.translate import Cleared, KeysRemoved, KeysStored
+
+    recs = [KeysRemoved("GPU", (1,)), KeysRemoved("GPU", (2,)), KeysRemoved("CPU", (3,)), KeysStored("GPU", (4, 5)),
+            KeysRemoved("GPU", (4,)), KeysRemoved("GPU", (6,)), Cleared(), KeysRemoved("GPU", (7,))]
+    got = [(d.kind, d.medium, d.keys) for d in _feed_drafts("r", recs)]
+    assert got == [("removed", "GPU", (1, 2)), ("removed", "CPU", (3,)), ("stored", "GPU", (4, 5)),
+                   ("removed", "GPU", (4, 6)), ("cleared", "GPU", ()), ("removed", "GPU", (7,))]

@@ -45,7 +45,7 @@ async def test_sim_agent_redis_index(tokenizer_dir, redis_server):
     try:
         for rid in ("r1", "r2"):
             pub, rep = free_port(), free_port()
-            # 127.0.0.1 endpoints: the engine's PUB connects, so the agent binds (ENGINE_FACTS.md)
+            # 127.0.0.1 endpoints: the engine's PUB connects, so the agent binds (vLLM's rule)
             sims[rid] = await start_sim_server(SimConfig(
                 model=MODEL, tokenizer=str(tokenizer_dir), block_size=BS, num_blocks=512, time=FAST, max_model_len=4096,
                 kv_events_endpoint=f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{rep}"))

@@ -24,11 +24,14 @@ from tests.chart.render import CHART_DIR, FULL_NAME, ci_values, deep_merge, docu
 KUBE_VERSIONS = ("1.28.0", "1.35.0")  # the oldest still in common use and a recent one
 REPO = CHART_DIR.parents[1]
 VALUE_SETS = documented_value_sets()
-CRD_KINDS = {"ServiceMonitor", "PodMonitor"}  # Prometheus Operator CRDs: checked structurally below
+# Custom resources kubernetes-validate has no schema for: Prometheus Operator's (checked structurally
+# below) and, in epp mode, the InferencePool (its CRD's schema) and HTTPRoute (structurally):
+# tests/test_chart_epp.py.
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "InferencePool", "HTTPRoute"}
 
 
 def test_documented_value_sets_cover_the_modes():
-    assert {"default", "attach", "attach-headless", "deploy-redis", "full"} <= set(VALUE_SETS)
+    assert {"default", "attach", "attach-headless", "deploy-redis", "full", "epp-deploy", "epp-attach"} <= set(VALUE_SETS)
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
@@ -79,7 +82,6 @@ def test_default_install_without_a_salt_secret_fails_saying_how_to_give_one():
     ({"replicas": {"mode": "attach"}, "gateway": {"tokenizer": {"source": "builtin"}}}, "replicas.attach.endpoints"),
     ({"replicas": {"mode": "attach", "attach": {"headlessService": "vllm.llm.svc"}}}, "gateway.tokenizer.hubModel"),
     ({"replicas": {"deploy": {"servedModelName": "a"}}, "config": {"model": {"name": "b"}}}, "servedModelName"),
-    ({"epp": {"enabled": True}}, "epp.enabled"),
 ])
 def test_incomplete_values_fail_saying_what_to_set(over, says):
     with pytest.raises(helm.HelmError) as exc:
@@ -93,9 +95,13 @@ def test_rendered_gateway_config_is_one_the_gateway_accepts(name):
     raw = yaml.safe_load(r.configmap_data(FULL_NAME)["gateway.yaml"])
     cfg = config_from_dict(raw, env={})  # raises ConfigError naming the field
     values = deep_merge(helm.Chart.load(str(CHART_DIR)).values, ci_values(name))
-    assert cfg.server.port == values["gateway"]["ports"]["http"] and cfg.server.workers == values["gateway"]["workers"]
+    if values["epp"]["enabled"]:  # the picker: no API port, one process; its gRPC ports are flags
+        assert "port" not in raw["server"] and "workers" not in raw["server"]
+    else:
+        assert cfg.server.port == values["gateway"]["ports"]["http"] and cfg.server.workers == values["gateway"]["workers"]
+    assert cfg.server.admin_port == values["gateway"]["ports"]["admin"]
     assert cfg.salt.secret_file == "/etc/warmroute/salt/secret"
-    dep = r.get("Deployment", FULL_NAME)["spec"]["template"]["spec"]
+    dep = r.get("Deployment", router_name(values))["spec"]["template"]["spec"]
     gw = dep["containers"][0]
     mounts = {m["mountPath"] for m in gw["volumeMounts"]}
     for path in (cfg.salt.secret_file, cfg.auth.api_keys_file, cfg.auth.jwt.jwks_file, cfg.auth.jwt.hs256_secret_file,
@@ -103,6 +109,11 @@ def test_rendered_gateway_config_is_one_the_gateway_accepts(name):
         if path:  # every file the config names sits in a mounted volume
             assert any(path.startswith(m + "/") or path == m for m in mounts), (path, mounts)
     assert gw["args"][-1].startswith("/etc/warmroute/config/") and any(m == "/etc/warmroute/config" for m in mounts)
+
+
+def router_name(values: dict) -> str:
+    """The Deployment that reads the config: the gateway, or in epp mode the picker."""
+    return f"{FULL_NAME}-epp" if values.get("epp", {}).get("enabled") else FULL_NAME
 
 
 def test_gateway_pod_is_hardened_drains_and_spreads():
@@ -297,12 +308,13 @@ def test_values_yaml_documents_the_policys_own_default_weights():
     assert documented and all(defaults[k] == v for k, v in documented.items()), (documented, defaults)
 
 
-def test_dockerfile_builds_the_image_the_containers_expect():
+@pytest.mark.parametrize("name", ["full", "epp-deploy"])
+def test_dockerfile_builds_the_image_the_containers_expect(name):
     text = (REPO / "Dockerfile").read_text()
     assert re.search(r'^ENTRYPOINT \["warmroute"\]$', text, re.M)
     assert re.search(r"^RUN pip install \. ", text, re.M)  # the package, as the tests install it
     uid = int(re.search(r"^USER (\d+)", text, re.M).group(1))
-    r = render(ci_values("full"))
+    r = render(ci_values(name))
     image = f"{helm.Chart.load(str(CHART_DIR)).values['image']['repository']}:0.1.0"
     for w in r.workloads():
         for c in w["spec"]["template"]["spec"]["containers"] + w["spec"]["template"]["spec"].get("initContainers", []):
@@ -312,7 +324,7 @@ def test_dockerfile_builds_the_image_the_containers_expect():
                 assert c["command"][0] == "python"
                 import huggingface_hub  # noqa: F401
             else:
-                assert c["args"][0] in ("gateway", "agent")
+                assert c["args"][0] in ("gateway", "agent", "epp")
             assert c["securityContext"].get("runAsUser", w["spec"]["template"]["spec"].get("securityContext", {}).get("runAsUser")) == uid
     assert helm.Chart.load(str(CHART_DIR)).metadata["appVersion"] in image
 

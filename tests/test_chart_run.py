@@ -8,9 +8,16 @@ port's routing explanation scores with; the rendered OTEL_* env exports the requ
 secret shows in any log; every process stops promptly on SIGTERM. And one bad value in the
 rendered config (which the schema cannot see: a cross-field rule) stops the gateway at start with
 the field named.
+In epp mode the rendered picker (`warmroute epp`) runs the same way beside a sim replica, its
+agent and the rendered Redis: its native gRPC probes (startup, readiness, liveness) pass on the
+rendered health port, its admin probes (/healthz, /readyz) on the rendered admin port, the
+Service's ext_proc port answers one request as Envoy would send it (the pick names the replica as
+the InferencePool's endpoints are, pod IP:targetPort; the cache salt is the derived one, the
+client's credentials are removed), and it stops promptly on SIGTERM.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -87,9 +94,14 @@ def run_values(ports: dict, otlp_port: int, **over) -> dict:
     return deep_merge(values, over)
 
 
+def _warmroute_image(r: Rendered) -> str:
+    """The warmroute image: what the router (gateway or picker) container runs."""
+    router = next(w for w in r.of_kind("Deployment") if w["metadata"]["name"] in (FULL, f"{FULL}-epp"))
+    return router["spec"]["template"]["spec"]["containers"][0]["image"]
+
+
 def _container(r: Rendered, kind: str, name: str, container: str, root: Path) -> LocalContainer:
-    return LocalContainer(r, r.get(kind, name), container, root, warmroute_image=r.get("Deployment", FULL)
-                          ["spec"]["template"]["spec"]["containers"][0]["image"], namespace=NAMESPACE)
+    return LocalContainer(r, r.get(kind, name), container, root, warmroute_image=_warmroute_image(r), namespace=NAMESPACE)
 
 
 def _arg(argv: list[str], flag: str) -> str:
@@ -244,6 +256,123 @@ def test_a_bad_rendered_value_stops_the_gateway_at_start_naming_it(tmp_path):
         pytest.fail(f"the gateway started with membership.eject_max_s < eject_base_s:\n{gateway.log()}")
     assert rc == 2, gateway.log()
     assert "membership.eject_max_s" in gateway.log(), gateway.log()
+
+
+def epp_values(ports: dict) -> dict:
+    """epp mode over one replica listed by IP (no cluster DNS here; in a cluster: a headless Service)."""
+    return {
+        "salt": {"value": SALT},
+        "auth": {"apiKeys": {"tenants": {"t0": [API_KEY]}}},
+        "gateway": {"ports": {"admin": ports["admin"]}, "tokenizer": {"source": "builtin"}},
+        "replicas": {"mode": "attach", "attach": {"port": ports["sim1"], "podSelector": {"matchLabels": {"app": "vllm"}},
+                                                  "endpoints": [
+            {"id": "r1", "url": f"http://127.0.0.1:{ports['sim1']}", "kvEventsEndpoint": f"tcp://127.0.0.1:{ports['ev1']}",
+             "replayEndpoint": f"tcp://127.0.0.1:{ports['rp1']}"}]}},
+        "agent": {"adminPort": ports["agent1"]},
+        "feed": {"redis": {"enabled": True, "port": ports["redis"], "auth": {"enabled": True, "password": REDIS_PASSWORD}}},
+        "epp": {"enabled": True, "ports": {"grpc": ports["grpc"], "grpcHealth": ports["health"]},
+                "gatewayFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway-system"}}}]},
+        "config": {"model": {"name": MODEL}, "membership": {"health_interval_s": 0.5},
+                   "server": {"shutdown_grace_s": 5}},
+    }
+
+
+async def _ext_proc_pick(port: int, key: str, body: dict) -> tuple[dict, str, dict]:
+    """One request as Envoy's ext_proc filter sends it (headers, then the body in one chunk,
+    full-duplex streamed): returns the header mutation, the envoy.lb metadata pick, the new body."""
+    import grpc
+    from gateway.epp.extproc import DESTINATION_HEADER, FULL_DUPLEX_STREAMED, LB_NAMESPACE
+    from gateway.epp.server import METHOD
+    from gateway.epp.wire import ext_proc_pb2 as pb
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        call = ch.stream_stream(METHOD, request_serializer=pb.ProcessingRequest.SerializeToString,
+                                response_deserializer=pb.ProcessingResponse.FromString)()
+        hm = pb.HeaderMap(headers=[pb.HeaderValue(key=k, raw_value=v.encode()) for k, v in (
+            (":path", "/v1/chat/completions"), (":method", "POST"), (":authority", "llm.example.com"),
+            ("content-type", "application/json"), ("authorization", f"Bearer {key}"))])
+        first = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hm))
+        first.protocol_config.request_body_mode = FULL_DUPLEX_STREAMED
+        first.protocol_config.response_body_mode = FULL_DUPLEX_STREAMED
+        await call.write(first)
+        await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=json.dumps(body).encode(), end_of_stream=True)))
+        h = await asyncio.wait_for(call.read(), 30)
+        common = h.request_headers.response
+        mutation = {o.header.key: o.header.raw_value.decode() for o in common.header_mutation.set_headers}
+        mutation["-removed"] = list(common.header_mutation.remove_headers)
+        lb = h.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value
+        sent = (await asyncio.wait_for(call.read(), 30)).request_body.response.body_mutation.streamed_response.body
+        await call.done_writing()
+        call.cancel()
+        return mutation, lb, json.loads(sent)
+
+
+def test_rendered_picker_runs_and_answers_its_probes_and_envoy(tmp_path):
+    from gateway.epp.extproc import DESTINATION_HEADER
+    from gateway.epp.server import EXT_PROC_SERVICE
+
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server not found: install it (apt-get install redis-server); .ci/run does")
+    ports = {k: free_port() for k in ("grpc", "health", "admin", "redis", "agent1", "sim1", "ev1", "rp1")}
+    r = render(epp_values(ports))
+    picker_dep = r.get("Deployment", f"{FULL}-epp")
+    assert not [d for d in r.of_kind("Deployment") if d["metadata"]["name"] == FULL]  # no HTTP gateway in epp mode
+    pool = r.get("InferencePool", FULL)
+    svc = r.get("Service", f"{FULL}-epp")
+    redis = _container(r, "StatefulSet", f"{FULL}-redis", "redis", tmp_path)
+    agent = _container(r, "Deployment", f"{FULL}-agent-r1", "agent", tmp_path)
+    picker = _container(r, "Deployment", f"{FULL}-epp", "epp", tmp_path)
+    assert picker.argv()[1] == "epp"
+    cfg = yaml.safe_load(r.configmap_data(FULL)["gateway.yaml"])
+    running: list[LocalContainer] = []
+    argv = agent.argv()
+    sim = _start_sim([local_entrypoint()[0], "sim", "--host", "127.0.0.1", "--port", str(ports["sim1"]),
+                      "--model", _arg(argv, "--model"), "--block-size", _arg(argv, "--block-size"),
+                      "--kv-events-endpoint", f"tcp://*:{_port_of(_arg(argv, '--kv-events-endpoint'))}",
+                      "--replay-endpoint", _arg(argv, "--replay-endpoint")], tmp_path / "sim.log")
+    try:
+        redis.start()
+        running.append(redis)
+        redis.wait_probe("readinessProbe", 20)
+        _wait_200(cfg["membership"]["replicas"][0]["url"] + "/health", 60)
+        agent.start()
+        running.append(agent)
+        picker.start()
+        running.append(picker)
+        # The kubelet's view: the native grpc probes on the rendered health port, with their services.
+        for kind, service in (("startupProbe", "liveness"), ("readinessProbe", "readiness"), ("livenessProbe", "liveness")):
+            p = picker.wait_probe(kind, 90)
+            assert (p.kind, p.url, p.service) == ("grpc", f"127.0.0.1:{ports['health']}", service)
+        # The admin port's probes answer on the rendered admin container port.
+        admin = f"http://127.0.0.1:{picker.port('admin')}"
+        assert picker.port("admin") == ports["admin"]
+        for path in ("/healthz", "/readyz"):
+            _wait_200(admin + path, 10)
+        # The Service's ext_proc port (the InferencePool's endpointPickerRef) is where ext_proc answers.
+        grpc_port = next(p for p in svc["spec"]["ports"] if p["name"] == "grpc-ext-proc")
+        assert grpc_port["port"] == pool["spec"]["endpointPickerRef"]["port"]["number"] == ports["grpc"]
+        target = picker.port(grpc_port["targetPort"])
+        from tests.chart.podrun import _grpc_health
+        assert _grpc_health(f"127.0.0.1:{target}", EXT_PROC_SERVICE) == (True, "SERVING")
+        key = yaml.safe_load(r.secret_data(f"{FULL}-api-keys")["keys.yaml"])["t0"][0]
+        body = {"model": MODEL, "max_tokens": 4, "cache_salt": "client-chosen-salt",
+                "messages": [{"role": "user", "content": "Which replica am I sent to?"}]}
+        mutation, lb, sent = asyncio.run(_ext_proc_pick(target, key, body))
+        # Named as the Gateway names the pool's endpoints: pod IP : the InferencePool's target port.
+        expected = f"127.0.0.1:{pool['spec']['targetPorts'][0]['number']}"
+        assert mutation[DESTINATION_HEADER] == lb == expected, (mutation, lb)
+        assert sent["cache_salt"] and sent["cache_salt"] != "client-chosen-salt" and SALT not in json.dumps(sent)
+        assert "authorization" in mutation["-removed"]
+        assert agent.check(agent.probe("livenessProbe"))[0]
+    finally:
+        stop_s = {c.spec["name"]: c.stop(15) for c in reversed(running)}
+        sim.terminate()
+        sim.wait(15)
+    assert stop_s["epp"] < 10, stop_s
+    assert picker_dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 5 + 5  # preStop + drain
+    logs = "\n".join(c.log() for c in running)
+    for secret in (SALT, API_KEY, REDIS_PASSWORD):
+        assert secret not in logs, "a secret appears in a process log"
 
 
 def _wait_200(url: str, timeout_s: float) -> None:

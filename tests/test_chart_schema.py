@@ -57,6 +57,22 @@ def test_base_values_render():
     ({"tracing": {"samplerRatio": 1.5}}, ["/tracing/samplerRatio"]),
     ({"feed": {"redis": {"auth": {"password": "p@ss/word"}}}}, ["/feed/redis/auth/password"]),
     ({"replicas": {"mode": "both"}}, ["/replicas/mode", "must be one of 'deploy', 'attach'"]),
+    # epp mode's values (refused whether or not epp.enabled)
+    ({"epp": {"failureMode": "FailSafe"}}, ["/epp/failureMode", "must be one of 'FailOpen', 'FailClose'"]),
+    ({"epp": {"failureMode": "failopen"}}, ["/epp/failureMode"]),
+    ({"epp": {"ports": {"grpc": 70000}}}, ["/epp/ports/grpc", "maximum"]),
+    ({"epp": {"ports": {"grpcHealth": 0}}}, ["/epp/ports/grpcHealth", "minimum"]),
+    ({"epp": {"ports": {"grpc": "9002"}}}, ["/epp/ports/grpc", "string"]),
+    ({"epp": {"trustedTenantHeader": "x tenant"}}, ["/epp/trustedTenantHeader", "x tenant"]),
+    ({"epp": {"enabled": "yes"}}, ["/epp/enabled"]),
+    ({"epp": {"failMode": "FailOpen"}}, ["/epp", "failMode"]),
+    ({"epp": {"gatewayFrom": [{"namespaceSelecter": {}}]}}, ["/epp/gatewayFrom/0", "namespaceSelecter"]),
+    ({"epp": {"inferencePool": {"name": "Llama_Pool"}}}, ["/epp/inferencePool/name", "Llama_Pool"]),
+    ({"epp": {"inferencePool": {"matchLabels": {"app": 1}}}}, ["/epp/inferencePool/matchLabels/app"]),
+    ({"epp": {"httpRoute": {"parentRefs": [{"namespace": "gw"}]}}}, ["/epp/httpRoute/parentRefs/0", "name"]),
+    ({"epp": {"httpRoute": {"requestTimeout": "5 minutes"}}}, ["/epp/httpRoute/requestTimeout", "5 minutes"]),
+    ({"epp": {"httpRoute": {"paths": ["v1/chat/completions"]}}}, ["/epp/httpRoute/paths/0"]),
+    ({"epp": {"httpRoute": {"paths": []}}}, ["/epp/httpRoute/paths", "minItems"]),
 ])
 def test_schema_refuses_bad_values_naming_them(over, names):
     msg = _refusal(over)

@@ -1,5 +1,6 @@
-"""The `warmroute` console script as a user runs it: every subcommand's --help, DESIGN.md's flag
-names, `warmroute sim` as a process, and `warmroute bench` / `warmroute demo` end to end (small)."""
+"""The `warmroute` console script as a user runs it: every subcommand's --help, the flag names
+that must keep working (the README's commands and outside checks use them), `warmroute sim` as a
+process, and `warmroute bench` / `warmroute demo` end to end (small)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from tests.conftest import free_port
 
 EXE = [sys.executable, "-m", "gateway.cli"]
 
-DESIGN_FLAGS = {
+STABLE_FLAGS = {
     "gateway": ["--config", "--host", "--port", "--admin-port", "--replica", "--feed", "--policy", "--tokenizer",
                 "--block-size", "--api-keys", "--no-auth", "--salt-secret-file", "--check-config"],
     "agent": ["--replica-id", "--engine-url", "--kv-events-endpoint", "--replay-endpoint", "--bind", "--feed"],
@@ -32,10 +33,10 @@ def _run(*args, timeout=60):
     return subprocess.run(EXE + list(args), capture_output=True, text=True, timeout=timeout)
 
 
-def test_help_of_every_subcommand_lists_the_design_flags():
+def test_help_of_every_subcommand_lists_the_stable_flags():
     top = _run("--help")
     assert top.returncode == 0
-    for name, flags in DESIGN_FLAGS.items():
+    for name, flags in STABLE_FLAGS.items():
         assert name in top.stdout
         r = _run(name, "--help")
         assert r.returncode == 0, r.stderr
@@ -100,3 +101,7 @@ def test_demo_runs_and_exits_zero():
     r = _run("demo", "--requests", "12", timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "cache_aware" in r.stdout and "round_robin" in r.stdout and "TTFT p50" in r.stdout
+    # progress in a pipe: plain lines on stderr, each stage announced, no carriage returns
+    assert "[1/2] cache_aware: starting" in r.stderr and "[2/2] round_robin: starting" in r.stderr
+    assert "round_robin: 12/12 requests done" in r.stderr and "\r" not in r.stderr
+    assert "CPU, this process (cores)" in r.stdout and "PyTorch" not in r.stdout + r.stderr

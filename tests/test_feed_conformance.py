@@ -128,6 +128,10 @@ async def test_inflight_counters_are_shared(make_feed):
     assert (seen["r"].reqs, seen["r"].prefill_tokens) == (3, 1500) and seen["q"].reqs == 1
     await g1.incr_inflight("r", -2, -1000)
     assert (await g2.inflight())["r"].reqs == 1
+    # the exchange a gateway makes every poll: its changes in, everyone's counts out, in one call
+    seen = await g1.exchange_inflight({"r": (4, 40), "q": (0, 0)})
+    assert (seen["r"].reqs, seen["r"].prefill_tokens) == (5, 540) and seen["q"].reqs == 1
+    assert (await g2.exchange_inflight({}))["r"].reqs == 5
     await g1.close()
     await g2.close()
 

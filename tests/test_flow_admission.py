@@ -11,7 +11,6 @@ from gateway.admission import (FlowRules, SlotLedger, TenantFlow, backlog_s, has
 from gateway.auth import Identity, load_api_keys_file, tenant_hash
 from gateway.config import ConfigError, FlowConfig, FlowTenantConfig, config_from_dict
 from gateway.errors import ApiError
-from gateway.routing import MEAN_UNCACHED_EXTRA
 from policies.base import ReplicaView
 from replica_agent.feed import LoadReport
 
@@ -56,7 +55,7 @@ def test_room_needs_health_a_free_slot_and_little_prefill_ahead():
     assert not has_room(v, 0, **{**kw, "max_queue_penalty_s": 0.3})  # 0.4 s of prefill ahead
     assert not has_room(ReplicaView("r", healthy=False), 0, **kw)
     waiting = ReplicaView("r", waiting_reqs=3, inflight_prefill_tokens=100, prefill_s_per_token=1e-3,
-                          extra={MEAN_UNCACHED_EXTRA: 500.0})
+                          mean_uncached_prefill_tokens=500.0)
     assert backlog_s(waiting) == pytest.approx(1.5)  # the waiting ones priced at the mean uncached prefill
 
 

@@ -520,6 +520,7 @@ async def test_gateways_share_inflight_load_through_redis(tok, redis_server):
             # g2's routing view of the replica includes g1's in-flight request.
             views = g2.gateway.routing.views(["r"], [], {"r": True})
             assert views[0].inflight_reqs == 1
+            assert g2.gateway.readiness() == (True, []), g2.gateway.readiness()  # the exchange counts as healthy
             release.set()
             r = await pending
             assert r.status == 200

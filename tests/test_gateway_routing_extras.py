@@ -6,7 +6,7 @@ import math
 import random
 
 from gateway.load import ROUTED_TAU_S, LoadTracker
-from gateway.routing import CACHE_FILL_EXTRA, ROUTED_RATE_EXTRA, build_views
+from gateway.routing import build_views
 from policies.base import RequestView
 from policies.registry import get_policy
 
@@ -39,10 +39,10 @@ def _views(routed, fill=None):
     )
 
 
-def test_views_carry_the_extras():
+def test_views_carry_the_routed_rate_and_cache_fill():
     views = _views({"hot": 3.0}, {"hot": 0.5})
-    assert views[0].extra[ROUTED_RATE_EXTRA] == 3.0 and views[0].extra[CACHE_FILL_EXTRA] == 0.5
-    assert views[1].extra[ROUTED_RATE_EXTRA] == 0.0 and CACHE_FILL_EXTRA not in views[1].extra
+    assert views[0].routed_rps == 3.0 and views[0].kv_cached_frac == 0.5
+    assert views[1].routed_rps == 0.0 and views[1].kv_cached_frac is None
 
 
 def test_routed_rate_changes_the_guard_decision():
@@ -53,9 +53,9 @@ def test_routed_rate_changes_the_guard_decision():
     base = _views(None)
     loaded = [v.__class__(**{**{f: getattr(v, f) for f in v.__slots__}, "running_reqs": 12 if v.replica_id == "hot" else 1})
               for v in base]
-    even = [v.__class__(**{**{f: getattr(v, f) for f in v.__slots__}, "extra": {ROUTED_RATE_EXTRA: 1.0}}) for v in loaded]
+    even = [v.__class__(**{**{f: getattr(v, f) for f in v.__slots__}, "routed_rps": 1.0}) for v in loaded]
     skew = [v.__class__(**{**{f: getattr(v, f) for f in v.__slots__},
-                           "extra": {ROUTED_RATE_EXTRA: 6.0 if v.replica_id == "hot" else 0.5}}) for v in loaded]
+                           "routed_rps": 6.0 if v.replica_id == "hot" else 0.5}) for v in loaded]
     d_even = pol.rank(req, even, random.Random(0))
     d_skew = pol.rank(req, skew, random.Random(0))
     assert d_even.winner == "hot"

@@ -164,7 +164,7 @@ def test_build_views_and_prediction():
     a, b = views
     assert (a.matched_blocks_gpu, a.matched_blocks_cpu, a.running_reqs, a.waiting_reqs) == (4, 6, 3, 2)
     assert (a.inflight_reqs, a.inflight_prefill_tokens, a.kv_usage) == (3, 150, 0.5)
-    assert a.extra["mean_uncached_prefill_tokens"] == 80.0 and a.prefill_s_per_token == 1e-4
+    assert a.mean_uncached_prefill_tokens == 80.0 and a.prefill_s_per_token == 1e-4
     assert not b.healthy and b.running_reqs == 5 and b.matched_blocks_gpu == 0 and not b.index_live
     rv = RequestView(prompt_tokens=97, block_size=16)
     assert predicted_matched_tokens(rv, a) == 6 * 16

@@ -9,7 +9,7 @@ from hashing import KeyChain, block_extras, chain_keys, root_key
 from hashing import vllm_hash
 
 
-def test_engine_vectors_from_engine_facts():
+def test_engine_vectors_published_by_vllm():
     toks = list(range(16))
     assert vllm_hash.none_hash("sha256", "vllm-none-hash").hex() == "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198"
     assert vllm_hash.none_hash("sha256_cbor", "vllm-none-hash").hex() == "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"

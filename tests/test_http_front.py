@@ -10,6 +10,7 @@ import socket
 
 import aiohttp
 import pytest
+import uvloop
 
 from gateway.errors import ApiError
 from gateway.http_front import FrontRequest, FrontResponse, send_error, start_front
@@ -318,3 +319,26 @@ async def test_callback_writes_get_flow_control_from_a_slow_reader():
         assert data.partition(b"\r\n\r\n")[2].count(b"y") == 256 * 65536 and data.endswith(b"3\r\nend\r\n0\r\n\r\n")
     finally:
         await srv.close(1)
+
+
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_accepted_connections_have_nodelay(loop_name):
+    """Streamed tokens are tiny writes: every accepted socket must have TCP_NODELAY (the loop sets it)."""
+    async def main():
+        srv, port = await _front(App())
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(100):
+                if srv.conns:
+                    break
+                await asyncio.sleep(0.01)
+            (conn,) = srv.conns
+            sock = conn.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+            w.close()
+        finally:
+            await srv.close(1)
+
+    factory = uvloop.new_event_loop if loop_name == "uvloop" else asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main())

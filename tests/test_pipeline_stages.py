@@ -140,7 +140,8 @@ def test_decide_follows_the_index_and_its_clock():
     pol = get_policy("cache_aware")
     r = st.decide(rv, {"a": True, "b": True}, pol, random.Random(0))
     assert r.decision.winner == "b" and r.view_of("b").matched_blocks_gpu == 40
-    assert r.view_of("b").extra["kv_cached_frac"] == pytest.approx(0.04)
+    assert r.view_of("b").kv_cached_frac == pytest.approx(0.04)
+    assert r.view_of("b").kv_capacity_blocks == 1000
     clock.t += 6.0  # b's feed went silent: its matches stop counting
     r = st.decide(rv, {"a": True, "b": True}, pol, random.Random(0))
     assert r.view_of("b").index_live is False

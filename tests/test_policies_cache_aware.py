@@ -12,7 +12,7 @@ import hypothesis.strategies as st
 from hypothesis import assume, given, settings
 
 from policies import ReplicaView, RequestView
-from policies.cache_aware import CACHE_FILL_EXTRA, MEAN_OUTPUT_EXTRA, MEAN_UNCACHED_EXTRA, ROUTED_RATE_EXTRA, CacheAwarePolicy
+from policies.cache_aware import CacheAwarePolicy
 
 load_st = st.fixed_dictionaries(
     {
@@ -47,7 +47,7 @@ def test_warm_replica_with_costly_queue_loses_to_idle_cold(matched, extra_tokens
     saved_s = (matched * 16 * p * pol.w_cache + pol.w_evict * fill * (req.prompt_tokens - 1) * p) / pol.w_queue
     backlog_tokens = int(saved_s / p) + extra_tokens  # its queue costs more than the prefill it saves
     warm = ReplicaView("warm", matched_blocks_gpu=matched, matched_blocks_cpu=matched, inflight_reqs=3, inflight_prefill_tokens=backlog_tokens)
-    cold = ReplicaView("cold", extra={} if cold_fill is None else {CACHE_FILL_EXTRA: cold_fill})
+    cold = ReplicaView("cold", kv_cached_frac=cold_fill)
     assert pol.rank(req, [warm, cold], random.Random(seed)).winner == "cold"
     assert pol.rank(req, [cold, warm], random.Random(seed)).winner == "cold"
 
@@ -67,10 +67,8 @@ def test_warm_replica_with_costly_queue_loses_to_idle_cold(matched, extra_tokens
 def test_adding_load_never_raises_the_score(base, add, matched, mean_tokens, w, fill, others, slots, out_tokens):
     pol = CacheAwarePolicy(w_cache=w[0], w_queue=w[1], w_kv=w[2], w_evict=w[3], max_num_seqs=slots)
     req = RequestView(prompt_tokens=2000, block_size=16)
-    extra = {MEAN_UNCACHED_EXTRA: mean_tokens, CACHE_FILL_EXTRA: fill} if mean_tokens is not None else {CACHE_FILL_EXTRA: fill}
-    if out_tokens is not None:
-        extra[MEAN_OUTPUT_EXTRA] = out_tokens
-    v = ReplicaView("r", matched_blocks_gpu=matched, matched_blocks_cpu=matched, extra=extra, **base)
+    v = ReplicaView("r", matched_blocks_gpu=matched, matched_blocks_cpu=matched, kv_cached_frac=fill,
+                    mean_uncached_prefill_tokens=mean_tokens, mean_output_tokens=out_tokens, **base)
     more = {k: (min(1.0, base[k] + add[k]) if k == "kv_usage" else base[k] + add[k]) for k in base}
     v2 = dataclasses.replace(v, **more)
     assert pol.terms(req, v2)["score"] <= pol.terms(req, v)["score"] + 1e-12
@@ -100,12 +98,12 @@ def test_saturated_replica_prices_its_queue_by_completions(slots, over, waiting,
     req = RequestView(prompt_tokens=matched * 16 + 1, block_size=16)
     hot = dict(matched_blocks_gpu=matched, matched_blocks_cpu=matched)
     warm = ReplicaView("warm", running_reqs=slots + over, waiting_reqs=waiting, decode_step_s=step,
-                       extra={MEAN_OUTPUT_EXTRA: out_tokens, MEAN_UNCACHED_EXTRA: 20.0, CACHE_FILL_EXTRA: 0.5}, **hot)
+                       mean_output_tokens=out_tokens, mean_uncached_prefill_tokens=20.0, kv_cached_frac=0.5, **hot)
     t = pol.terms(req, warm)
     expect = (waiting + 1) * out_tokens * step / slots
     assert t["slots_full"] == 1.0 and abs(t["slot_wait_s"] - expect) <= 1e-12 * max(1.0, expect)
     assert t["queue_penalty_s"] >= expect  # the prefill backlog (waiting x 20 tokens) is far smaller
-    cold = ReplicaView("cold", decode_step_s=step, extra={CACHE_FILL_EXTRA: 0.5})
+    cold = ReplicaView("cold", decode_step_s=step, kv_cached_frac=0.5)
     c = pol.terms(req, cold)
     d = pol.rank(req, [warm, cold], random.Random(seed))
     if t["score"] < c["score"] - 1e-9:
@@ -130,7 +128,7 @@ def test_saturation_example_from_real_vllm():
     pol = CacheAwarePolicy(max_num_seqs=8)
     req = RequestView(prompt_tokens=620, block_size=32)
     warm = ReplicaView("warm", matched_blocks_gpu=19, matched_blocks_cpu=19, running_reqs=8, waiting_reqs=10,
-                       prefill_s_per_token=4.5e-5, decode_step_s=0.012, extra={MEAN_UNCACHED_EXTRA: 30.0})
+                       prefill_s_per_token=4.5e-5, decode_step_s=0.012, mean_uncached_prefill_tokens=30.0)
     cold = ReplicaView("cold", prefill_s_per_token=4.5e-5, decode_step_s=0.012)
     t = pol.terms(req, warm)
     assert t["slot_wait_s"] > 3.0 and t["queue_penalty_s"] > 10 * pol.w_cache * t["cache_benefit_s"]
@@ -170,15 +168,15 @@ def test_ties_go_to_less_load_then_rng_deterministically(seed, n):
 def test_eviction_term_prices_the_miss_by_cache_fill():
     pol = CacheAwarePolicy(w_evict=1.0)
     req = RequestView(prompt_tokens=3201, block_size=16)
-    full = pol.terms(req, ReplicaView("r", extra={CACHE_FILL_EXTRA: 1.0}))
-    half = pol.terms(req, ReplicaView("r", extra={CACHE_FILL_EXTRA: 0.5}))
-    empty = pol.terms(req, ReplicaView("r", extra={CACHE_FILL_EXTRA: 0.0}))
+    full = pol.terms(req, ReplicaView("r", kv_cached_frac=1.0))
+    half = pol.terms(req, ReplicaView("r", kv_cached_frac=0.5))
+    empty = pol.terms(req, ReplicaView("r", kv_cached_frac=0.0))
     unknown = pol.terms(req, ReplicaView("r"))
     assert full["evict_penalty_s"] == 3201 * 5e-5 and half["evict_penalty_s"] == 0.5 * full["evict_penalty_s"]
     assert empty["evict_penalty_s"] == 0 and unknown["cache_fill"] == pol.default_cache_fill
     assert full["score"] < half["score"] < empty["score"]
     # an idle replica with an empty cache beats an idle one whose cache is full of live prefixes
-    d = pol.rank(req, [ReplicaView("full", extra={CACHE_FILL_EXTRA: 1.0}), ReplicaView("empty", extra={CACHE_FILL_EXTRA: 0.0})], random.Random(0))
+    d = pol.rank(req, [ReplicaView("full", kv_cached_frac=1.0), ReplicaView("empty", kv_cached_frac=0.0)], random.Random(0))
     assert d.winner == "empty"
     for key in ("cache_fill", "evict_penalty_s", "balance_guard", "balance_penalty_s", "mean_load_reqs"):
         assert key in d.ranked[0].terms
@@ -241,9 +239,9 @@ def test_balance_guard_rate_condition_separates_hot_prefix_from_noise():
 
     def rank(holder_rate):
         reps = [
-            ReplicaView("holder", running_reqs=30, extra={ROUTED_RATE_EXTRA: holder_rate}, **hot),
-            ReplicaView("a", running_reqs=2, extra={ROUTED_RATE_EXTRA: 10.0}),
-            ReplicaView("b", running_reqs=10, extra={ROUTED_RATE_EXTRA: 10.0}),
+            ReplicaView("holder", running_reqs=30, routed_rps=holder_rate, **hot),
+            ReplicaView("a", running_reqs=2, routed_rps=10.0),
+            ReplicaView("b", running_reqs=10, routed_rps=10.0),
         ]
         return {c.replica_id: c.terms for c in pol.rank(req, reps, random.Random(0)).ranked}, pol.rank(req, reps, random.Random(0)).winner
 
@@ -264,9 +262,9 @@ def test_balance_guard_sheds_free_requests_on_either_signal_and_keeps_sole_copie
 
     def terms(holder_match, holder_rate, holder_load=10):
         reps = [
-            ReplicaView("holder", running_reqs=holder_load, extra={ROUTED_RATE_EXTRA: holder_rate}, **holder_match),
-            ReplicaView("peer", running_reqs=10, extra={ROUTED_RATE_EXTRA: 10.0}, **sys_only),
-            ReplicaView("c", running_reqs=10, extra={ROUTED_RATE_EXTRA: 10.0}),
+            ReplicaView("holder", running_reqs=holder_load, routed_rps=holder_rate, **holder_match),
+            ReplicaView("peer", running_reqs=10, routed_rps=10.0, **sys_only),
+            ReplicaView("c", running_reqs=10, routed_rps=10.0),
         ]
         d = pol.rank(req, reps, random.Random(0))
         return {c.replica_id: c.terms for c in d.ranked}, d.winner
@@ -276,9 +274,9 @@ def test_balance_guard_sheds_free_requests_on_either_signal_and_keeps_sole_copie
     assert t["holder"]["balance_guard"] == 1.0 and win == "peer"
     # the same share excess but below the absolute gap (0.3 rps x 10 s = 3 < 4 requests, rates small): stays
     reps_small = [
-        ReplicaView("holder", running_reqs=10, extra={ROUTED_RATE_EXTRA: 0.6}, **sys_only),
-        ReplicaView("peer", running_reqs=10, extra={ROUTED_RATE_EXTRA: 0.3}, **sys_only),
-        ReplicaView("c", running_reqs=10, extra={ROUTED_RATE_EXTRA: 0.3}),
+        ReplicaView("holder", running_reqs=10, routed_rps=0.6, **sys_only),
+        ReplicaView("peer", running_reqs=10, routed_rps=0.3, **sys_only),
+        ReplicaView("c", running_reqs=10, routed_rps=0.3),
     ]
     t2 = {c.replica_id: c.terms for c in pol.rank(req, reps_small, random.Random(0)).ranked}
     assert t2["holder"]["balance_guard"] == 0.0

@@ -93,7 +93,7 @@ def test_prefix_hash_is_sticky_and_falls_to_next_on_the_ring():
 
 
 def test_policies_import_no_io():
-    """policies/ imports no I/O or asyncio module (STYLE.md habit 1)."""
+    """policies/ imports no I/O or asyncio module (pure cores, I/O at the edges)."""
     import policies.registry
     import ast
     from pathlib import Path

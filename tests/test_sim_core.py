@@ -102,7 +102,7 @@ def test_engine_hashes_and_hits_match_vllm() -> None:
     ev = eng.take_events()
     stored = [e for e in ev if isinstance(e, BlockStored)]
     assert stored[0].block_hashes == vllm_hash.block_hashes(p, BS, "sha256_cbor")
-    assert vllm_hash.event_int(stored[0].block_hashes[0]) == 2233398808101521225  # ENGINE_FACTS vector
+    assert vllm_hash.event_int(stored[0].block_hashes[0]) == 2233398808101521225  # vLLM's sha256_cbor vector (tests/test_hashing.py)
     assert done["a"].num_cached_tokens == 0
     # same prompt: 2 full blocks hit; a prompt of exactly 2 blocks hits only 1 (last token recomputed)
     eng.add_request(SimRequest("b", p, max_tokens=1))

@@ -106,7 +106,7 @@ async def test_events_hashes_evictions_replay_and_gaps(tokenizer_dir) -> None:
             assert await r.json() == [{"data_parallel_rank": 0, "endpoint": f"tcp://127.0.0.1:{pub_port}",
                                        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": "kv-events"}]
         await asyncio.sleep(0.5)  # a connecting PUB needs its handshake before sends reach the peer
-        base = list(range(40))  # tokens 0..15 are the ENGINE_FACTS vector's first block
+        base = list(range(40))  # tokens 0..15 are vLLM's hash vector's first block
         await complete(base)
         seq, events = await sub.recv()
         assert seq == 0 and len(events) == 1

@@ -394,3 +394,60 @@ def test_segment_safety_rules():
     assert not _segment_safe(meta)[0]
     strip = {**ok, "added_tokens": [{"content": "<mask>", "lstrip": True}]}
     assert not _segment_safe(strip)[0]
+
+
+class _CountingPool:
+    """The service's worker pool, counting what is sent to it (which side of the hop the work ran)."""
+
+    def __init__(self, pool) -> None:
+        self.pool, self.submitted = pool, 0
+
+    def submit(self, fn, *args, **kwargs):
+        self.submitted += 1
+        return self.pool.submit(fn, *args, **kwargs)
+
+    def shutdown(self, *args, **kwargs):
+        return self.pool.shutdown(*args, **kwargs)
+
+
+def test_auto_encodes_inline_what_the_segment_cache_holds(tokenizer_dir, hf):
+    s = TokenizerService(tokenizer_dir)
+    s._pool = pool = _CountingPool(s._pool)
+    doc = (DOCS[0] + "\n") * 40  # a long document: over any inline limit by itself
+    try:
+        async def ask(question: str, **kw):
+            msgs = [{"role": "system", "content": doc}, {"role": "user", "content": question}]
+            return msgs, await s.encode_chat_auto(msgs, inline_max_chars=1000, **kw)
+
+        msgs, first = asyncio.run(ask("first question"))
+        assert first == ref_chat(hf, msgs) and pool.submitted == 1  # the document was new: encoded on the pool
+        msgs, second = asyncio.run(ask("a second, different question"))
+        assert second == ref_chat(hf, msgs) and pool.submitted == 1  # cached document + short question: inline
+        msgs, third = asyncio.run(ask("x " * 800))  # the new text alone is over the limit: the pool again
+        assert third == ref_chat(hf, msgs) and pool.submitted == 2
+        # transformers' own tokenization path and tools stay on the pool, and agree with encode_chat
+        msgs, got = asyncio.run(ask("q", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]))
+        assert pool.submitted == 3
+        assert got == s.encode_chat(msgs, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+        long_prompt = doc + " tail"
+        assert asyncio.run(s.encode_prompt_auto(long_prompt, inline_max_chars=1000)) == ref_prompt(hf, long_prompt)
+        assert pool.submitted == 4
+        assert asyncio.run(s.encode_prompt_auto(long_prompt + "!", inline_max_chars=1000)) == ref_prompt(hf, long_prompt + "!")
+        assert pool.submitted == 5  # one piece: the document and its tail are one segment, not cached
+        assert asyncio.run(s.encode_prompt_auto(long_prompt, inline_max_chars=1000)) == ref_prompt(hf, long_prompt)
+        assert pool.submitted == 5  # the same prompt again: cached, inline
+        assert asyncio.run(s.encode_prompt_auto([1, 2], inline_max_chars=1)) == [1, 2]
+    finally:
+        s.close()
+
+
+def test_cache_peek_counts_nothing():
+    c = SegmentCache(4, 1 << 20)
+    c.put("a", [1])
+    c.put("b", [2])
+    assert c.holds("a") and not c.holds("z")
+    assert (c.hits, c.misses) == (0, 0)
+    c.put("c", [3])
+    c.put("d", [4])
+    c.put("e", [5])  # "a" is the oldest put (holds() did not refresh it): evicted
+    assert not c.holds("a") and c.holds("b")

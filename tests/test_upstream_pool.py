@@ -758,3 +758,16 @@ def test_https_replica_with_a_base_path_and_an_untrusted_certificate(tmp_path):
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
         r.run(asyncio.wait_for(run(), 15))
+
+
+@on_both_loops
+async def test_upstream_connections_have_nodelay():
+    """Tokens are tiny writes: Nagle must never hold them back (the loop sets TCP_NODELAY on connect)."""
+    async with aio_server() as (url, st):
+        pool = UpstreamPool()
+        resp = await pool.request(url, "GET", "/fixed", b"", {})
+        sock = resp._conn.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        await resp.read()
+        resp.release()
+        await pool.close()

@@ -108,3 +108,133 @@ def test_multi_turn_turn_waits_for_the_previous_answer():
     keys = prepare_keys(w)
     bound = infinite_bound([r.prompt_tokens for r in w.requests], [k.prompt for k in keys], [k.output for k in keys], 16)
     assert s["hit_ratio"] >= 0.9 * bound.hit_ratio
+
+
+# -- the replica model is loadtests/sim's engine, request by request --------------------------------
+
+def _drive_engine(w, num_blocks, budget, seqs):
+    """loadtests.sim's SimEngine in virtual time: arrivals join before the next step."""
+    from loadtests.sim.scheduler import EngineConfig, SimEngine, SimRequest, TimeModel
+    from loadtests.workloads import render_token_ids
+
+    eng = SimEngine(EngineConfig(block_size=16, num_blocks=num_blocks, max_num_seqs=seqs, max_num_batched_tokens=budget,
+                                 time=TimeModel.wallclock(), hash_algo="sha256"))
+    reqs, i, t, out = list(w.requests), 0, 0.0, {}
+    while i < len(reqs) or eng.has_work:
+        if not eng.has_work:
+            t = max(t, reqs[i].arrival_s)
+        while i < len(reqs) and reqs[i].arrival_s <= t:
+            r = reqs[i]
+            eng.add_request(SimRequest(r.request_id, render_token_ids(r), r.max_output_tokens, cache_salt=r.salt))
+            i += 1
+        step = eng.step()
+        t += step.duration_s
+        for r in step.tokens:
+            out.setdefault(r.request_id, [t, None, None])
+        for r in step.finished:
+            out[r.request_id][1:] = [t, r.num_cached_tokens]
+    return out, eng.num_preemptions_total, eng.pool.num_evicted_blocks
+
+
+def _drive_model(w, num_blocks, budget, seqs):
+    """vtime's ReplicaModel alone, stepped the way simulate() steps it."""
+    import heapq
+
+    from loadtests.vtime_replica import ReplicaModel, SimReq
+
+    p = SimParams.wallclock(num_blocks=num_blocks, max_batched_tokens=budget, max_num_seqs=seqs, cache_answers=False)
+    keys = prepare_keys(w, 16, p.model)
+    rep = ReplicaModel(0, p, cache_answers=False)
+    ev = [(r.arrival_s, j, 1) for j, r in enumerate(w.requests)]
+    heapq.heapify(ev)
+    n, out = len(ev), {}
+
+    def kick(t):
+        nonlocal n
+        d = rep.start_step()
+        rep.stepping = d is not None
+        if d is not None:
+            n += 1
+            heapq.heappush(ev, (t + d, n, 0))
+
+    while ev:
+        t, j, kind = heapq.heappop(ev)
+        if kind == 1:
+            rep.waiting.append(SimReq(j, w.requests[j], keys[j], t))
+            if not rep.stepping:
+                kick(t)
+            continue
+        firsts, fin = [], []
+        rep.end_step(t, firsts, fin)
+        for r in firsts:
+            out[r.wr.request_id] = [t, None, None]
+        for r in fin:
+            out[r.wr.request_id][1:] = [t, r.cached]
+        kick(t)
+    return out, rep.n_preemptions, rep.n_evicted
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("name,kw,rate,num_blocks,budget,seqs", [
+    ("shared_docs", dict(n_docs=6, doc_tokens=1000, output_tokens=40), 3.0, 3000, 512, 16),  # fits: no eviction
+    ("shared_docs", dict(n_docs=6, doc_tokens=1000, output_tokens=40), 12.0, 700, 512, 64),  # evictions and preemptions
+    ("shared_docs", dict(n_docs=6, doc_tokens=1000, output_tokens=40), 8.0, 600, 8192, 64),  # whole prompts in one step
+    ("multi_turn", dict(turns=4, system_tokens=200, user_tokens=60, answer_tokens=50), 12.0, 500, 512, 64),
+    ("no_sharing", {}, 4.0, 400, 512, 32),  # preempted decoders resume with one token left
+])
+def test_replica_model_equals_the_wall_clock_engine(name, kw, rate, num_blocks, budget, seqs):
+    """Same stream, one replica: every request's first-token time, finish time and cached tokens,
+    and the preemption and eviction counts, equal loadtests/sim's SimEngine's (what the wall-clock
+    comparison runs), so vtime predicts it."""
+    w = build_workload(name, 300, seed=1, rate_rps=rate, **kw)
+    eng, eng_pre, eng_ev = _drive_engine(w, num_blocks, budget, seqs)
+    mod, mod_pre, mod_ev = _drive_model(w, num_blocks, budget, seqs)
+    assert set(eng) == set(mod) and len(eng) == 300
+    for rid, (first, fin, cached) in eng.items():
+        assert mod[rid] == pytest.approx([first, fin, cached], abs=1e-9), rid
+    assert (mod_pre, mod_ev) == (eng_pre, eng_ev)
+    if num_blocks < 1000:
+        assert eng_ev > 0  # the case exercises eviction
+
+
+def test_client_timeout_aborts_and_counts_unfinished():
+    """An overloaded pool (round robin over 60 documents, KV for a few): requests the client gives
+    up on leave their replica and count as unfinished; nothing finished took longer than that."""
+    w = _small("shared_docs", n=800, rate=60.0, n_docs=60)
+    p = SimParams(num_blocks=2500, request_timeout_s=3.0)
+    res = simulate(w, "round_robin", 2, p)
+    s = res.summary()
+    assert s["unfinished"] > 0 and s["completed"] + s["unfinished"] == 800
+    assert res.e2e_s.max() <= 3.0 + 1e-9
+    again = simulate(w, "round_robin", 2, p).summary()
+    s.pop("wall_s"), again.pop("wall_s")
+    assert s == again
+    assert simulate(w, "round_robin", 2, SimParams(num_blocks=2500)).summary()["unfinished"] == 0
+
+
+def test_warmup_is_served_first_and_left_out_of_the_figures():
+    from loadtests.workloads import warmup_requests
+
+    w = _small("shared_docs", n=400, rate=20.0, n_docs=8)
+    warm = warmup_requests(w)
+    assert len(warm) == 8
+    p = SimParams(num_blocks=2500)
+    cold = simulate(w, "cache_aware", 2, p)
+    hot = simulate(w, "cache_aware", 2, p, warmup=warm)
+    assert sum(hot.per_replica_requests) == 400 == hot.completed
+    assert hot.prompt_tokens == cold.prompt_tokens  # the warm-up's tokens are not counted
+    assert hot.cached_tokens > cold.cached_tokens  # its documents were cached before the stream
+    keys = prepare_keys(w)
+    from loadtests.vtime import _KeyMemo
+
+    memo = _KeyMemo("vtime-model", 16)
+    allr = list(warm) + list(w.requests)
+    allk = [memo.keys(r) for r in allr]
+    args = ([r.prompt_tokens for r in allr], [k.prompt for k in allk], [k.output for k in allk], 16)
+    bound = infinite_bound(*args, warmup=len(warm))
+    assert bound.prompt_tokens == sum(r.prompt_tokens for r in w.requests)
+    assert bound.hit_ratio > infinite_bound([r.prompt_tokens for r in w.requests], [k.prompt for k in keys], [k.output for k in keys], 16).hit_ratio
+    assert hot.cached_tokens <= bound.cached_tokens
+    assert pooled_belady_bound(*args, 4 * 2500, warmup=len(warm)).cached_tokens <= bound.cached_tokens

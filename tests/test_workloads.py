@@ -71,3 +71,49 @@ def test_closed_loop_and_bad_arguments():
         build_workload("no_sharing", 10, rate_rps=None)
     with pytest.raises(ValueError, match="shared_docs"):
         build_workload("nope", 10)
+
+
+def test_documents_of_exact_length_and_one_warmup_request_per_document():
+    from loadtests.workloads import warmup_requests
+
+    w = build_workload("shared_docs", 600, seed=3, rate_rps=24.0, n_docs=12, doc_tokens=3000, doc_jitter=0.0)
+    docs = {r.segments[1].seg_id: r.segments[1].n_tokens for r in w.requests}
+    assert len(docs) == 12 and set(docs.values()) == {3000}
+    warm = warmup_requests(w)
+    assert sorted(r.segments[1].seg_id for r in warm) == sorted(docs)  # one per document
+    assert all(r.arrival_s == 0.0 for r in warm)
+    assert not {r.segments[-1].seg_id for r in warm} & {r.segments[-1].seg_id for r in w.requests}  # their own questions
+    assert warmup_requests(build_workload("no_sharing", 50, seed=0)) == []
+    jittered = build_workload("shared_docs", 600, seed=3, rate_rps=24.0, n_docs=12, doc_tokens=3000)
+    assert len({r.segments[1].n_tokens for r in jittered.requests}) > 1
+    with pytest.raises(ValueError):
+        build_workload("shared_docs", 10, doc_jitter=1.5)
+
+
+def test_steady_sessions_keep_the_rate_up_for_the_whole_run():
+    w = build_workload("multi_turn", 1500, seed=0, rate_rps=12.0, sessions=96, turns=6)
+    assert len(w.requests) == 1500
+    convs = {}
+    for r in w.requests:
+        convs.setdefault(r.conversation, []).append(r.turn)
+    assert all(t == list(range(len(t))) for t in convs.values())  # turns in order
+    t = [r.arrival_s for r in w.requests]
+    span = t[-1] - t[0]
+    first_half = sum(1 for x in t if x < t[0] + span / 2)
+    assert 0.55 < first_half / len(t) < 0.8  # a tail as conversations end, no ramp-down over the run
+    assert 9.0 < len(t) / (span * 0.7) < 16.0  # ~12 requests/s while every session is live
+    with pytest.raises(ValueError):
+        build_workload("multi_turn", 10, rate_rps=None, concurrency=4, sessions=4)
+
+
+def test_text_can_be_rendered_to_the_nominal_token_count(tok):
+    """The wall-clock benchmark renders segments as pseudo-words (~1.5 tokens each with the default
+    vocabulary); with the measured words_per_token a segment is its nominal length in real tokens."""
+    from loadtests.workloads import Segment, segment_text, text_words_per_token
+
+    wpt = text_words_per_token(tok.encode_prompt)
+    assert 0.5 < wpt < 0.9  # far from 1: the unscaled text is ~1.5x too long
+    for n in (100, 3000):
+        seg = Segment(f"doc/check/{n}", "user", n, "document")
+        assert abs(len(tok.encode_prompt(segment_text(seg, wpt))) - n) <= 0.03 * n + 2
+        assert len(tok.encode_prompt(segment_text(seg))) > 1.3 * n

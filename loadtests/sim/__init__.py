@@ -1,4 +1,5 @@
-"""The vLLM replica simulator (DESIGN.md "The replica simulator").
+"""The vLLM replica simulator: speaks vLLM's interfaces (OpenAI routes, /metrics, KV events) so
+the gateway and the agent cannot tell it from an engine except by speed.
 
 - `blockpool`, `scheduler`: the pure engine core (paged KV pool with prefix caching, continuous
   batching, time model), drivable in virtual time.

@@ -1,4 +1,4 @@
-"""KV-cache events on the wire, as vLLM's ZmqEventPublisher sends them (ENGINE_FACTS.md).
+"""KV-cache events on the wire, as vLLM's ZmqEventPublisher sends them (vLLM 0.32).
 
 Encoding (pure, `encode_batch`): msgpack `[ts, [event, ...], data_parallel_rank]`; events as maps
 with "type" first (current format) or, with events_format="array", the older positional arrays
@@ -107,18 +107,27 @@ class KVEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        if endpoint_binds(endpoint):
-            self._pub.bind(endpoint)
-        else:
-            self._pub.connect(endpoint)
         self._actx: zmq.asyncio.Context | None = None
         self._router: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task | None = None
-        if replay_endpoint:
-            self._actx = zmq.asyncio.Context()
-            self._router = self._actx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(replay_endpoint)
+        try:
+            if endpoint_binds(endpoint):
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)
+            if replay_endpoint:
+                self._actx = zmq.asyncio.Context()
+                self._router = self._actx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                self._router.bind(replay_endpoint)
+        except BaseException:  # e.g. an endpoint in use: close what was opened, or term() blocks at exit
+            if self._router is not None:
+                self._router.close(0)
+            if self._actx is not None:
+                self._actx.term()
+            self._pub.close(0)
+            self._ctx.term()
+            raise
 
     @property
     def pub_last_endpoint(self) -> str:

@@ -41,7 +41,7 @@ the roofline: 16 GB of weights read per step at ~2 TB/s is ~8 ms; prefill ~20k t
     step_overhead_s = 0.008, prefill_s_per_token = 5e-5 (20k tok/s), decode_s_per_seq = 2.5e-4
 so a decode step of 32 sequences takes 16 ms and of 64 takes 24 ms (vLLM's reported 15-25 ms ITL
 range for 8B models at moderate batch). The wall-clock profile (`TimeModel.wallclock()`, what a
-2-core machine can drive: DESIGN.md "Measuring") is prefill 1 ms/token (20x) with ~15 ms decode
+2-core machine can drive; README "Results") is prefill 1 ms/token (20x) with ~15 ms decode
 steps (12 ms overhead + 0.1 ms per sequence): the decode step is NOT scaled 20x, which would make
 it 300+ ms. `time_scale` multiplies whichever profile uniformly.
 """
@@ -78,7 +78,7 @@ class TimeModel:
 
     @classmethod
     def wallclock(cls, time_scale: float = 1.0) -> "TimeModel":
-        """The profile wall-clock benchmarks on a small machine use (DESIGN.md "Measuring")."""
+        """The profile wall-clock benchmarks on a small machine use: 2 cores cannot drive GPU-speed replicas busy."""
         return cls(step_overhead_s=0.012, prefill_s_per_token=1e-3, decode_s_per_seq=1e-4, time_scale=time_scale)
 
     def step_s(self, prefill_tokens: int, decode_seqs: int) -> float:

@@ -248,9 +248,16 @@ class SimServer:
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        cfg = self.cfg
         self.host = host
         self._wake = asyncio.Event()
+        try:
+            await self._start(host, port)
+        except BaseException:  # a taken port or endpoint: release what was opened (ZMQ would block exit)
+            await self.close()
+            raise
+
+    async def _start(self, host: str, port: int) -> None:
+        cfg = self.cfg
         if cfg.kv_events_endpoint:
             self.publisher = KVEventPublisher(
                 cfg.kv_events_endpoint,
@@ -899,15 +906,18 @@ def config_from_args(args: Any) -> SimConfig:
 
 
 def main_from_args(args: Any) -> int:
-    """`warmroute sim ...`: serve until SIGINT/SIGTERM."""
+    """`warmroute sim ...`: serve until SIGINT/SIGTERM (also while still starting); 2 when the port
+    or a ZMQ endpoint is taken, with a one-line reason."""
+    import errno
+    import sys
+
+    import zmq
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = config_from_args(args)
+    host, port = getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000)
 
     async def run() -> None:
-        sim = await start_sim_server(cfg, getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000))
-        eng = sim.engine
-        log.info("warmroute sim %s on %s: %d blocks of %d tokens, events %s", cfg.model, sim.url, eng.pool.num_blocks, cfg.block_size, cfg.kv_events_endpoint or "off")
-        print(f"warmroute sim listening on {sim.url}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -915,13 +925,35 @@ def main_from_args(args: Any) -> int:
                 loop.add_signal_handler(sig, stop.set)
             except NotImplementedError:  # pragma: no cover
                 pass
+        starting = asyncio.create_task(start_sim_server(cfg, host, port))
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # signalled while loading the tokenizer or binding
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return
+        stopped.cancel()
+        sim = starting.result()
+        eng = sim.engine
+        log.info("warmroute sim %s on %s: %d blocks of %d tokens, events %s", cfg.model, sim.url, eng.pool.num_blocks, cfg.block_size, cfg.kv_events_endpoint or "off")
+        print(f"warmroute sim listening on {sim.url}", flush=True)
         await stop.wait()
         await sim.close()
 
     try:
-        import uvloop  # type: ignore
+        try:
+            import uvloop  # type: ignore
 
-        uvloop.run(run())
-    except ImportError:
-        asyncio.run(run())
+            uvloop.run(run())
+        except ImportError:
+            asyncio.run(run())
+    except zmq.ZMQError as exc:
+        print(f"warmroute sim: cannot open the KV-event sockets (--kv-events-endpoint {cfg.kv_events_endpoint}, "
+              f"--replay-endpoint {cfg.replay_endpoint}): {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        print(f"warmroute sim: cannot listen on {host}:{port} (--port): address already in use", file=sys.stderr)
+        return 2
     return 0

@@ -1,6 +1,6 @@
 """Tokenization as vLLM's OpenAI server does it, for the simulator.
 
-Rules (vLLM's defaults, ENGINE_FACTS.md): completions encode the prompt with
+Rules (vLLM's defaults, as its OpenAI server applies them): completions encode the prompt with
 add_special_tokens=True; chat renders the chat template with add_generation_prompt=True and encodes
 the result with add_special_tokens=False (the template carries the special tokens).
 

@@ -20,8 +20,9 @@ Rules every transport keeps (tests/test_feed_conformance.py checks them on each,
   - `write_snapshot` replaces the replica's snapshot; `read_snapshot` returns it or None.
   - `last_offset(replica)` is the newest offset stored (0 when none), so a restarted publisher
     continues the sequence and a consumer can see that a feed was wiped (last_offset < its position).
-  - in-flight counters (`incr_inflight`, `inflight`) are shared by every process using the same
-    feed, and a process's own counts expire when it stops refreshing them (Redis: a TTL).
+  - in-flight counters (`incr_inflight`, `inflight`, both at once: `exchange_inflight`) are shared
+    by every process using the same feed, and a process's own counts expire when it stops
+    exchanging them (Redis: a TTL refreshed by every exchange).
 Constructors do no I/O; connections open on first use, in the caller's event loop.
 """
 from __future__ import annotations
@@ -76,6 +77,11 @@ class InflightBoard(Protocol):
     async def incr_inflight(self, replica_id: str, reqs: int, tokens: int) -> None: ...
 
     async def inflight(self) -> dict[str, Inflight]: ...
+
+    async def exchange_inflight(self, changes: Mapping[str, tuple[int, int]]) -> dict[str, Inflight]:
+        """`incr_inflight` for every replica -> (reqs, tokens) change, this process's counters kept
+        alive, then `inflight()`: what a gateway does every poll, in one round trip."""
+        ...
 
     async def close(self) -> None: ...
 

@@ -145,6 +145,11 @@ class MemoryFeed:
             c[0] += reqs
             c[1] += tokens
 
+    async def exchange_inflight(self, changes: Mapping[str, tuple[int, int]]) -> dict[str, Inflight]:
+        for rid, (reqs, tokens) in changes.items():
+            await self.incr_inflight(rid, reqs, tokens)
+        return await self.inflight()
+
     async def inflight(self) -> dict[str, Inflight]:
         with self._hub.lock:
             return {r: Inflight(c[0], c[1]) for r, c in self._hub.inflight.items()}

@@ -1,4 +1,4 @@
-"""Feed records (DESIGN.md "The feed", a contract): what flows from a replica agent to every gateway.
+"""Feed records (a contract between agents and gateways): what flows from a replica agent to every gateway.
 
 Rule: per replica, an ordered stream of `FeedEvent`s whose `offset` grows by exactly 1 per record
 (dense, assigned by the feed on publish, continuing after the feed's last offset for that replica;
@@ -113,10 +113,26 @@ class FeedDecodeError(ValueError):
     """A stored feed record could not be decoded (the writer's fault, not the reader's)."""
 
 
-# Wire form (msgpack array, compact and versioned by position):
+# Wire form (msgpack array, compact and versioned by position; trailing extra elements are ignored):
 #   [kind, keys(list[u64]), medium, load(list|nil), hello(list|nil), ts]
+# Decoding goes through a typed msgspec decoder (`_Wire`, array_like): msgspec checks the shapes and
+# builds the key tuple in C instead of unpacking a generic list and converting each field in Python
+# (a gateway decodes every record of every replica; loadtests/bench_feed.py measures it).
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder()
+
+
+class _Wire(msgspec.Struct, array_like=True):
+    kind: str
+    keys: tuple[int, ...]
+    medium: str
+    load: tuple[int, int, float, float, float, int, int, float] | None
+    hello: tuple[int, str, str] | None
+    ts: float
+
+
+_wire_dec = msgspec.msgpack.Decoder(_Wire)
+_KINDS = frozenset(KINDS)
 
 
 def encode_event(ev: FeedEvent) -> bytes:
@@ -133,25 +149,14 @@ def encode_event(ev: FeedEvent) -> bytes:
 def decode_event(replica_id: str, offset: int, data: bytes) -> FeedEvent:
     """Inverse of `encode_event`; raises FeedDecodeError on anything malformed."""
     try:
-        raw = _dec.decode(data)
-        kind, keys, medium, load, hello, ts = raw[:6]
-        if kind not in KINDS:
-            raise FeedDecodeError(f"unknown feed record kind {kind!r}")
-        return FeedEvent(
-            replica_id=replica_id,
-            offset=int(offset),
-            kind=kind,
-            keys=tuple(keys),
-            medium=str(medium),
-            load=None if load is None else LoadReport(int(load[0]), int(load[1]), float(load[2]), float(load[3]),
-                                                       float(load[4]), int(load[5]), int(load[6]), float(load[7])),
-            hello=None if hello is None else Hello(int(hello[0]), str(hello[1]), str(hello[2])),
-            ts=float(ts),
-        )
-    except FeedDecodeError:
-        raise
-    except Exception as exc:  # malformed bytes, wrong shapes
+        w = _wire_dec.decode(data)
+    except (msgspec.DecodeError, TypeError) as exc:  # malformed bytes, wrong shapes or types
         raise FeedDecodeError(f"bad feed record for {replica_id}@{offset}: {exc}") from exc
+    if w.kind not in _KINDS:
+        raise FeedDecodeError(f"unknown feed record kind {w.kind!r}")
+    load = None if w.load is None else LoadReport(*w.load)
+    hello = None if w.hello is None else Hello(*w.hello)
+    return FeedEvent(replica_id, int(offset), w.kind, w.keys, w.medium, load, hello, w.ts)  # positional: cheaper
 
 
 def encode_snapshot(snap: Snapshot) -> bytes:

@@ -14,9 +14,15 @@ kept in memory; re-read if Redis refuses an id; an empty stream starts at record
 publisher's counter keeps going, so consumers never see offsets go backwards; they see a wiped
 snapshot and the publisher's resync ("cleared" + full key set + snapshot). Every Redis error
 surfaces as FeedUnavailable; the client reconnects on the next call.
+
+The gateway's periodic calls (the index consumer's XREAD, the in-flight board's increments and
+reads, several times a second each) go over dedicated connections (`_Direct`), skipping the
+client's per-command machinery, and the board is read by one server-side script (one round trip
+instead of SCAN plus a pipeline); a gateway is otherwise woken and charged for each of them.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Mapping, Sequence
@@ -27,10 +33,100 @@ from redis.exceptions import RedisError, ResponseError
 from .base import FeedUnavailable
 from .records import INVALID_KIND, FeedDecodeError, FeedEvent, Inflight, LoadReport, Snapshot, fresh_stream_base, decode_event, decode_snapshot, encode_event, encode_snapshot
 
-__all__ = ["RedisFeed"]
+__all__ = ["RedisFeed", "redact_url"]
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password (redis://user:secret@host -> redis://user:***@host): error
+    messages and logs never carry secrets."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+# Every gateway's in-flight hashes, in one round trip: SCAN the owners' keys, HGETALL each.
+_READ_INFLIGHT_LUA = """
+local out, cursor = {}, "0"
+repeat
+  local r = redis.call("SCAN", cursor, "MATCH", ARGV[1], "COUNT", 100)
+  cursor = r[1]
+  for _, k in ipairs(r[2]) do
+    out[#out + 1] = redis.call("HGETALL", k)
+  end
+until cursor == "0"
+return out
+"""
 
 _LOAD_FIELDS = ("running_reqs", "waiting_reqs", "kv_usage", "prefix_cache_queries_total",
                 "prefix_cache_hits_total", "num_gpu_blocks", "block_size", "ts")
+
+
+class _Direct:
+    """One dedicated connection for a hot, periodic command path: commands go straight to redis-py's
+    `Connection` (pack, send, read replies), without the client's pool checkout, retry wrapper,
+    observability hooks and response callbacks (about half the CPU per call: loadtests/bench_feed.py).
+    One exchange at a time; a failure or cancellation mid-exchange drops the connection (the next
+    call reconnects), so a reply is never read by the wrong command."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        pool = client.connection_pool
+        self._make = lambda: pool.connection_class(**pool.connection_kwargs)
+        self._conn = None
+        self._lock = asyncio.Lock()
+
+    async def run(self, *commands: tuple) -> list:
+        """The raw replies of `commands`, sent in one write (a server error raises ResponseError)."""
+        async with self._lock:
+            conn = self._conn
+            if conn is None:
+                conn = self._conn = self._make()
+            try:
+                await conn.send_packed_command(conn.pack_commands(commands))
+                return [await conn.read_response() for _ in commands]
+            except BaseException:
+                self._conn = None
+                await _drop(conn)
+                raise
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await _drop(conn)
+
+
+async def _drop(conn) -> None:
+    try:
+        await asyncio.shield(conn.disconnect(nowait=True))
+    except (RedisError, OSError, asyncio.CancelledError):
+        pass
+
+
+def _field(fields, name: bytes):
+    """A stream entry's field value from its flat [name, value, ...] list (None if absent)."""
+    if not fields:
+        return None
+    if fields[0] == name:
+        return fields[1]
+    for i in range(2, len(fields) - 1, 2):
+        if fields[i] == name:
+            return fields[i + 1]
+    return None
+
+
+def _sum_inflight(hashes) -> dict[str, Inflight]:
+    """Every gateway's in-flight hashes (flat [field, value, ...] lists) summed per replica."""
+    acc: dict[str, list[int]] = {}
+    for flat in hashes or ():
+        for f, v in zip(flat[::2], flat[1::2]):
+            rid, _, what = f.decode().rpartition("\x00")
+            c = acc.setdefault(rid, [0, 0])
+            c[0 if what == "reqs" else 1] += int(v)
+    return {rid: Inflight(max(0, c[0]), max(0, c[1])) for rid, c in acc.items()}
 
 
 class RedisFeed:
@@ -42,6 +138,8 @@ class RedisFeed:
         self.inflight_ttl_s = inflight_ttl_s
         self.owner = owner or uuid.uuid4().hex[:12]
         self._r: aioredis.Redis | None = None
+        self._reader: _Direct | None = None  # XREAD (may block: its own connection)
+        self._board: _Direct | None = None  # in-flight increments and reads
         self._next: dict[str, int] = {}  # replica -> last offset assigned
 
     def _redis(self) -> aioredis.Redis:
@@ -49,6 +147,13 @@ class RedisFeed:
             self._r = aioredis.from_url(self.url, socket_connect_timeout=2, socket_timeout=None,
                                         health_check_interval=10)
         return self._r
+
+    def _direct(self, which: str) -> _Direct:
+        d = getattr(self, which)
+        if d is None:
+            d = _Direct(self._redis())
+            setattr(self, which, d)
+        return d
 
     def _k(self, rid: str, what: str) -> str:
         return f"{self.prefix}{rid}:{what}"
@@ -59,7 +164,7 @@ class RedisFeed:
         except (RedisError, OSError) as exc:
             if isinstance(exc, ResponseError):
                 raise
-            raise FeedUnavailable(f"redis feed {self.url} unavailable: {exc}") from exc
+            raise FeedUnavailable(f"redis feed {redact_url(self.url)} unavailable: {exc}") from exc
 
     # ---------------------------------------------------------------- publisher side
     async def last_offset(self, replica_id: str) -> int:
@@ -128,18 +233,26 @@ class RedisFeed:
     async def read(self, positions: Mapping[str, int], *, block_s: float = 1.0, count: int = 1000) -> list[FeedEvent]:
         if not positions:
             return []
-        streams = {self._k(rid, "events"): f"{pos}-0" for rid, pos in positions.items()}
-        rid_of = {self._k(rid, "events").encode(): rid for rid in positions}
-        block_ms = int(block_s * 1000) if block_s > 0 else None
-        res = await self._call(self._redis().xread(streams, count=count, block=block_ms))
+        rids = list(positions)
+        cmd = ["XREAD", "COUNT", count]
+        if block_s > 0:
+            cmd += ["BLOCK", max(1, int(block_s * 1000))]
+        cmd += ["STREAMS", *(self._k(rid, "events") for rid in rids), *(f"{positions[rid]}-0" for rid in rids)]
+        (res,) = await self._call(self._direct("_reader").run(tuple(cmd)))
+        if not res:
+            return []
+        rid_of = {self._k(rid, "events").encode(): rid for rid in rids}
         out: list[FeedEvent] = []
-        for key, entries in res or ():
+        for key, entries in (res.items() if isinstance(res, dict) else res):  # RESP3 map or RESP2 pairs
             rid = rid_of[key if isinstance(key, bytes) else key.encode()]
             for entry_id, fields in entries:
                 off = int(entry_id.split(b"-")[0])
+                data = _field(fields, b"d")
                 try:
-                    out.append(decode_event(rid, off, fields[b"d"]))
-                except (FeedDecodeError, KeyError):
+                    if data is None:
+                        raise FeedDecodeError("no d field")
+                    out.append(decode_event(rid, off, data))
+                except FeedDecodeError:
                     out.append(FeedEvent(rid, off, INVALID_KIND))  # consumers skip and count it
         return out
 
@@ -167,36 +280,38 @@ class RedisFeed:
 
     async def incr_inflight(self, replica_id: str, reqs: int, tokens: int) -> None:
         key = f"{self.prefix}inflight:{self.owner}"
-        pipe = self._redis().pipeline(transaction=False)
+        cmds = []
         if reqs:
-            pipe.hincrby(key, f"{replica_id}\x00reqs", reqs)
+            cmds.append(("HINCRBY", key, f"{replica_id}\x00reqs", reqs))
         if tokens:
-            pipe.hincrby(key, f"{replica_id}\x00tokens", tokens)
-        pipe.pexpire(key, int(self.inflight_ttl_s * 1000))
-        await self._call(pipe.execute())
+            cmds.append(("HINCRBY", key, f"{replica_id}\x00tokens", tokens))
+        cmds.append(("PEXPIRE", key, int(self.inflight_ttl_s * 1000)))
+        await self._call(self._direct("_board").run(*cmds))
 
     async def inflight(self) -> dict[str, Inflight]:
-        r = self._redis()
+        (hashes,) = await self._call(self._direct("_board").run(("EVAL", _READ_INFLIGHT_LUA, 0, f"{self.prefix}inflight:*")))
+        return _sum_inflight(hashes)
 
-        async def scan() -> list[bytes]:
-            return [k async for k in r.scan_iter(match=f"{self.prefix}inflight:*", count=100)]
-
-        keys = await self._call(scan())
-        if not keys:
-            return {}
-        pipe = r.pipeline(transaction=False)
-        for k in keys:
-            pipe.hgetall(k)
-        res = await self._call(pipe.execute())
-        acc: dict[str, list[int]] = {}
-        for h in res:
-            for f, v in h.items():
-                rid, _, what = f.decode().rpartition("\x00")
-                c = acc.setdefault(rid, [0, 0])
-                c[0 if what == "reqs" else 1] += int(v)
-        return {rid: Inflight(max(0, c[0]), max(0, c[1])) for rid, c in acc.items()}
+    async def exchange_inflight(self, changes: Mapping[str, tuple[int, int]]) -> dict[str, Inflight]:
+        """`incr_inflight` for every (replica -> (reqs, tokens)) change, our counters' TTL refreshed,
+        and then `inflight()`, in one round trip."""
+        key = f"{self.prefix}inflight:{self.owner}"
+        cmds: list[tuple] = []
+        for rid, (reqs, tokens) in changes.items():
+            if reqs:
+                cmds.append(("HINCRBY", key, f"{rid}\x00reqs", reqs))
+            if tokens:
+                cmds.append(("HINCRBY", key, f"{rid}\x00tokens", tokens))
+        cmds.append(("PEXPIRE", key, int(self.inflight_ttl_s * 1000)))
+        cmds.append(("EVAL", _READ_INFLIGHT_LUA, 0, f"{self.prefix}inflight:*"))
+        replies = await self._call(self._direct("_board").run(*cmds))
+        return _sum_inflight(replies[-1])
 
     async def close(self) -> None:
+        directs, self._reader, self._board = (self._reader, self._board), None, None
+        for d in directs:
+            if d is not None:
+                await d.close()
         if self._r is not None:
             r, self._r = self._r, None
             try:

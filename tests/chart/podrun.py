@@ -15,7 +15,9 @@ Rule: nothing about the process is taken from the test; everything from the rend
   - cluster DNS: the rendered Services' host names (short and qualified) in URLs (after `//` or
     `@`) become 127.0.0.1, where every pod of the release runs here;
   - probes: httpGet `path` on the container port the probe names (named ports resolved from the
-    container's ports) on 127.0.0.1, and exec probes run with the container's env.
+    container's ports) on 127.0.0.1; grpc probes as the kubelet's: the gRPC Health Checking
+    Protocol's Check for `service` on that port number, passing only on SERVING; and exec probes
+    run with the container's env.
 The process env is the container's env over the image's (PATH to the local install, the prebuilt
 tokenizer cache, no home directory). Volume kinds other than ConfigMap, Secret and
 emptyDir raise: such a container cannot run here.
@@ -64,9 +66,10 @@ def local_entrypoint() -> list[str]:
 
 @dataclass
 class Probe:
-    kind: str  # "http" or "exec"
-    url: str = ""
+    kind: str  # "http", "grpc" or "exec"
+    url: str = ""  # http: the URL; grpc: host:port
     argv: list[str] = field(default_factory=list)
+    service: str = ""  # grpc: the health service asked for
 
 
 class LocalContainer:
@@ -228,9 +231,14 @@ class LocalContainer:
         if "httpGet" in p:
             g = p["httpGet"]
             return Probe("http", url=f"http://{POD_IP}:{self.port(g['port'])}{g.get('path', '/')}")
+        if "grpc" in p:
+            g = p["grpc"]
+            if not isinstance(g["port"], int):
+                raise TypeError(f"{kind}: a grpc probe's port is a number (Kubernetes takes no name there), got {g['port']!r}")
+            return Probe("grpc", url=f"{POD_IP}:{g['port']}", service=g.get("service", ""))
         if "exec" in p:
             return Probe("exec", argv=[self.rewrite(expand(a, self.env)) for a in p["exec"]["command"]])
-        raise KeyError(f"{kind}: only httpGet and exec probes are emulated, got {sorted(p)}")
+        raise KeyError(f"{kind}: only httpGet, grpc and exec probes are emulated, got {sorted(p)}")
 
     def check(self, probe: Probe) -> tuple[bool, str]:
         if probe.kind == "http":
@@ -241,6 +249,8 @@ class LocalContainer:
                 return False, f"{e.code} {e.read(300)!r}"
             except OSError as e:
                 return False, str(e)
+        if probe.kind == "grpc":
+            return _grpc_health(probe.url, probe.service)
         r = subprocess.run(probe.argv, env=self.process_env(), capture_output=True, timeout=5)
         return r.returncode == 0, (r.stdout + r.stderr).decode(errors="replace")[:300]
 
@@ -257,3 +267,17 @@ class LocalContainer:
                 return probe
             time.sleep(0.2)
         raise RuntimeError(f"{self.spec['name']} {kind} ({probe.url or probe.argv}) not passing after {timeout_s} s: {last}\n{self.log()[-3000:]}")
+
+
+def _grpc_health(target: str, service: str) -> tuple[bool, str]:
+    """The kubelet's grpc probe: grpc.health.v1.Health/Check, success only on SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(target) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+    except grpc.RpcError as e:
+        return False, f"{e.code().name} {e.details()}"
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    return resp.status == health_pb2.HealthCheckResponse.SERVING, name

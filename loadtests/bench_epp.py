@@ -1,0 +1,210 @@
+"""Endpoint Picker overhead benchmark (not a test): TTFT that Envoy + the picker add over Envoy
+routing directly, and over the warmroute HTTP gateway, with the picker's CPU per request; side by
+side in one run, against the same upstream.
+
+Targets (each in its own process(es); the load generator is this process):
+  envoy      client -> Envoy (round robin, no ext_proc) -> upstream
+  envoy+epp  client -> Envoy (ext_proc FULL_DUPLEX_STREAMED request and response bodies,
+             override_host; gateway/epp/envoy.py) <-> picker (gRPC) ; Envoy -> upstream
+  gateway    client -> `warmroute gateway` (one worker, no auth) -> upstream
+at each `--levels` concurrency: streams of `--tokens` token events `--interval-ms` apart,
+"steady" arrivals (streams start at independent times; see bench_gateway_overhead.run_level,
+whose load generator and fake upstream this reuses). Added TTFT = that target's TTFT
+percentile minus envoy's (and minus gateway's) at the same level. CPU per request from /proc of
+the picker process and of each Envoy, over the measured phase.
+
+The picker: by default `TransportOnlyPicker` below, which names the upstream and forwards the
+body unchanged: the figures are then the EPP *transport* (gRPC, ext_proc conversation, the
+response passthrough), not warmroute's decision. `--picker pipeline` measures warmroute's own
+(gateway.epp.picker: authentication off, the gateway's tokenization, keys, index, policy,
+learning); `--picker MODULE:FACTORY` another: FACTORY(endpoints: list[str]) -> Picker (or an
+awaitable of one), called in the picker process.
+
+Run:  python -m loadtests.bench_epp [--levels 1,64] [--seconds 6] [--no-gateway] [--json FILE]
+A short smoke: python -m loadtests.bench_epp --levels 1,8 --seconds 2
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+from typing import Any, Mapping, Sequence
+
+from loadtests.bench_gateway_overhead import MODEL, _cpu_s, _free_port, _wait_ready, fake_upstream_main, run_level
+
+
+class TransportOnlyPicker:
+    """Picks the first endpoint and forwards the body as it came (the transport's cost alone)."""
+
+    def __init__(self, endpoints: Sequence[str]) -> None:
+        self.endpoints = list(endpoints)
+        self.outcomes = 0
+
+    async def pick(self, headers: Mapping[str, str], body: bytes, subset: Sequence[str] | None):
+        from gateway.epp.extproc import Pick
+
+        return Pick(body=body, endpoints=self.endpoints)
+
+    def observe(self, ctx: Any, outcome) -> None:
+        self.outcomes += 1
+
+
+async def pipeline_picker(endpoints: Sequence[str]):
+    """warmroute's own picker (gateway.epp.picker over a Gateway without its HTTP port): no auth,
+    an in-process feed, the endpoints as static replicas. `--picker pipeline`."""
+    from gateway.config import config_from_dict
+    from gateway.epp.picker import PipelinePicker
+    from gateway.server import Gateway
+
+    cfg = config_from_dict({
+        "server": {"host": "127.0.0.1", "port": 0, "admin_port": 0}, "auth": {"enabled": False},
+        "membership": {"replicas": [f"r{i}=http://{ep}" for i, ep in enumerate(endpoints)]},
+        "feed": {"url": "memory://bench-epp"}, "model": {"name": MODEL, "max_model_len": 4096},
+    }, env={})
+    gw = Gateway(cfg, api_port=False)
+    await gw.start()
+    return PipelinePicker(gw)
+
+
+def _load_factory(spec: str | None):
+    if not spec:
+        return TransportOnlyPicker
+    if spec == "pipeline":
+        return pipeline_picker
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name or "make_picker")
+
+
+def picker_main(port: int, endpoints: list[str], factory_spec: str | None, ready) -> None:
+    import uvloop
+
+    from gateway.epp.server import EppServer
+
+    async def main() -> None:
+        picker = _load_factory(factory_spec)(endpoints)
+        if inspect.isawaitable(picker):
+            picker = await picker
+        srv = EppServer(picker, host="127.0.0.1", port=port)
+        await srv.start()
+        await srv.set_ready(True)
+        ready.set()
+        await srv.wait_closed()
+
+    uvloop.run(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--levels", default="1,64", help="concurrent streams per phase")
+    ap.add_argument("--seconds", type=float, default=6.0, help="measured seconds per phase and target")
+    ap.add_argument("--tokens", type=int, default=32, help="token events per stream")
+    ap.add_argument("--interval-ms", type=float, default=15.0, help="fake decode step between token events")
+    ap.add_argument("--envoy-concurrency", type=int, default=1, help="Envoy worker threads (both Envoys)")
+    ap.add_argument("--picker", default=None, metavar="MODULE:FACTORY", help="the picker to measure: pipeline (warmroute's), MODULE:FACTORY, or none for transport only (default)")
+    ap.add_argument("--response-body-mode", default="FULL_DUPLEX_STREAMED",
+                    choices=["FULL_DUPLEX_STREAMED", "STREAMED", "NONE"],
+                    help="ext_proc response body mode: FULL_DUPLEX_STREAMED (the protocol's; every chunk through the "
+                         "picker), NONE (response headers only: no usage for the picker) ...")
+    ap.add_argument("--no-gateway", action="store_true", help="skip the warmroute HTTP gateway target")
+    ap.add_argument("--json", default=None, help="write the report here")
+    args = ap.parse_args(argv)
+
+    from gateway.epp.envoy import EnvoyOptions, EnvoyProcess, bootstrap, direct_bootstrap
+
+    ctx = mp.get_context("spawn")
+    up_port, picker_port = _free_port(), _free_port()
+    endpoint = f"127.0.0.1:{up_port}"
+    up = ctx.Process(target=fake_upstream_main, args=(up_port, args.interval_ms), daemon=True)
+    up.start()
+    ready = ctx.Event()
+    pk = ctx.Process(target=picker_main, args=(picker_port, [endpoint], args.picker, ready), daemon=True)
+    pk.start()
+    procs: list = []
+    gw = None
+    report: dict = {"command": " ".join(sys.argv), "picker": args.picker or "TransportOnlyPicker (transport only)",
+                    "response_body_mode": args.response_body_mode,
+                    "tokens_per_stream": args.tokens, "interval_ms": args.interval_ms, "cpus": os.cpu_count(),
+                    "envoy_concurrency": args.envoy_concurrency, "loadavg_start": os.getloadavg(), "levels": []}
+    try:
+        _wait_ready(f"http://{endpoint}/health")
+        if not ready.wait(60):
+            raise RuntimeError("picker did not start")
+        direct_port, direct_admin, epp_port, epp_admin = (_free_port() for _ in range(4))
+        direct = EnvoyProcess(direct_bootstrap(direct_port, direct_admin, [("127.0.0.1", up_port)]), direct_admin,
+                              concurrency=args.envoy_concurrency).start()
+        procs.append(direct)
+        epp = EnvoyProcess(bootstrap(EnvoyOptions(
+            epp_port, epp_admin, ("127.0.0.1", picker_port), [("127.0.0.1", up_port)], response_body_mode=args.response_body_mode)),
+                           epp_admin, concurrency=args.envoy_concurrency).start()
+        procs.append(epp)
+        targets = {"envoy": (f"http://127.0.0.1:{direct_port}", direct.proc.pid),
+                   "envoy+epp": (f"http://127.0.0.1:{epp_port}", epp.proc.pid)}
+        if not args.no_gateway:
+            gw_port, gw_admin = _free_port(), _free_port()
+            gw = subprocess.Popen(
+                [sys.executable, "-m", "gateway.cli", "gateway", "--host", "127.0.0.1", "--port", str(gw_port),
+                 "--admin-port", str(gw_admin), "--replica", f"r0=http://{endpoint}", "--no-auth", "--feed", "memory://",
+                 "--model", MODEL, "--max-model-len", "4096"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            _wait_ready(f"http://127.0.0.1:{gw_admin}/readyz", 300.0)
+            targets["gateway"] = (f"http://127.0.0.1:{gw_port}", gw.pid)
+        import uvloop
+
+        stagger = args.tokens * args.interval_ms / 1000
+        for c in [int(x) for x in args.levels.split(",") if x]:
+            row: dict = {"concurrency": c}
+            for name, (url, pid) in targets.items():
+                cpu0, pcpu0 = _cpu_s(pid), _cpu_s(pk.pid)
+                res = uvloop.run(run_level(url, c, args.seconds, args.tokens, stagger_s=stagger))
+                n = max(1, res["requests"])
+                res["proxy_cpu_ms_per_request"] = (_cpu_s(pid) - cpu0) * 1000 / n
+                if name == "envoy+epp":
+                    res["picker_cpu_ms_per_request"] = (_cpu_s(pk.pid) - pcpu0) * 1000 / n
+                row[name] = res
+            base = row["envoy"]["ttft_ms"]
+            row["epp_added_over_envoy_ms"] = {k: row["envoy+epp"]["ttft_ms"][k] - base[k] for k in ("p50", "p99")}
+            if "gateway" in row:
+                row["epp_added_over_gateway_ms"] = {k: row["envoy+epp"]["ttft_ms"][k] - row["gateway"]["ttft_ms"][k]
+                                                    for k in ("p50", "p99")}
+            report["levels"].append(row)
+            cells = []
+            for name in targets:
+                r = row[name]
+                cells.append(f"{name} p50 {r['ttft_ms']['p50']:6.2f} p99 {r['ttft_ms']['p99']:6.2f} ms "
+                             f"({r['requests']} req, {r['errors']} err, proxy {r['proxy_cpu_ms_per_request']:.2f} CPU-ms/req)")
+            e = row["envoy+epp"]
+            print(f"c={c:3d}  " + " | ".join(cells), flush=True)
+            line = (f"       envoy+epp adds p50 {row['epp_added_over_envoy_ms']['p50']:+.2f} p99 {row['epp_added_over_envoy_ms']['p99']:+.2f} ms"
+                    f" over envoy")
+            if "gateway" in row:
+                line += (f", p50 {row['epp_added_over_gateway_ms']['p50']:+.2f} p99 {row['epp_added_over_gateway_ms']['p99']:+.2f} ms"
+                         f" over the gateway")
+            print(line + f"; picker {e['picker_cpu_ms_per_request']:.3f} CPU-ms/req", flush=True)
+    finally:
+        for p in procs:
+            p.stop()
+        if gw is not None:
+            gw.terminate()
+            try:
+                gw.wait(15)
+            except subprocess.TimeoutExpired:
+                gw.kill()
+                gw.wait()
+        for p in (pk, up):
+            p.terminate()
+            p.join(5)
+    report["loadavg_end"] = os.getloadavg()
+    print(f"picker: {report['picker']}; machine load average {report['loadavg_start'][0]:.2f} -> {report['loadavg_end'][0]:.2f} "
+          f"on {report['cpus']} CPUs (other work running makes every figure worse)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Reference routers for the virtual-time simulator only (never the gateway's policies).
+
+Rule: each is a policy object (`rank`/`observe`, as policies.base.Policy) that `vtime.simulate`
+accepts in place of a registry name, so the product policy can be compared in one run with:
+
+- `SglangCacheAware`: the algorithm sglang-router 0.3 and vllm-router 0.1 run as `cache_aware`
+  (PEERS: an approximate prefix tree of what the router itself sent to each worker, its own
+  in-flight counts; when (max - min) in-flight > `balance_abs` and max > `balance_rel` x min it
+  routes to the least loaded worker; otherwise to the worker with the longest match if the
+  match covers more than `cache_threshold` of the prompt, else to the worker whose tree is
+  smallest; the request's prefix is then inserted into the chosen worker's tree). Here the tree
+  is the set of block keys routed to each worker (a leading run of keys is a prefix match; the
+  peers match characters or token ids, which for these workloads give the same winners); it is
+  never trimmed (their trees are trimmed every 120 s to a size these runs never reach). Ties
+  between workers with equally long matches go to the one that got the prefix first.
+- `StaticPlan`: an offline plan that knows each document's popularity: a table prefix key ->
+  holder replicas, built by `static_plan_for`; a request goes to the least-loaded holder of its
+  document (in-flight + running), a request without an entry to the least-loaded replica. The
+  "naive static plan" of the issue (hot document on two replicas, the rest on one by share).
+"""
+from __future__ import annotations
+
+import random
+from typing import ClassVar, Sequence
+
+from policies._common import load_reqs
+from policies.base import Candidate, Decision, ReplicaView, RequestView
+
+__all__ = ["SglangCacheAware", "StaticPlan", "static_plan_for"]
+
+
+class SglangCacheAware:
+    name: ClassVar[str] = "sglang_cache_aware"
+
+    def __init__(self, cache_threshold: float = 0.3, balance_abs: int = 64, balance_rel: float = 1.5) -> None:
+        self.cache_threshold = cache_threshold
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.trees: dict[str, set] = {}  # worker -> block keys routed there
+        self.first_holder: dict = {}  # key -> workers in the order they got it
+        self.inflight: dict[str, int] = {}
+
+    def params(self) -> dict:
+        return {"cache_threshold": self.cache_threshold, "balance_abs": self.balance_abs, "balance_rel": self.balance_rel}
+
+    def rank(self, request: RequestView, replicas: Sequence[ReplicaView], rng: random.Random) -> Decision:
+        live = [v.replica_id for v in replicas if v.healthy]
+        if not live:
+            return Decision(self.name, ())
+        for w in live:
+            self.trees.setdefault(w, set())
+            self.inflight.setdefault(w, 0)
+        loads = {w: self.inflight[w] for w in live}
+        hi, lo = max(loads.values()), min(loads.values())
+        keys = request.keys
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            choice = min(live, key=lambda w: (loads[w], w))
+        else:
+            # longest leading run of keys any worker's tree holds
+            cands = list(live)
+            m = 0
+            for k in keys:
+                holders = [w for w in cands if k in self.trees[w]]
+                if not holders:
+                    break
+                cands = holders
+                m += 1
+            rate = (m * request.block_size) / request.prompt_tokens if request.prompt_tokens else 0.0
+            if m and rate > self.cache_threshold:
+                order = self.first_holder.get(keys[m - 1], [])
+                choice = next((w for w in order if w in cands), cands[0])
+            else:
+                choice = min(live, key=lambda w: (len(self.trees[w]), w))
+        tree = self.trees[choice]
+        for k in keys:
+            if k not in tree:
+                tree.add(k)
+                self.first_holder.setdefault(k, []).append(choice)
+        self.inflight[choice] += 1
+        ranked = [choice] + [w for w in live if w != choice]
+        return Decision(self.name, tuple(Candidate(w, 1.0 if w == choice else 0.0, {}) for w in ranked))
+
+    def observe(self, replica_id: str, ttft_s: float, uncached_tokens: int) -> None:
+        # vtime calls observe when a request finishes: its in-flight count drops (the peers count
+        # a request until its response ends)
+        if self.inflight.get(replica_id, 0) > 0:
+            self.inflight[replica_id] -= 1
+
+
+class StaticPlan:
+    name: ClassVar[str] = "static_plan"
+
+    def __init__(self, plan: dict, probe_block: int) -> None:
+        self.plan = plan  # key at block `probe_block` -> replica ids holding that document
+        self.probe_block = probe_block
+
+    def params(self) -> dict:
+        return {"documents": len(self.plan), "probe_block": self.probe_block}
+
+    def rank(self, request: RequestView, replicas: Sequence[ReplicaView], rng: random.Random) -> Decision:
+        live = {v.replica_id: v for v in replicas if v.healthy}
+        keys = request.keys
+        holders = self.plan.get(keys[self.probe_block]) if len(keys) > self.probe_block else None
+        pool = [w for w in (holders or ()) if w in live] or list(live)
+        ranked = sorted(pool, key=lambda w: (load_reqs(live[w]), live[w].inflight_prefill_tokens, w))
+        ranked += [w for w in live if w not in ranked]
+        return Decision(self.name, tuple(Candidate(w, -i, {}) for i, w in enumerate(ranked)))
+
+    def observe(self, replica_id: str, ttft_s: float, uncached_tokens: int) -> None:
+        return None
+
+
+def static_plan_for(workload, keys, n_replicas: int, hot_holders: int = 2, probe_block: int = 100, n_hot: int = 1) -> StaticPlan:
+    """The issue's naive static plan: documents by measured share (request counts of `workload`),
+    the `n_hot` most popular on `hot_holders` replicas each, every other on one, greedily packed
+    (largest share first onto the replica with the least planned share; a shared one's share split
+    evenly)."""
+    count: dict = {}
+    for r, k in zip(workload.requests, keys):
+        if len(k.prompt) > probe_block:
+            count[k.prompt[probe_block]] = count.get(k.prompt[probe_block], 0) + 1
+    docs = sorted(count, key=lambda d: -count[d])
+    load = [0.0] * n_replicas
+    plan: dict = {}
+    for i, d in enumerate(docs):
+        n = min(n_replicas, hot_holders if i < n_hot else 1)
+        picks = sorted(range(n_replicas), key=lambda r: (load[r], r))[:n]
+        for r in picks:
+            load[r] += count[d] / n
+        plan[d] = [f"r{r}" for r in picks]
+    return StaticPlan(plan, probe_block)

@@ -1,0 +1,369 @@
+"""cache_plan: plan which replicas hold each shared prefix from its measured demand, and send each
+request to a holder of its prefix, chosen by plan and queue (cache_aware for requests with none).
+
+The rule
+--------
+Per request, with m_r = the capped leading match on replica r (GPU or CPU run, as cache_aware
+counts it; 0 when the replica's feed is not live) and m* = max_r m_r over the healthy replicas:
+
+- unplanned, when m* x block_size < match_min_frac x prompt_tokens (a new document, a prompt that
+  shares nothing, a short common system prompt): ranked by cache_aware (score, guard and all).
+- planned, otherwise. Its root is the shortest planned prefix the request extends: the first of
+  its keys that is a known root's key; none: keys[m* - 1] becomes a new root (of m* blocks). A
+  document is a root; a chat's system prompt is the root of its conversations. The holders of a
+  prefix of b blocks are the replicas with m_r >= holder_frac x b.
+  - A child (m* longer than its root: a conversation's history) goes to the holder of its
+    longest match with the least predicted TTFT (cache_aware's queue_penalty_s + uncached_tokens
+    x prefill_s_per_token). It never moves.
+  - A request of the root itself: if the plan gives the root a new holder c now (below), it goes
+    to c, which computes the copy (the gateway's speculative index entries make c a holder for
+    the requests that follow). Else it goes to a holder: among those whose predicted TTFT is
+    within queue_slack_s of the best, the one furthest below its planned part of the root's work
+    (below). A holder is never left for balance: a prefix with one holder keeps it, however long
+    its queue.
+
+The plan. Demand is measured on the requests this policy planned, with the request count as the
+clock (every measure is an exponential moving mean over planned requests with weight 1 /
+window_reqs: shares of the stream, no wall clock):
+- the work of a planned request is its steady cost once its prefix is in place (a copy's
+  one-off prefill is not demand), in prefill tokens: (prompt_tokens - m* x block_size) +
+  max_output_tokens x running_step_share x decode_step_s / prefill_s_per_token (its uncached
+  prefill on a holder and its share of the decode steps it runs in, with cache_aware's
+  running_step_share and the medians of the replicas' rates; max_output_tokens 0: cache_aware's
+  prior_output_tokens),
+  counted for its root (a conversation's turns count for its system prompt: placing a first turn
+  places the conversation);
+- load_r = the mean work per planned request that went to r; G_g,r = the same for root g's
+  requests and children alone, G_g = sum_r G_g,r; mean = sum_r load_r / (healthy replicas);
+- the water level of a holder set S for g: pour G_g over S on top of base_r = load_r - G_g,r
+  (r's load without g): the level w with sum_{r in S} max(0, w - base_r) = G_g; r's planned part
+  of g is max(0, w - base_r), and peak(S) = max(w, max base_r) is the busiest holder's load once
+  g is split that way (which the dispatch above realises);
+- g gets the new holder c = the least-loaded healthy non-holder that is not building a copy
+  (its in-flight prefill is under half of g's tokens) and whose KV has room, when all hold:
+  - overloaded: peak(H) >= (1 + spread_rel) x mean;
+  - the copy pays: peak(H) - peak(H + c) >= spread_gain x mean;
+  - hot: g's share of the work, G_g / (R x mean), exceeds hot_min / R by two standard errors of a
+    share measured on min(requests, window_reqs) requests (only a prefix that carries a good
+    part of one replica's load is worth a copy; noise never makes a typical document hot);
+  - the hottest: no other root carries more work to g's busiest holder (spread what loads it
+    most, not whichever request came first);
+  - room: the blocks of the roots c holds (seen within 5 windows) + g's <= kv_room_frac x c's KV
+    blocks (`ReplicaView.kv_capacity_blocks`; 0 = unknown: not checked);
+  - g got no new holder in its last cooldown_reqs x min(1, mean / (peak(H) - mean)) planned
+    requests (the split must show in the measures before the next copy; far over the mean, as a
+    hot prefix at start-up on many replicas, copies come faster), and min_reqs requests were seen.
+
+Why this and not a per-request score
+------------------------------------
+With long shared prefixes on busy replicas a miss costs a replica seconds of prefill (3 s for a
+3,000-token document at 1 ms/token), and while that prefill holds the step budget every request
+queued behind it waits (chunked prefill serves running prefills first): one miss is a TTFT spike
+for every request of that replica for a few seconds, and its blocks evict the least recently used
+prefix there, which the next request of that prefix must prefill again. A per-request comparison
+(cache_aware's score, its balance guard) sees one request's TTFT, not the spike its miss causes
+for the others nor the eviction its blocks cause: under skew it spreads the hot document's
+overflow over every replica, each spill a miss, each copy an eviction of some colder document,
+and the misses feed the queues that trigger more spills. The plan spends misses only where the
+measured demand pays for them (one new holder at a time, for a prefix whose holders are
+overloaded and whose copy lowers the busiest replica's load), and otherwise never leaves a holder;
+dispatch among several holders by queue balances the hot prefix's load without any miss.
+
+Parameters (constructor, keyword only; the cache_aware ones go to the embedded cache_aware)
+-------------------------------------------------------------------------------------------
+match_min_frac   a request is planned when the longest cached match covers at least this share of
+                 its prompt; 0..1 (default 0.5)
+holder_frac      a replica is a holder when its match is at least this share of the prefix's;
+                 0..1 (default 0.9: a copy whose last blocks were evicted still counts)
+window_reqs      planned requests one measure averages over (1 / weight); >= 1 (default 200)
+spread_rel       holders overloaded at peak >= (1 + spread_rel) x mean; >= 0 (default 0.2)
+spread_gain      a copy must lower the peak by spread_gain x mean; >= 0 (default 0.05)
+hot_min          a root spreads only when its share of the work is above hot_min / R; >= 0
+                 (default 0.3: 7.5% of the work on 4 replicas, a document of 24 has ~4%)
+kv_room_frac     a new holder's planned blocks stay under this share of its KV; 0..1 (default 0.85)
+cooldown_reqs    planned requests between two new holders of a root (shorter when its holders are
+                 far over the mean, see above); >= 0 (default 50)
+min_reqs         planned requests measured before anything spreads; >= 0 (default 30)
+queue_slack_s    holders within this much predicted TTFT of the best are chosen by the plan;
+                 seconds, >= 0 (default 0.1; 0: by queue alone)
+Defaults tuned with `python -m loadtests.vtime_report --regime busy` (loadtests/results/vtime_busy.md).
+
+Candidates' terms: plan (1 planned, 0 unplanned: then cache_aware's terms), holder (0/1),
+predicted_ttft_s, matched_blocks, group_work, group_holders, load_share, peak_share,
+spread (1 on the replica chosen to build a new copy), score (= -position: the chosen replica, the
+other holders by predicted TTFT, then the rest in cache_aware's order).
+State: the measures above, updated in rank() for the replica it ranks first (the gateway sends the
+request there). One instance sees only its own process's requests (with several gateway workers
+each plans on its share of the stream). Pure: no I/O, no clock; `rng` only in cache_aware's ties.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import ClassVar, Sequence
+
+from policies._common import load_reqs
+from policies.base import Candidate, Decision, PolicyBase, ReplicaView, RequestView
+from policies.cache_aware import CacheAwarePolicy
+
+__all__ = ["CachePlanPolicy", "water_level", "water_peak"]
+
+
+def water_level(bases: Sequence[float], amount: float) -> float:
+    """The level w with sum over bins of max(0, w - base) = amount: `amount` poured over bins at
+    `bases`, each filled from its base up to a common level (bins above it get nothing)."""
+    if not bases:
+        return 0.0
+    bs = sorted(bases)
+    rest = max(0.0, amount)
+    for i in range(len(bs)):
+        nxt = bs[i + 1] if i + 1 < len(bs) else float("inf")
+        room = (nxt - bs[i]) * (i + 1)  # work that raises the i+1 lowest bins to the next base
+        if rest <= room:
+            return bs[i] + rest / (i + 1)
+        rest -= room
+    return bs[-1]  # pragma: no cover - the last room is infinite
+
+
+def water_peak(bases: Sequence[float], amount: float) -> float:
+    """Highest load after pouring `amount` over bins at `bases`: max(level, max(bases))."""
+    return max(water_level(bases, amount), max(bases)) if bases else 0.0
+
+
+def _median(xs: list) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+class _Mean:
+    """Exponential moving mean over the planned-request clock, decayed lazily."""
+
+    __slots__ = ("v", "at")
+
+    def __init__(self) -> None:
+        self.v = 0.0
+        self.at = 0
+
+    def get(self, now: int, keep: float) -> float:
+        if now != self.at:
+            self.v *= keep ** (now - self.at)
+            self.at = now
+        return self.v
+
+
+@dataclass(slots=True)
+class _Group:
+    blocks: int  # length of the cached prefix (m*)
+    holders: frozenset = frozenset()  # replicas holding it at its last request
+    work: dict = field(default_factory=dict)  # replica -> _Mean of this group's work routed there
+    count: int = 0  # planned requests seen (its own and its children's)
+    last_seen: int = 0  # clock at its last request
+    last_spread: int = -(10**9)  # clock when it last got a new holder
+
+
+class CachePlanPolicy(PolicyBase):
+    """Holders planned from measured demand, dispatch by queue (module header)."""
+
+    name: ClassVar[str] = "cache_plan"
+    PARAMS_FROM: ClassVar[type] = CacheAwarePolicy  # **cache_aware_params go to the embedded cache_aware
+
+    def __init__(
+        self,
+        *,
+        match_min_frac: float = 0.5,
+        holder_frac: float = 0.9,
+        window_reqs: float = 200.0,
+        spread_rel: float = 0.2,
+        spread_gain: float = 0.05,
+        hot_min: float = 0.3,
+        kv_room_frac: float = 0.85,
+        cooldown_reqs: int = 50,
+        min_reqs: int = 30,
+        queue_slack_s: float = 0.1,
+        **cache_aware_params,
+    ) -> None:
+        for label, val in (("match_min_frac", match_min_frac), ("holder_frac", holder_frac), ("kv_room_frac", kv_room_frac)):
+            if not 0.0 <= val <= 1.0:
+                raise ValueError(f"{label} must be in [0, 1], got {val!r}")
+        for label, val in (("spread_rel", spread_rel), ("spread_gain", spread_gain), ("hot_min", hot_min),
+                           ("cooldown_reqs", cooldown_reqs), ("min_reqs", min_reqs), ("queue_slack_s", queue_slack_s)):
+            if not val >= 0:
+                raise ValueError(f"{label} must be >= 0, got {val!r}")
+        if not window_reqs >= 1:
+            raise ValueError(f"window_reqs must be >= 1, got {window_reqs!r}")
+        self.fallback = CacheAwarePolicy(**cache_aware_params)
+        self.match_min_frac = float(match_min_frac)
+        self.holder_frac = float(holder_frac)
+        self.window_reqs = float(window_reqs)
+        self.spread_rel = float(spread_rel)
+        self.spread_gain = float(spread_gain)
+        self.hot_min = float(hot_min)
+        self.kv_room_frac = float(kv_room_frac)
+        self.cooldown_reqs = int(cooldown_reqs)
+        self.min_reqs = int(min_reqs)
+        self.queue_slack_s = float(queue_slack_s)
+        self._keep = 1.0 - 1.0 / self.window_reqs
+        self._now = 0  # planned requests so far: the clock of every measure
+        self._load: dict[str, _Mean] = {}
+        self._groups: dict[int, _Group] = {}
+
+    def params(self) -> dict[str, float]:
+        return {
+            **self.fallback.params(),
+            "match_min_frac": self.match_min_frac, "holder_frac": self.holder_frac, "window_reqs": self.window_reqs,
+            "spread_rel": self.spread_rel, "spread_gain": self.spread_gain, "hot_min": self.hot_min,
+            "kv_room_frac": self.kv_room_frac, "cooldown_reqs": self.cooldown_reqs, "min_reqs": self.min_reqs,
+            "queue_slack_s": self.queue_slack_s,
+        }
+
+    # -- measures --------------------------------------------------------------------------------
+    def load_share(self, replica_id: str) -> float:
+        """Mean planned work per planned request sent to the replica (prefill tokens), now."""
+        m = self._load.get(replica_id)
+        return m.get(self._now, self._keep) if m is not None else 0.0
+
+    def _group_work(self, g: _Group, rid: str) -> float:
+        m = g.work.get(rid)
+        return m.get(self._now, self._keep) if m is not None else 0.0
+
+    def _planned_blocks(self, rid: str) -> int:
+        horizon = self._now - 5 * self.window_reqs
+        return sum(g.blocks for g in self._groups.values() if rid in g.holders and g.last_seen >= horizon)
+
+    def _record(self, g: _Group, rid: str, work: float) -> None:
+        a = 1.0 - self._keep
+        m = self._load.setdefault(rid, _Mean())
+        m.get(self._now, self._keep)
+        m.v += a * work
+        gm = g.work.setdefault(rid, _Mean())
+        gm.get(self._now, self._keep)
+        gm.v += a * work
+
+    def _dispatch(self, holders, ttft, loads, gw, g_total, by_id) -> str:
+        """Among the holders: those whose predicted TTFT is within queue_slack_s of the best, and of
+        them the one furthest below its planned part of g's work (the water-filling split: r's
+        part is max(0, level - base_r)); ties by predicted TTFT. The plan evens the load over the
+        window, the queue check keeps a burst on one holder from growing."""
+        if len(holders) == 1:
+            return holders[0]
+        best_ttft = min(ttft[r] for r in holders)
+        ok = [r for r in holders if ttft[r] <= best_ttft + self.queue_slack_s]
+        if g_total <= 0.0 or len(ok) == 1:
+            return min(ok, key=lambda r: (ttft[r], load_reqs(by_id[r]), r))
+        bases = {r: loads[r] - gw[r] for r in holders}
+        level = water_level(list(bases.values()), g_total)
+        return max(ok, key=lambda r: (max(0.0, level - bases[r]) - gw[r], -ttft[r], r))
+
+    def _is_hot(self, g: _Group, g_total: float, mean: float, n_replicas: int) -> bool:
+        """g's share of the planned work is above hot_min / n_replicas with two standard errors to
+        spare (a share measured on n requests varies by sqrt(p (1 - p) / n): early on, or for a
+        typical document, noise alone must not make a prefix look hot)."""
+        total = mean * n_replicas
+        p = g_total / total if total > 0 else 0.0
+        n = min(float(self._now), self.window_reqs)
+        return p - 2.0 * (p * (1.0 - p) / n) ** 0.5 >= self.hot_min / n_replicas
+
+    def _hottest_on(self, g: _Group, rid: str) -> bool:
+        """No active group carries more work to `rid` than g (spread the prefix that loads the
+        busiest holder most, not whichever request of it came first)."""
+        mine = self._group_work(g, rid)
+        horizon = self._now - 5 * self.window_reqs
+        return not any(o is not g and rid in o.holders and o.last_seen >= horizon and self._group_work(o, rid) > mine
+                       for o in self._groups.values())
+
+    def _prune(self) -> None:
+        horizon = self._now - 5 * self.window_reqs
+        for k in [k for k, g in self._groups.items() if g.last_seen < horizon]:
+            del self._groups[k]
+
+    # -- the decision ----------------------------------------------------------------------------
+    def rank(self, request: RequestView, replicas: Sequence[ReplicaView], rng: random.Random) -> Decision:
+        base = self.fallback.rank(request, replicas, rng)
+        live = [v for v in replicas if v.healthy]
+        bs = request.block_size
+        cap = max(0, (request.prompt_tokens - 1) // bs) if bs > 0 else 0
+        runs = {v.replica_id: (min(max(v.matched_blocks_cpu, v.matched_blocks_gpu), cap) if v.index_live else 0) for v in live}
+        best = max(runs.values(), default=0)
+        if not live or best == 0 or best * bs < self.match_min_frac * request.prompt_tokens or best > len(request.keys):
+            return Decision(self.name, tuple(Candidate(c.replica_id, c.score, {**c.terms, "plan": 0.0}) for c in base.ranked))
+        self._now += 1
+        now = self._now
+        if now % 1000 == 0:
+            self._prune()
+        by_id = {v.replica_id: v for v in live}
+        keys = request.keys
+        roots = self._groups
+        # the root: the shortest planned prefix this request extends (a document; a chat's system
+        # prompt, whose conversations are its children); none known: its own longest match
+        root_at = next((j for j in range(best) if keys[j] in roots), -1)
+        if root_at < 0:
+            root_at = best - 1
+            roots[keys[root_at]] = _Group(best)
+        g = roots[keys[root_at]]
+        g.count += 1
+        g.last_seen = now
+        g.holders = frozenset(rid for rid, m in runs.items() if m >= self.holder_frac * g.blocks)
+        child = best > g.blocks  # a longer match than its root (a conversation's history): it stays
+        holders = [rid for rid, m in runs.items() if m >= self.holder_frac * best]
+        # steady cost, in prefill tokens: uncached on a holder + its share of the decode steps
+        out_tokens = request.max_output_tokens or self.fallback.prior_output_tokens
+        step_tokens = _median([v.decode_step_s for v in live]) / max(1e-12, _median([v.prefill_s_per_token for v in live]))
+        work = max(1, request.prompt_tokens - best * bs) + out_tokens * self.fallback.running_step_share * step_tokens
+        terms = {rid: self.fallback.terms(request, by_id[rid]) for rid in holders}
+        ttft = {rid: t["queue_penalty_s"] + t["uncached_tokens"] * by_id[rid].prefill_s_per_token for rid, t in terms.items()}
+        # the plan: measures without this request
+        loads = {rid: self.load_share(rid) for rid in by_id}
+        mean = sum(loads.values()) / len(loads)
+        gw = {rid: self._group_work(g, rid) for rid in by_id}
+        g_total = sum(gw.values())
+        peak_h = water_peak([loads[r] - gw[r] for r in holders], g_total)
+        spread_to = None
+        peak_new = peak_h
+        # the cooldown shrinks when the holders are far over the mean (a hot prefix at start-up on
+        # many replicas needs many copies soon): cooldown_reqs x min(1, mean / (peak - mean))
+        over = peak_h / mean - 1.0 if mean > 0.0 else 0.0
+        cooldown = self.cooldown_reqs * min(1.0, 1.0 / over) if over > 0.0 else self.cooldown_reqs
+        if (not child and now > self.min_reqs and mean > 0.0 and now - g.last_spread >= cooldown
+                and peak_h >= (1.0 + self.spread_rel) * mean and self._is_hot(g, g_total, mean, len(loads))
+                and self._hottest_on(g, max(holders, key=lambda r: (loads[r], r)))):
+            others = sorted((rid for rid in by_id if rid not in g.holders), key=lambda r: (loads[r], r))
+            for c in others:
+                if by_id[c].inflight_prefill_tokens > best * bs // 2:
+                    continue  # building another copy: one at a time per replica
+                cap_blocks = by_id[c].kv_capacity_blocks
+                if cap_blocks > 0 and self._planned_blocks(c) + best > self.kv_room_frac * cap_blocks:
+                    continue
+                peak_c = water_peak([loads[r] - gw[r] for r in holders] + [loads[c]], g_total)
+                if peak_h - peak_c >= self.spread_gain * mean:
+                    spread_to, peak_new = c, peak_c
+                break  # the least-loaded replica with room is the only candidate
+        if spread_to is not None:
+            winner = spread_to
+            g.last_spread = now
+            g.holders = g.holders | {spread_to}
+        elif child:
+            winner = min(holders, key=lambda r: (ttft[r], load_reqs(by_id[r]), r))
+        else:
+            winner = self._dispatch(holders, ttft, loads, gw, g_total, by_id)
+        self._record(g, winner, work)
+        # ranking: the winner, the other holders by predicted TTFT, then cache_aware's order
+        order = [winner] + sorted((r for r in holders if r != winner), key=lambda r: (ttft[r], load_reqs(by_id[r]), r))
+        seen = set(order)
+        order += [c.replica_id for c in base.ranked if c.replica_id not in seen]
+        cands = []
+        for i, rid in enumerate(order):
+            t = {
+                "plan": 1.0,
+                "holder": 1.0 if rid in g.holders else 0.0,
+                "predicted_ttft_s": ttft.get(rid, -1.0),
+                "matched_blocks": float(runs.get(rid, 0)),
+                "group_work": g_total,
+                "group_holders": float(len(g.holders)),
+                "load_share": loads.get(rid, 0.0) / (mean * len(loads)) if mean > 0 else 0.0,
+                "peak_share": (peak_new if rid == spread_to else peak_h) / mean if mean > 0 else 0.0,
+                "spread": 1.0 if rid == spread_to else 0.0,
+                "score": float(-i),
+            }
+            cands.append(Candidate(rid, float(-i), t))
+        return Decision(self.name, tuple(cands))

@@ -1,0 +1,212 @@
+"""warmroute's own picker (the gateway's request pipeline) behind a real Envoy, in front of
+simulated replicas whose KV events reach the index through agents: the official `openai` SDK
+streams through Envoy; a repeated document is served warm (engine-reported cached tokens) on the
+replica that holds it; two tenants never share blocks; a client-sent salt never reaches the
+engine; the client's API key is not forwarded; the usage chunk the picker asked for is stripped
+when the client did not ask; a refused primary is retried by Envoy and reported failed; bad
+requests get OpenAI-shaped errors; and `warmroute epp` runs as a process that stops on SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import grpc
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.config import config_from_dict
+from gateway.epp.envoy import EnvoyOptions, EnvoyProcess, bootstrap, find_envoy
+from gateway.epp.extproc import Outcome
+from gateway.epp.picker import PipelinePicker, endpoint_of
+from gateway.epp.server import EppServer
+from gateway.server import Gateway
+from loadtests.sim.server import SimConfig, start_sim_server
+from replica_agent.agent import AgentConfig, start_agent
+from replica_agent.feed import open_feed
+from tests.conftest import REPO, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+MODEL = "warmroute-sim"
+KEYS = {"tenant-a": "key-a", "tenant-b": "key-b"}
+DOC = " ".join(f"section {i} of the handbook that every tenant reads." for i in range(80))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tok, tmp_path_factory):
+    find_envoy()
+    d = tmp_path_factory.mktemp("epp")
+    (d / "keys.yaml").write_text("".join(f"{t}: [{k}]\n" for t, k in KEYS.items()))
+    (d / "salt").write_text("epp-salt-secret\n")
+    feed = open_feed(f"memory://epp-{uuid.uuid4().hex[:6]}")
+    sims, agents = [], []
+    for i in range(2):
+        p = free_port()
+        sim = await start_sim_server(SimConfig(model=MODEL, kv_events_endpoint=f"tcp://*:{p}"))
+        sims.append(sim)
+        agents.append(await start_agent(AgentConfig(replica_id=f"r{i}", kv_events_endpoint=f"tcp://127.0.0.1:{p}",
+                                                     engine_url=sim.url, load_interval_s=0.2), feed))
+    cfg = config_from_dict({
+        "server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
+        "membership": {"replicas": [f"r{i}={s.url}" for i, s in enumerate(sims)], "health_interval_s": 0.2},
+        "auth": {"api_keys_file": str(d / "keys.yaml")}, "salt": {"secret_file": str(d / "salt")},
+        "feed": {"url": "memory://unused"},
+    }, env={})
+    gw = Gateway(cfg, feed=feed, tokenizer=tok, api_port=False)
+    await gw.start()
+    epp = EppServer(PipelinePicker(gw), host="127.0.0.1", port=0)
+    picker_port = await epp.start()
+    await epp.set_ready(True)
+    port, admin = free_port(), free_port()
+    envoy = EnvoyProcess(bootstrap(EnvoyOptions(port, admin, ("127.0.0.1", picker_port),
+                                                [("127.0.0.1", s.port) for s in sims])), admin)
+    await asyncio.to_thread(envoy.start)
+    for _ in range(100):
+        if all(gw.index.is_live(f"r{i}") for i in range(2)):
+            break
+        await asyncio.sleep(0.05)
+    yield {"gw": gw, "sims": sims, "url": f"http://127.0.0.1:{port}/v1", "epp": epp}
+    await asyncio.to_thread(envoy.stop)
+    await epp.stop(1)
+    await gw.close()
+    for a in agents:
+        await a.close()
+    for s in sims:
+        await s.close()
+
+
+def _client(stack, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack["url"], api_key=key, max_retries=0, timeout=30)
+
+
+async def _stream(client, content: str, *, usage: bool = True, **kw):
+    extra = {"stream_options": {"include_usage": True}} if usage else {}
+    stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                                  stream=True, max_tokens=4, **extra, **kw)
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage_obj = next((c.usage.model_dump() for c in chunks if c.usage is not None), None)
+    return text, usage_obj, chunks
+
+
+async def _until_indexed(gw, n_blocks: int) -> None:
+    for _ in range(100):
+        if max(gw.index.stats().entries_by_replica.values() or [0]) >= n_blocks:
+            return
+        await asyncio.sleep(0.05)
+
+
+async def test_repeat_is_warm_where_the_document_lives_and_tenants_never_share(stack):
+    gw = stack["gw"]
+    a, b = _client(stack, KEYS["tenant-a"]), _client(stack, KEYS["tenant-b"])
+    doc = "warm: " + DOC
+    _, u0, _ = await _stream(a, doc)
+    assert u0["prompt_tokens_details"]["cached_tokens"] == 0
+    await _until_indexed(gw, u0["prompt_tokens"] // 16)
+    for _ in range(3):
+        _, u, _ = await _stream(a, doc)
+        assert u["prompt_tokens_details"]["cached_tokens"] == (u["prompt_tokens"] - 1) // 16 * 16
+    _, ub, _ = await _stream(b, doc)  # same text, other tenant: other salt, nothing shared
+    assert ub["prompt_tokens_details"]["cached_tokens"] == 0
+    # a salt the client sends is replaced: tenant-b cannot reach tenant-a's blocks even with
+    # tenant-a's own salt (a document only tenant-a has sent)
+    doc2 = "only a: " + DOC
+    await _stream(a, doc2)
+    await _stream(a, doc2)
+    _, uc, _ = await _stream(b, doc2, extra_body={"cache_salt": gw.salter.salt_for("tenant-a")})
+    assert uc["prompt_tokens_details"]["cached_tokens"] == 0
+    assert gw.metrics._acc and max(gw.metrics._acc.values()) > 0.9  # the picker learned: prediction == engine
+
+
+async def test_usage_chunk_stripped_unless_asked_and_credentials_not_forwarded(stack):
+    client = _client(stack, KEYS["tenant-a"])
+    _, usage, chunks = await _stream(client, f"no usage please {uuid.uuid4().hex}", usage=False)
+    assert usage is None and all(c.choices for c in chunks)  # the picker asked the engine for usage; the client didn't
+    picker = PipelinePicker(stack["gw"])
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "stream": true}' % MODEL.encode()
+    pick = await picker.pick({":path": "/v1/chat/completions", ":method": "POST", "authorization": f"Bearer {KEYS['tenant-a']}"},
+                             body, None)
+    assert {"authorization", "x-api-key"} <= set(pick.remove_headers) and pick.strip_usage
+    assert b'"include_usage":true' in pick.body and b"cache_salt" in pick.body
+    assert pick.endpoints[0] in {endpoint_of(s.url) for s in stack["sims"]}
+    picker.observe(pick.ctx, Outcome(
+        pick.endpoints[0], 200, None, 0.01, None, 1, 10, False))
+    assert stack["gw"].load.get(pick.ctx.replica).inflight_reqs == 0  # observe() ended its in-flight count
+
+
+async def test_errors_are_openai_shaped_immediate_responses(stack):
+    async with httpx.AsyncClient(timeout=10) as h:
+        r = await h.post(stack["url"] + "/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+        r = await h.post(stack["url"] + "/chat/completions", headers={"Authorization": f"Bearer {KEYS['tenant-a']}"},
+                         json={"model": "other", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = await h.post(stack["url"] + "/chat/completions", headers={"Authorization": f"Bearer {KEYS['tenant-a']}"},
+                         content=b"{not json")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_endpoint_names():
+    assert endpoint_of("http://10.0.0.7:8000") == "10.0.0.7:8000"
+    assert endpoint_of("https://vllm-0.vllm:8443/base") == "vllm-0.vllm:8443"
+    assert endpoint_of("http://[fd00::1]:8000") == "[fd00::1]:8000"
+
+
+def _health(port: int, service: str) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+
+
+async def test_warmroute_epp_process_becomes_ready_and_stops_on_sigterm(tmp_path):
+    sim = await start_sim_server(SimConfig(model=MODEL))
+    grpc_port, health_port, admin = free_port(), free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "epp", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+                             "--grpc-health-port", str(health_port), "--admin-port", str(admin), "--no-auth",
+                             "--replica", f"r0={sim.url}", "--load-only"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 90
+        status = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                status = await asyncio.to_thread(_health, health_port, "readiness")
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            await asyncio.sleep(0.25)
+        assert status == health_pb2.HealthCheckResponse.SERVING, proc.stderr.read() if proc.poll() is not None else status
+        async with httpx.AsyncClient() as h:
+            r = await h.get(f"http://127.0.0.1:{admin}/readyz")
+            assert r.status_code == 200
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 20) == 0
+        assert time.monotonic() - t0 < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        await sim.close()
+
+
+async def test_a_primary_envoy_retried_away_from_is_ejected(stack):
+    gw = stack["gw"]
+    picker = PipelinePicker(gw)
+    body = b'{"model": "%s", "prompt": "retry me %s", "max_tokens": 1}' % (MODEL.encode(), uuid.uuid4().hex.encode())
+    pick = await picker.pick({":path": "/v1/completions", ":method": "POST", "authorization": f"Bearer {KEYS['tenant-a']}"},
+                             body, None)
+    primary, fallback = pick.ctx.replica, pick.endpoints[1]
+    assert len(pick.endpoints) == 2 and gw.membership.available(primary)
+    picker.observe(pick.ctx, Outcome(fallback, 200, None, None, None, 0, 10, False))
+    assert not gw.membership.available(primary) and pick.ctx.replica != primary
+    gw.membership.get(primary).ejected_until = 0.0  # let the other tests use it again
+    gw.membership.report_success(primary)

@@ -1,0 +1,154 @@
+"""policies/cache_plan.py: the water-filling arithmetic, and the plan's rules on a toy index
+(pure: no simulator; a dict stands for the gateway's index)."""
+from __future__ import annotations
+
+import random
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+
+from policies.base import ReplicaView, RequestView
+from policies.cache_aware import CacheAwarePolicy
+from policies.cache_plan import CachePlanPolicy, water_level, water_peak
+
+BS = 16
+DOC_BLOCKS = 188
+
+
+@settings(max_examples=200, deadline=None)
+@given(bases=st.lists(st.floats(0, 100), min_size=1, max_size=8), amount=st.floats(0, 300))
+def test_water_level_pours_exactly_the_amount(bases, amount):
+    w = water_level(bases, amount)
+    assert sum(max(0.0, w - b) for b in bases) == pytest.approx(amount, rel=1e-9, abs=1e-9)
+    assert water_peak(bases, amount) == pytest.approx(max(w, max(bases)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(bases=st.lists(st.floats(0, 100), min_size=1, max_size=8), extra=st.floats(0, 100), amount=st.floats(0, 300))
+def test_another_bin_never_raises_the_peak(bases, extra, amount):
+    assert water_peak(bases + [extra], amount) <= water_peak(bases, amount) + 1e-9 or extra > water_peak(bases, amount)
+
+
+class World:
+    """Four replicas, documents of DOC_BLOCKS blocks, an index of who holds which document."""
+
+    def __init__(self, n_docs: int, holders: dict[int, set], capacity_blocks: int = 1616, n_replicas: int = 4):
+        self.ids = [f"r{i}" for i in range(n_replicas)]
+        self.holders = {d: set(h) for d, h in holders.items()}
+        self.capacity = capacity_blocks
+        self.inflight: dict[str, int] = {r: 0 for r in self.ids}
+        self.n = 0
+
+    def request(self, doc: int, tail: tuple = ()) -> RequestView:
+        self.n += 1
+        keys = tuple(doc * 10_000 + j for j in range(DOC_BLOCKS)) + tail + (10**9 + self.n,) * 6
+        return RequestView(prompt_tokens=len(keys) * BS + 8, block_size=BS, keys=keys, max_output_tokens=32)
+
+    def views(self, doc: int, tail_holder: str | None = None, tail_blocks: int = 0) -> list[ReplicaView]:
+        out = []
+        for rid in self.ids:
+            m = DOC_BLOCKS if rid in self.holders.get(doc, ()) else 0
+            if rid == tail_holder:
+                m += tail_blocks
+            out.append(ReplicaView(rid, matched_blocks_gpu=m, matched_blocks_cpu=m, inflight_reqs=self.inflight[rid] // 100,
+                                   inflight_prefill_tokens=self.inflight[rid], prefill_s_per_token=1e-3, decode_step_s=0.015,
+                                   kv_capacity_blocks=self.capacity))
+        return out
+
+    def route(self, pol, doc: int, rng) -> tuple[str, dict]:
+        d = pol.rank(self.request(doc), self.views(doc), rng)
+        w = d.ranked[0]
+        if w.terms.get("plan") and w.replica_id not in self.holders.setdefault(doc, set()):
+            self.holders[doc].add(w.replica_id)  # it computes the copy: a holder from now on
+        return w.replica_id, w.terms
+
+
+def _placement(n_docs: int, n_replicas: int = 4) -> dict[int, set]:
+    return {d: {f"r{d % n_replicas}"} for d in range(n_docs)}
+
+
+def test_requests_without_a_planned_prefix_are_ranked_by_cache_aware():
+    w = World(4, {})
+    pol, ref = CachePlanPolicy(), CacheAwarePolicy()
+    for _ in range(20):
+        req = w.request(3)
+        views = w.views(3)  # nobody holds it: a new document
+        a = pol.rank(req, views, random.Random(1))
+        b = ref.rank(req, views, random.Random(1))
+        assert [c.replica_id for c in a.ranked] == [c.replica_id for c in b.ranked]
+        assert all(c.terms["plan"] == 0.0 for c in a.ranked)
+
+
+def test_a_typical_document_never_leaves_its_holder_for_balance():
+    """Uniform popularity over 24 documents, one holder each: every request goes to its holder,
+    even when that holder's queue is long and another replica is idle."""
+    w = World(24, _placement(24))
+    w.inflight = {"r0": 30_000, "r1": 0, "r2": 0, "r3": 0}  # r0 30 s of queue
+    pol, rng = CachePlanPolicy(), random.Random(0)
+    draws = random.Random(5)
+    for _ in range(3000):
+        doc = draws.randrange(24)
+        winner, _ = w.route(pol, doc, rng)
+        assert winner == f"r{doc % 4}"
+    assert all(len(h) == 1 for h in w.holders.values())  # no copy was ever made
+
+
+def test_a_hot_document_gets_one_new_holder_on_the_least_loaded_replica():
+    """Doc 0 carries 20% of the requests, all on r0 (with five other documents: r0 has 37% of the
+    load, over 1.2x the mean): the plan copies it once, onto a least-loaded replica, and then
+    shares doc 0 between the two holders (their water level, 29%, is under 1.2x: no second copy)."""
+    w = World(24, _placement(24))
+    pol, rng = CachePlanPolicy(), random.Random(0)
+    spreads = []
+    counts = {r: 0 for r in w.ids}
+    others = [d for d in range(1, 24)]
+    for i in range(2000):
+        doc = 0 if i % 5 == 0 else others[(i - i // 5 - 1) % 23]  # exact shares: no noise to cross a threshold
+        winner, t = w.route(pol, doc, rng)
+        if t.get("spread"):
+            spreads.append((i, winner, doc))
+        if doc == 0 and i >= 1000:
+            counts[winner] += 1
+    assert [s[2] for s in spreads] == [0]  # one copy, of the hot document only
+    assert spreads[0][1] != "r0" and spreads[0][0] < 200  # early
+    new = spreads[0][1]
+    assert counts["r0"] > 0 and counts[new] > 0 and counts["r0"] + counts[new] == sum(counts.values())
+
+
+def test_no_copy_where_the_kv_has_no_room():
+    """The same hot document, but every other replica's planned prefixes already fill its KV."""
+    w = World(24, _placement(24), capacity_blocks=6 * DOC_BLOCKS)  # 6 documents = exactly full
+    pol, rng = CachePlanPolicy(), random.Random(0)
+    draws = random.Random(7)
+    for _ in range(300):  # uniform first: the plan learns who holds what (and nothing is hot)
+        _, t = w.route(pol, draws.randrange(24), rng)
+        assert not t.get("spread")
+    for _ in range(1500):
+        doc = 0 if draws.random() < 0.25 else draws.randrange(1, 24)
+        _, t = w.route(pol, doc, rng)
+        assert not t.get("spread")
+
+
+def test_a_conversation_stays_with_its_history_while_its_system_prompt_spreads():
+    """Children (a longer match than their root) go to the holder of the longer match."""
+    w = World(1, {0: {"r0"}})
+    pol, rng = CachePlanPolicy(), random.Random(0)
+    # the root (doc 0 as a system prompt) is hot and all on r0: it spreads
+    for _ in range(300):
+        w.route(pol, 0, rng)
+    assert len(w.holders[0]) >= 2
+    # a child whose history (doc 0 + 40 more blocks) only r0 holds goes to r0 whatever the queues
+    w.inflight = {"r0": 20_000, "r1": 0, "r2": 0, "r3": 0}
+    tail = tuple(7_000_000 + j for j in range(40))
+    for _ in range(20):
+        req = w.request(0, tail)
+        d = pol.rank(req, w.views(0, tail_holder="r0", tail_blocks=40), rng)
+        assert d.winner == "r0" and d.ranked[0].terms["plan"] == 1.0
+
+
+def test_parameters_are_validated():
+    for bad in ({"match_min_frac": 1.5}, {"holder_frac": -0.1}, {"window_reqs": 0}, {"spread_rel": -1}, {"kv_room_frac": 2.0},
+                {"queue_slack_s": -1}, {"w_cache": -1}):
+        with pytest.raises((ValueError, TypeError)):
+            CachePlanPolicy(**bad)
