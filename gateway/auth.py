@@ -22,9 +22,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -35,7 +36,7 @@ from gateway.errors import ApiError
 
 __all__ = [
     "Identity", "ApiKeyStore", "JwtVerifier", "Authenticator", "TenantPolicy", "TenantLimiter",
-    "tenant_hash", "hash_api_key", "parse_key_entry", "load_api_keys_file", "NO_AUTH_TENANT",
+    "tenant_hash", "hash_api_key", "parse_key_entry", "load_api_keys_file", "read_keys_file", "NO_AUTH_TENANT",
 ]
 
 NO_AUTH_TENANT = "default"  # the single tenant of --no-auth mode
@@ -68,14 +69,11 @@ def parse_key_entry(entry: str, *, allow_plain: bool = True, where: str = "api k
 
 
 def load_api_keys_file(path: str | Path) -> dict[str, list[bytes]]:
-    """YAML `tenant id -> [key, ...]` (plain or sha256:HEX) -> tenant -> digests."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"api keys file {path}: expected a mapping tenant id -> list of keys")
+    """YAML `tenant id -> [key, ...]` (plain or sha256:HEX), or `tenant id -> {keys: [...], ...}`
+    (the other fields are flow control's: gateway.admission.load_tenant_flows) -> tenant -> digests."""
     out: dict[str, list[bytes]] = {}
-    for tenant, keys in data.items():
-        if not isinstance(tenant, str) or not tenant:
-            raise ValueError(f"api keys file {path}: tenant ids must be non-empty strings, got {tenant!r}")
+    for tenant, entry in read_keys_file(path).items():
+        keys = entry.get("keys") if isinstance(entry, dict) else entry
         if isinstance(keys, str):
             keys = [keys]
         if not isinstance(keys, list) or not keys:
@@ -84,11 +82,23 @@ def load_api_keys_file(path: str | Path) -> dict[str, list[bytes]]:
     return out
 
 
+def read_keys_file(path: str | Path) -> dict[str, Any]:
+    """The keys file's YAML: tenant id -> its entry (a key, a list of keys, or a mapping)."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"api keys file {path}: expected a mapping tenant id -> list of keys")
+    for tenant in data:
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"api keys file {path}: tenant ids must be non-empty strings, got {tenant!r}")
+    return data
+
+
 @dataclass(frozen=True, slots=True)
 class Identity:
     tenant_id: str  # raw tenant id (never logged)
     user_id: str | None = None  # from a JWT claim, when configured and present
     method: str = "none"  # "api_key" | "jwt" | "none"
+    claims: Mapping[str, Any] | None = field(default=None, compare=False)  # a verified JWT's claims (never logged)
 
     @property
     def tenant_hash(self) -> str:
@@ -186,6 +196,11 @@ class JwtVerifier:
 
     def verify(self, token: str) -> tuple[str, str | None]:
         """-> (tenant id, user id or None); ApiError(401) on any failure."""
+        tenant, user, _ = self.verify_claims(token)
+        return tenant, user
+
+    def verify_claims(self, token: str) -> tuple[str, str | None, dict]:
+        """-> (tenant id, user id or None, every claim); ApiError(401) on any failure."""
         try:
             header = jwt.get_unverified_header(token)
         except jwt.PyJWTError:
@@ -219,7 +234,7 @@ class JwtVerifier:
         if not isinstance(tenant, str) or not tenant:
             raise ApiError(401, f"JWT lacks the tenant claim {self.tenant_claim!r}", code="invalid_token")
         user = claims.get(self.user_claim) if self.user_claim else None
-        return tenant, (str(user) if user is not None else None)
+        return tenant, (str(user) if user is not None else None), claims
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,8 +277,8 @@ class Authenticator:
             raise ApiError(401, "missing credentials: send 'Authorization: Bearer <API key or JWT>'",
                            code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
         if self.jwt is not None and _JWT_RE.match(token) and token.startswith("eyJ"):
-            tenant, user = self.jwt.verify(token)
-            return Identity(tenant, user, "jwt")
+            tenant, user, claims = self.jwt.verify_claims(token)
+            return Identity(tenant, user, "jwt", claims)
         tenant = self.keys.lookup(token)
         if tenant is None:
             raise ApiError(401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -279,33 +294,43 @@ class TenantLimiter:
     """Per-tenant concurrency and request-rate limits (token bucket). Pure: `now` is passed in.
 
     `acquire` raises ApiError(429) or returns; every successful acquire is paired with `release`.
-    Limits are per gateway process (a fleet of N workers admits up to N x the limit).
+    Limits hold across gateways through what gateway.flow's exchange sets here: the requests the
+    other gateways hold (`others_active`), this process's share of each tenant's rate (its share
+    of the tenant's arrivals), and, while the exchange is away, its share of the concurrency
+    limit (`concurrency_share`, 1/N of N gateways last seen). Alone, they are 0, 1 and 1.
     """
 
     def __init__(self, policies: Mapping[str, TenantPolicy]) -> None:
         self.policies = policies
         self._active: dict[str, int] = {}
         self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, last time)
+        self.others_active: dict[str, int] = {}  # tenant -> requests other gateways hold
+        self.rate_share: dict[str, float] = {}  # tenant -> share of max_rps this process admits (absent: 1)
+        self.concurrency_share = 1.0  # share of max_concurrent_reqs this process admits alone
+        self.arrivals: dict[str, int] = {}  # tenant -> requests asked (limited tenants), for the rate shares
 
     def acquire(self, tenant_id: str, now: float | None = None) -> bool:
         """True when a slot was taken (call release), False when the tenant has no limits."""
         pol = self.policies.get(tenant_id)
         if pol is None or (pol.max_concurrent_reqs is None and pol.max_rps is None):
             return False
+        self.arrivals[tenant_id] = self.arrivals.get(tenant_id, 0) + 1
         if pol.max_rps is not None:
             now = time.monotonic() if now is None else now
-            burst = max(1.0, pol.max_rps)
+            rps = pol.max_rps * max(0.01, self.rate_share.get(tenant_id, 1.0))
+            burst = max(1.0, rps)
             tokens, last = self._buckets.get(tenant_id, (burst, now))
-            tokens = min(burst, tokens + (now - last) * pol.max_rps)
+            tokens = min(burst, tokens + (now - last) * rps)
             if tokens < 1.0:
                 self._buckets[tenant_id] = (tokens, now)
-                wait_s = (1.0 - tokens) / pol.max_rps
+                wait_s = (1.0 - tokens) / rps
                 raise ApiError(429, "tenant request rate limit reached", code="rate_limit_exceeded",
                                headers={"Retry-After": str(max(1, int(wait_s + 0.999)))})
             self._buckets[tenant_id] = (tokens - 1.0, now)
         if pol.max_concurrent_reqs is not None:
             n = self._active.get(tenant_id, 0)
-            if n >= pol.max_concurrent_reqs:
+            cap = max(1, math.ceil(pol.max_concurrent_reqs * self.concurrency_share))
+            if n + self.others_active.get(tenant_id, 0) >= cap:
                 raise ApiError(429, "tenant concurrent request limit reached", code="concurrency_limit_exceeded",
                                headers={"Retry-After": "1"})
             self._active[tenant_id] = n + 1

@@ -19,23 +19,15 @@ from typing import Any, Mapping
 
 import yaml
 
-from gateway.auth import parse_key_entry
-from policies.registry import POLICY_NAMES, PolicyParamError, get_policy
+from gateway.config_rules import ConfigError, check_files, validate
 
 __all__ = [
     "ConfigError", "GatewayConfig", "ServerConfig", "ModelConfig", "ReplicaSpec", "MembershipConfig",
     "FeedConfig", "PolicyConfig", "AuthConfig", "JwtConfig", "TenantConfig", "SaltConfig", "ProxyConfig",
-    "TelemetryConfig", "load_config", "config_from_dict", "apply_args", "validate", "ENV_PREFIX",
+    "TelemetryConfig", "FlowConfig", "FlowTenantConfig", "load_config", "config_from_dict", "apply_args", "validate", "check_files", "ENV_PREFIX",
 ]
 
 ENV_PREFIX = "WARMROUTE_"
-
-
-class ConfigError(ValueError):
-    """Invalid configuration; the message starts with the dotted field name. `env_var` names the
-    environment variable that set the offending field (None: the file, a flag or a default)."""
-
-    env_var: str | None = None
 
 
 @dataclass
@@ -157,6 +149,33 @@ class TelemetryConfig:
 
 
 @dataclass
+class FlowTenantConfig:
+    weight: float | None = None  # share of a saturated pool, relative (None: keys file / JWT claim, else default_weight)
+    priority: str | None = None  # the tenant's priority class (None: keys file / JWT claim, else default_priority)
+    allowed_priorities: list[str] | None = None  # higher classes the tenant may ask for with the priority header
+
+
+@dataclass
+class FlowConfig:
+    enabled: bool = True  # hold requests in the gateway when no replica has room (False: straight through)
+    max_num_seqs: int | None = None  # sequence slots per replica (None: policy.params.max_num_seqs, else 256)
+    engine_queue_reqs: int = 1  # requests left to wait inside each engine beyond its slots (refills a freed slot at once)
+    max_queue_penalty_s: float = 1.0  # a replica with more queued prefill than this (seconds) has no room
+    max_queue_reqs_per_tenant: int = 1000  # held requests per tenant (all gateways); beyond: 429
+    max_queue_wait_s: float = 30.0  # held longer than this: 429
+    priorities: list[str] = field(default_factory=lambda: ["interactive", "standard", "batch"])  # classes, highest first
+    default_priority: str = "standard"  # class of a request nothing else classifies
+    priority_header: str = "X-Warmroute-Priority"  # request header naming a class (lower: always; higher: if allowed)
+    default_weight: float = 1.0  # weight of a tenant nothing else weighs
+    weight_claim: str = "warmroute_weight"  # JWT claim holding the tenant's weight
+    priority_claim: str = "warmroute_priority"  # JWT claim holding the caller's class
+    allowed_priorities_claim: str = "warmroute_allowed_priorities"  # JWT claim listing classes the header may ask for
+    tenants: dict[str, FlowTenantConfig] = field(default_factory=dict)  # per tenant id
+    release_interval_s: float = 0.02  # while requests are held: re-check room this often (besides first tokens and finishes)
+    share_interval_s: float = 0.1  # exchange fair shares and queue lengths with the other gateways (feed) this often
+
+
+@dataclass
 class GatewayConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -167,6 +186,7 @@ class GatewayConfig:
     salt: SaltConfig = field(default_factory=SaltConfig)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -386,150 +406,3 @@ def apply_args(cfg: GatewayConfig, args: Any) -> GatewayConfig:
         cfg.membership.replicas = [ReplicaSpec(**parse_replica_arg(r)) for r in replicas]
     validate(cfg)
     return cfg
-
-
-def _err(path: str, msg: str) -> ConfigError:
-    return ConfigError(f"{path}: {msg}")
-
-
-def validate(cfg: GatewayConfig) -> None:
-    """Checks that types alone do not catch. Raises ConfigError naming the field."""
-    for check in (_check_server, _check_model, _check_membership, _check_feed, _check_policy, _check_auth,
-                  _check_proxy_and_telemetry):
-        check(cfg)
-
-
-def _check_server(cfg: GatewayConfig) -> None:
-    s = cfg.server
-    for name in ("port", "admin_port"):
-        v = getattr(s, name)
-        if not 0 <= v <= 65535:
-            raise _err(f"server.{name}", f"must be 0..65535, got {v}")
-    if s.workers < 1:
-        raise _err("server.workers", f"must be >= 1, got {s.workers}")
-    if s.workers > 1 and (s.port == 0 or s.admin_port == 0):
-        raise _err("server.workers", "several workers need fixed (non-zero) ports to share")
-    if s.max_body_bytes < 1024:
-        raise _err("server.max_body_bytes", "must be >= 1024")
-    if s.shutdown_grace_s < 0:
-        raise _err("server.shutdown_grace_s", "must be >= 0")
-
-
-def _check_model(cfg: GatewayConfig) -> None:
-    m = cfg.model
-    if m.block_size <= 0:
-        raise _err("model.block_size", f"must be > 0, got {m.block_size}")
-    if m.max_model_len is not None and m.max_model_len <= 0:
-        raise _err("model.max_model_len", "must be > 0")
-    if m.tokenizer_workers < 1:
-        raise _err("model.tokenizer_workers", "must be >= 1")
-
-
-def _check_membership(cfg: GatewayConfig) -> None:
-    mem = cfg.membership
-    seen = set()
-    for i, r in enumerate(mem.replicas):
-        if not r.id:
-            raise _err(f"membership.replicas[{i}].id", "must not be empty")
-        if r.id in seen:
-            raise _err(f"membership.replicas[{i}].id", f"duplicate replica id {r.id!r}")
-        seen.add(r.id)
-        if not (r.url.startswith("http://") or r.url.startswith("https://")):
-            raise _err(f"membership.replicas[{i}].url", f"must start with http:// or https://, got {r.url!r}")
-    if mem.replicas and mem.dns_service:
-        raise _err("membership.dns_service", "set either a static replica list or a DNS service, not both")
-    if not 0 < mem.dns_port <= 65535:
-        raise _err("membership.dns_port", "must be 1..65535")
-    for name in ("dns_refresh_s", "health_interval_s", "health_timeout_s", "eject_base_s", "eject_max_s"):
-        if getattr(mem, name) <= 0:
-            raise _err(f"membership.{name}", "must be > 0")
-    if mem.health_timeouts_to_down < 1:
-        raise _err("membership.health_timeouts_to_down", "must be >= 1")
-    if mem.eject_max_s < mem.eject_base_s:
-        raise _err("membership.eject_max_s", "must be >= eject_base_s")
-
-
-def _check_feed(cfg: GatewayConfig) -> None:
-    f = cfg.feed
-    if not (f.url.startswith("memory://") or f.url.startswith("redis://") or f.url.startswith("rediss://")):
-        raise _err("feed.url", f"must be memory:// or redis://HOST:PORT/DB, got {f.url!r}")
-    if f.index_max_entries < 1:
-        raise _err("feed.index_max_entries", "must be >= 1")
-    for name in ("stale_after_s", "inflight_poll_s", "speculative_ttl_s", "inflight_ttl_s"):
-        if getattr(f, name) <= 0:
-            raise _err(f"feed.{name}", "must be > 0")
-
-
-def _check_policy(cfg: GatewayConfig) -> None:
-    p = cfg.policy
-    if not p.name:
-        raise _err("policy.name", "must not be empty")
-    if p.name not in POLICY_NAMES:
-        raise _err("policy.name", f"unknown policy {p.name!r} (known: {', '.join(sorted(POLICY_NAMES))})")
-    for k, v in p.params.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-            raise _err(f"policy.params.{k}", f"must be a number or string, got {v!r}")
-    try:
-        get_policy(p.name, **p.params)  # policies are pure: building one checks its parameters
-    except PolicyParamError as exc:  # names the parameter: blame that field
-        raise _err(f"policy.params.{exc.param}", str(exc)) from None
-    except (TypeError, ValueError) as exc:
-        raise _err("policy.params", str(exc)) from None
-    if p.prior_prefill_s_per_token <= 0:
-        raise _err("policy.prior_prefill_s_per_token", "must be > 0")
-    if p.prior_decode_step_s <= 0:
-        raise _err("policy.prior_decode_step_s", "must be > 0")
-
-
-def _check_auth(cfg: GatewayConfig) -> None:
-    a = cfg.auth
-    for tenant, keys in a.api_keys.items():
-        for i, k in enumerate(keys):
-            try:
-                parse_key_entry(k, allow_plain=False, where=f"auth.api_keys.{tenant}[{i}]")
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-    if a.api_keys_reload_s <= 0:
-        raise _err("auth.api_keys_reload_s", "must be > 0")
-    if a.jwt.leeway_s < 0:
-        raise _err("auth.jwt.leeway_s", "must be >= 0")
-    if a.jwt.hs256_secret_file and a.jwt.hs256_secret_env:
-        raise _err("auth.jwt.hs256_secret_env", "set hs256_secret_file or hs256_secret_env, not both")
-    for tenant, t in a.tenants.items():
-        if t.max_concurrent_reqs is not None and t.max_concurrent_reqs < 1:
-            raise _err(f"auth.tenants.{tenant}.max_concurrent_reqs", "must be >= 1")
-        if t.max_rps is not None and t.max_rps <= 0:
-            raise _err(f"auth.tenants.{tenant}.max_rps", "must be > 0")
-    if cfg.salt.scope not in ("tenant", "user"):
-        raise _err("salt.scope", f"must be 'tenant' or 'user', got {cfg.salt.scope!r}")
-
-
-def _check_proxy_and_telemetry(cfg: GatewayConfig) -> None:
-    px = cfg.proxy
-    for name in ("connect_timeout_s", "first_byte_timeout_s", "idle_timeout_s"):
-        if getattr(px, name) <= 0:
-            raise _err(f"proxy.{name}", "must be > 0")
-    if px.max_attempts < 1:
-        raise _err("proxy.max_attempts", "must be >= 1")
-    if px.pool_limit < 1:
-        raise _err("proxy.pool_limit", "must be >= 1")
-    if cfg.telemetry.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        raise _err("telemetry.log_level", f"unknown level {cfg.telemetry.log_level!r}")
-
-
-def check_files(cfg: GatewayConfig) -> None:
-    """Checks that need the filesystem (referenced files exist); run at start and by --check-config."""
-    refs = [
-        ("auth.api_keys_file", cfg.auth.api_keys_file),
-        ("auth.jwt.hs256_secret_file", cfg.auth.jwt.hs256_secret_file),
-        ("auth.jwt.rs256_public_key_file", cfg.auth.jwt.rs256_public_key_file),
-        ("auth.jwt.jwks_file", cfg.auth.jwt.jwks_file),
-        ("salt.secret_file", cfg.salt.secret_file),
-        ("model.tokenizer_dir", cfg.model.tokenizer_dir),
-    ]
-    for path, value in refs:
-        if value and not Path(value).exists():
-            raise _err(path, f"file not found: {value}")
-    if cfg.auth.enabled and not (cfg.auth.api_keys_file or cfg.auth.api_keys or cfg.auth.jwt.enabled()):
-        raise _err("auth", "authentication is on but no credentials are configured: set auth.api_keys_file "
-                           "(--api-keys), auth.api_keys or auth.jwt, or switch auth off explicitly (--no-auth)")

@@ -116,3 +116,4 @@ class RequestContext:
     replica: str = "-"  # the replica that answered (or was tried last)
     span: Any = None  # the request's trace span (gateway.tracing; a no-op span when tracing is off)
     limited: bool = False  # a tenant limiter slot is held (released at the end)
+    flow: Any = None  # the flow-control ticket (gateway.flow.Ticket; None when flow control is off)

@@ -4,6 +4,8 @@
                tenant limits, start the trace span (gateway.tracing)
     plan       validate the request (gateway.parse), tokenize (gateway.encode), derive the salt
                (gateway.salt), block keys (hashing.keys), decide (gateway.routing)
+    flow       go on while a replica has room, else wait in the fair queue and decide again at
+               release (gateway.flow)
     rewrite    the engine's body (gateway.rewrite)
     dispatch   the ranked retry loop (gateway.dispatch)
     relay      the answer to the client (gateway.relay)
@@ -33,6 +35,7 @@ from gateway.context import Outcome, RequestContext, Try
 from gateway.dispatch import Dispatcher
 from gateway.encode import tokenize
 from gateway.errors import ApiError, sse_error_event
+from gateway.flow import FlowControl
 from gateway.http_front import FrontRequest, FrontResponse, send_error
 from gateway.learn import learn
 from gateway.membership import Membership
@@ -61,7 +64,7 @@ class Pipeline:
 
     def __init__(self, cfg: GatewayConfig, *, auth: Authenticator, limiter: TenantLimiter, salter: SaltDeriver,
                  model: ModelInfo, tokenizer: TokenizerService, routing: RoutingState, membership: Membership,
-                 policy: Policy, dispatcher: Dispatcher, metrics: Metrics, tracing: Tracing) -> None:
+                 policy: Policy, dispatcher: Dispatcher, metrics: Metrics, tracing: Tracing, flow: FlowControl) -> None:
         self.cfg = cfg
         self.auth = auth
         self.limiter = limiter
@@ -75,6 +78,7 @@ class Pipeline:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.tracing = tracing
+        self.flow = flow
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(4).hex()
 
@@ -113,6 +117,7 @@ class Pipeline:
         """Relay stage for the HTTP front: send the attempt's answer, then learn from it."""
         tr = ctx.attempt
         tr.flight.first_token()
+        self.flow.first_token()
         up_span.set("warmroute.ttft_s", at.t_first - at.t_sent)
         up_span.set("http.response.status_code", at.status)
         headers = {"X-Request-Id": ctx.request_id, "X-Warmroute-Replica": tr.replica_id}
@@ -142,15 +147,17 @@ class Pipeline:
 
     async def prepare(self, ctx: RequestContext, raw_body: bytes, *, identity: Identity | None = None,
                       only: Collection[str] | None = None) -> None:
-        """admit, plan and rewrite: afterwards `ctx.body` goes to `ctx.routing`'s ranked replicas.
+        """admit, plan, flow and rewrite: afterwards `ctx.body` goes to `ctx.routing`'s ranked replicas.
         `identity`: already established by a trusted front (skips authentication); `only`: the
         replicas that may be picked (None: all)."""
         await self.admit(ctx, raw_body, identity=identity)
         await self.plan(ctx, only=only)
+        self.metrics.tokenize.observe(ctx.prompt.tokenize_s)
+        if ctx.routing.decision.ranked:  # may wait, and then decide again (late binding)
+            await self.flow.hold(ctx, partial(self.decide, only=only))
         routing = ctx.routing
         self.metrics.decision.observe(routing.decision_s)
-        self.metrics.tokenize.observe(ctx.prompt.tokenize_s)
-        ctx.span.decision(routing)
+        ctx.span.decision(routing, ctx.flow.span_attrs() if ctx.flow is not None and self.tracing.enabled else None)
         if not routing.decision.ranked:
             raise ApiError(503, "no replica available", code="no_replica_available", headers={"Retry-After": "1"})
         p = self.cfg.proxy
@@ -177,10 +184,16 @@ class Pipeline:
         rv = RequestView(prompt_tokens=len(ctx.prompt.first_ids), block_size=self.model.block_size,
                          keys=tuple(ctx.keys), max_output_tokens=ctx.request.max_tokens,
                          tenant_hash=ident.tenant_hash if ident.method != "none" else "", request_id=ctx.request_id)
+        self.decide(ctx, rv, only=only)
+
+    def decide(self, ctx: RequestContext, rv: RequestView | None = None, *, only: Collection[str] | None = None) -> None:
+        """Rank the replicas for the request (`rv`, else the one decided before: flow control's
+        late binding) as the index, load and health stand now; `only`: the replicas that may be
+        picked (None: all)."""
         now = self.membership.clock()
         available = {st.replica_id: st.available(now) for st in self.membership.all()
                      if only is None or st.replica_id in only}
-        ctx.routing = self.routing.decide(rv, available, self.policy, self.rng)
+        ctx.routing = self.routing.decide(rv or ctx.routing.request, available, self.policy, self.rng)
 
     def learn(self, ctx: RequestContext, outcome: Outcome) -> None:
         """Learn stage: rates, the policy's hook, metrics and span attributes of one answer."""
@@ -193,6 +206,7 @@ class Pipeline:
     def finish(self, ctx: RequestContext) -> None:
         """Release the tenant's slot; count, trace and log the request (whatever happened)."""
         ident = ctx.identity
+        self.flow.finished(ctx)
         if ctx.limited:
             self.limiter.release(ident.tenant_id)
         elapsed = time.perf_counter() - ctx.t0

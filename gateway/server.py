@@ -31,6 +31,7 @@ from gateway.background import (discover_model, flush_inflight, run_index_sync, 
 from gateway.config import GatewayConfig, check_files
 from gateway.dispatch import Dispatcher
 from gateway.errors import ApiError
+from gateway.flow import FlowControl, run_share_exchange
 from gateway.http_front import FrontRequest, FrontResponse, FrontServer, send_error, start_front
 from gateway.index import KVIndex
 from gateway.index_sync import IndexSync
@@ -46,7 +47,7 @@ from gateway.tokenization import TokenizerService
 from gateway.tracing import Tracing
 from gateway.upstream import UpstreamPool
 from policies.calibration import Calibrator
-from replica_agent.feed import Feed, open_feed
+from replica_agent.feed import Feed, fair_share_board, open_feed
 
 __all__ = ["Gateway", "RunningGateway", "start_gateway"]
 
@@ -85,6 +86,10 @@ class Gateway:
                        prior_decode_step_s=cfg.policy.prior_decode_step_s),
             speculative_ttl_s=cfg.feed.speculative_ttl_s)
         self.model = ModelInfo(cfg.model.name, cfg.model.aliases, cfg.model.block_size, cfg.model.max_model_len)
+        self.flow = FlowControl(cfg, routing=self.routing, membership=self.membership, limiter=self.limiter,
+                                slots=cfg.flow.max_num_seqs or int(getattr(self.policy, "max_num_seqs", 256)),
+                                registry=self.metrics.registry)
+        self.share_health = trouble("feed (flow control's fair shares)")
         self.feed_health = trouble("feed (index sync)")
         self.board_health = trouble("feed (shared in-flight counters)")
         self.index_sync: IndexSync | None = None
@@ -139,7 +144,9 @@ class Gateway:
             cfg, auth=self.auth, limiter=self.limiter, salter=self.salter, model=self.model, tokenizer=self.tokenizer,
             routing=self.routing, membership=self.membership, policy=self.policy,
             dispatcher=Dispatcher(self.pool, self.membership, self.routing, self.metrics, cfg.proxy),
-            metrics=self.metrics, tracing=self.tracing)
+            metrics=self.metrics, tracing=self.tracing, flow=self.flow)
+        if cfg.flow.enabled:
+            self._spawn(self.flow.run(), "flow")
         if self.api_port:
             self._front, port = await start_front(self.h_api, cfg.server.host, cfg.server.port,
                                                   max_body_bytes=cfg.server.max_body_bytes, reuse_port=self.reuse_port)
@@ -162,6 +169,9 @@ class Gateway:
         self._spawn(run_index_sync(self.index_sync, self.feed_health), "index-sync")
         self._spawn(run_inflight_exchange(self.feed, self.routing.load, self.board_health, self.cfg.feed.inflight_poll_s),
                     "inflight")
+        if self.cfg.flow.enabled:
+            self._spawn(run_share_exchange(self.flow, fair_share_board(self.feed), self.share_health,
+                                           self.cfg.flow.share_interval_s), "flow-shares")
 
     async def _start_membership(self) -> None:
         m = self.cfg.membership
@@ -179,6 +189,7 @@ class Gateway:
 
     async def close(self) -> None:
         self.draining = True
+        self.flow.close()  # held requests get 503 now rather than the grace period's abort
         if self._front is not None:  # stops accepting; in-flight responses get shutdown_grace_s
             await self._front.close(self.cfg.server.shutdown_grace_s)
             self._front = None
@@ -226,7 +237,9 @@ class Gateway:
         return not self.feed_health.failing and not self.board_health.failing
 
     def readiness(self) -> tuple[bool, list[str]]:
-        return readiness(self)
+        ok, why = readiness(self)
+        note = self.flow.readiness_note()  # degraded but serving: said, without failing readiness
+        return ok, why + [note] if note else why
 
     def state_for_metrics(self) -> dict:
         return state_for_metrics(self)

@@ -33,7 +33,7 @@ class NoSpan:
     def error(self, reason: str, status: int | None = None) -> None:
         pass
 
-    def decision(self, routing: Routing) -> None:
+    def decision(self, routing: Routing, extra: Mapping[str, Any] | None = None) -> None:
         pass
 
     def upstream(self, replica_id: str, url: str, attempt_no: int) -> "NoSpan":
@@ -72,12 +72,12 @@ class RequestSpan:
         if status:
             self._span.set_attribute("http.response.status_code", status)
 
-    def decision(self, routing: Routing) -> None:
+    def decision(self, routing: Routing, extra: Mapping[str, Any] | None = None) -> None:
         d, rv = routing.decision, routing.request
         span = self._tracer.start_span("warmroute.route", context=set_span_in_context(self._span), attributes={
             "warmroute.policy": d.policy, "warmroute.winner": d.winner or "",
             "warmroute.decision_s": routing.decision_s, "warmroute.prompt_tokens": rv.prompt_tokens,
-            "warmroute.full_blocks": len(rv.keys), "warmroute.candidates": len(d.ranked)})
+            "warmroute.full_blocks": len(rv.keys), "warmroute.candidates": len(d.ranked), **(extra or {})})
         ranked = {c.replica_id: (i, c) for i, c in enumerate(d.ranked)}
         for v in routing.views:
             attrs: dict[str, Any] = {"warmroute.replica_id": v.replica_id, "warmroute.healthy": v.healthy,

@@ -56,7 +56,7 @@ import numpy as np
 from gateway.config import FeedConfig
 from hashing.keys import block_extras, chain_keys, root_key
 from loadtests.vtime_replica import ReplicaModel, SimReq
-from loadtests.workloads import ROLE_HEADER_TOKENS, Workload, WorkloadRequest, _ROLE_IDS, segment_token_ids
+from loadtests.workloads import Workload, WorkloadRequest, _ROLE_IDS, segment_token_ids
 from loadtests.vtime_router import SimRouter, VClock
 from policies.registry import get_policy
 
@@ -132,7 +132,6 @@ class _KeyMemo:
             pieces.append(("s", s.seg_id, s.n_tokens))
         pieces.append(("h", "assistant"))
         state: tuple = ((), [])
-        pid: tuple = (req.salt,)
         # longest memoised prefix (all but the last two pieces are worth memoising)
         start = 0
         for i in range(len(pieces) - 1, 0, -1):

@@ -17,7 +17,7 @@ Units live in names: `*_tokens`, `*_blocks`, `*_s`, `*_reqs`.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, Mapping, Protocol, Sequence, runtime_checkable
 
 __all__ = ["RequestView", "ReplicaView", "Candidate", "Decision", "Policy", "PolicyBase"]

@@ -19,7 +19,6 @@ engine may be wrong: drop it and relearn". Inputs are live batches, replayed bat
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass, field

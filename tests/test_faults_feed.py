@@ -6,6 +6,7 @@ relearned when they resume); reordered batches (the index ends equal to the engi
 from __future__ import annotations
 
 import asyncio
+import collections
 import base64
 import logging
 import time
@@ -133,12 +134,12 @@ async def test_redis_restart_gateway_serves_throughout_and_relearns(tok, redis_s
                 async with s.get(g.admin_url + "/readyz") as r:
                     assert r.status == 200 and (await r.json())["degraded"] == []
                 assert metric_sum(await metrics_text(s, g.admin_url), "warmroute_gateway_feed_up") == 1.0
-            # No flood: per dependency (the index sync's reads, the shared in-flight counters) a line
-            # when the outage starts and one when its error changes (connection closed -> refused),
-            # not one per poll; and it recovered.
-            assert len(during_outage) <= 4 and feed_errors_outage > len(during_outage), (during_outage, feed_errors_outage)
-            assert {m.split(" failed:")[0].split(" still failing")[0] for m in during_outage} == {
-                "feed (index sync)", "feed (shared in-flight counters)"}
+            # No flood: per dependency on the feed (the index sync's reads, the shared in-flight
+            # counters, flow control's fair shares) a line when the outage starts and one when its
+            # error changes (connection closed -> refused), not one per poll; and it recovered.
+            deps = collections.Counter(m.split(" failed:")[0].split(" still failing")[0] for m in during_outage)
+            assert set(deps) == {"feed (index sync)", "feed (shared in-flight counters)", "feed (flow control's fair shares)"}, deps
+            assert max(deps.values()) <= 2 and feed_errors_outage > len(during_outage), (during_outage, feed_errors_outage)
             assert any("recovered" in r.getMessage() for r in caplog.records if r.name == "warmroute.gateway")
     finally:
         await g.close()

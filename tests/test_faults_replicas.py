@@ -56,8 +56,10 @@ async def test_replica_killed_under_load(tok, tmp_path):
         sims = [procs.sim(f"s{i}", "--time-profile", "wallclock") for i in range(3)]
         for s in sims:
             procs.wait(s)
-        g = await start_gateway(_cfg([f"s{i}={s.url}" for i, s in enumerate(sims)], policy={"name": "least_loaded"}),
-                                tokenizer=tok)
+        # probes far apart: the gateway learns of the death from the requests it sends there (the
+        # retry path under test), not from a probe that happened to run first
+        g = await start_gateway(_cfg([f"s{i}={s.url}" for i, s in enumerate(sims)], policy={"name": "least_loaded"},
+                                     membership={"health_interval_s": 30.0}), tokenizer=tok)
         try:
             killed_at = []
 

@@ -26,7 +26,7 @@ LONG_MODULES: dict[str, str] = {}
 # the stages that decide, parse or compute: plain Python over plain data
 PURE_MODULES = ("gateway.parse", "gateway.rewrite", "gateway.learn", "gateway.routing", "gateway.context",
                 "gateway.errors", "gateway.index", "gateway.load", "gateway.model", "gateway.state", "gateway.salt",
-                "gateway.auth")
+                "gateway.auth", "gateway.fairness", "gateway.admission")
 IO_MODULES = ("asyncio", "aiohttp", "httptools", "httpx", "socket", "uvloop", "zmq", "redis", "grpc", "requests",
               "urllib3", "ssl", "selectors")
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Mapping, Protocol, Sequence, runtime_checkable
 
-from .records import FeedEvent, Inflight, LoadReport, Snapshot
+from .records import FeedEvent, Inflight, Snapshot
 
 __all__ = ["Feed", "FeedReader", "FeedWriter", "InflightBoard", "FeedUnavailable", "open_feed"]
 

@@ -53,9 +53,15 @@ BOUNDS: dict[str, dict[str, Any]] = {
     "salt.scope": {"enum": ["tenant", "user"]},
     "telemetry.log_level": {"enum": ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]},
     "policy.name": {"enum": list(POLICY_NAMES)},
+    "flow.max_num_seqs": {"minimum": 1},
+    "flow.engine_queue_reqs": {"minimum": 0},
+    "flow.max_queue_reqs_per_tenant": {"minimum": 0},
+    "flow.default_weight": {"exclusiveMinimum": 0},
+    "flow.priorities": {"minItems": 1, "uniqueItems": True},
+    "flow.tenants.*.weight": {"exclusiveMinimum": 0},
 }
 # Timeouts and periods (`*_s` fields of these sections) must be positive.
-POSITIVE_S_SECTIONS = {"membership", "feed", "proxy", "policy"}
+POSITIVE_S_SECTIONS = {"membership", "feed", "proxy", "policy", "flow"}
 
 
 def _type_schema(tp: Any, path: str) -> dict:

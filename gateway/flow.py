@@ -1,0 +1,466 @@
+"""Flow control, the pipeline's admission stage (between plan and dispatch; gateway.pipeline):
+when no replica has room, requests wait here, in a fair order, instead of in the engines'
+first-come queues.
+
+Rules:
+- A request goes straight on when nothing is held and a replica it was ranked for has room
+  (gateway.admission); it is then sent to the best-ranked replica *with* room (the others stay
+  behind it for retries). Nothing is awaited on that path.
+- Otherwise it is held in the fair queue (gateway.fairness: weighted shares between tenants,
+  priority classes within a tenant, FIFO within a class). Held requests are released while a
+  replica has room, checked when a request of this gateway gets its first token or finishes and
+  every `release_interval_s`. At release its placement is decided again (late binding: the
+  freshest index and load), so a held request goes where its prefix is now, not where it was.
+- Bounds, answered in OpenAI's error shape: a tenant with `max_queue_reqs_per_tenant` requests
+  held (over all gateways) gets 429 `queue_full`; a request held `max_queue_wait_s` gets 429
+  `queue_timeout`, both with `Retry-After` (the time the tenant's held requests take to drain at
+  its current release rate); no replica healthy: 503, at once and for everything held; shutting
+  down: 503 for everything held. A client that disconnects leaves the queue at once.
+- Shared (`run_share_exchange`, over the feed's backend): every `share_interval_s` each gateway
+  publishes per tenant what it released, holds, has active and was asked for, and reads the
+  others': their releases are credited to the tenants here (fair shares over the pool), their
+  held requests count against the per-tenant queue bound, and the tenant limiter gets the others'
+  active requests and this gateway's share of each tenant's rate. When the board is away the
+  gateway runs on its local share (bounds and limits divided by the gateways last seen), says so
+  in `warmroute_gateway_flow_shared`, /readyz and the log (background.trouble), and goes back to
+  sharing when the board returns.
+- Visible: held requests and their wait per tenant hash and class, admissions (direct or
+  released), sheds by reason (metrics below), and the request's class, weight, wait and path as
+  attributes of the decision span.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from typing import Callable
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from gateway.admission import (REPORT_SLACK_S, FlowClass, FlowRules, SlotLedger, has_room, load_tenant_flows,
+                               occupancy_reqs, retry_after_s)
+from gateway.auth import TenantLimiter, tenant_hash
+from gateway.background import file_mtime
+from gateway.config import ConfigError, GatewayConfig
+from gateway.context import RequestContext
+from gateway.errors import ApiError
+from gateway.fairness import FairQueue
+from gateway.membership import Membership
+from gateway.routing import RoutingState
+from policies.base import Decision
+from replica_agent.feed import FailureLog, FairShareBoard, TenantShare
+
+__all__ = ["FlowControl", "FlowMetrics", "Ticket", "run_share_exchange"]
+
+log = logging.getLogger("warmroute.gateway")
+
+_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_RATE_TAU_S = 5.0  # time constant of the per-tenant release rate (Retry-After estimates)
+_MIN_RATE_SHARE = 0.05  # a gateway's share of a tenant's rate never drops below this
+
+
+class FlowMetrics:
+    def __init__(self, registry) -> None:
+        r = registry
+        self.queued = Gauge("warmroute_gateway_flow_queued_requests", "Requests held by flow control",
+                            ["tenant_hash", "priority"], registry=r, multiprocess_mode="livesum")
+        self.wait = Histogram("warmroute_gateway_flow_queue_wait_seconds", "Time a request was held before release",
+                              ["tenant_hash", "priority"], buckets=_WAIT_BUCKETS, registry=r)
+        self.admissions = Counter("warmroute_gateway_flow_admissions",
+                                  "Requests flow control let on: direct (room at arrival) or released (after being held)",
+                                  ["tenant_hash", "priority", "path"], registry=r)
+        self.sheds = Counter("warmroute_gateway_flow_sheds", "Held or refused requests by reason: queue_full, "
+                             "queue_timeout, no_replica, shutting_down, client_gone",
+                             ["tenant_hash", "priority", "reason"], registry=r)
+        self.shared = Gauge("warmroute_gateway_flow_shared", "1 while fair shares and limits are exchanged with the "
+                            "other gateways, 0 while this gateway runs on its local share", registry=r,
+                            multiprocess_mode="min")
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *labels):
+        key = (id(metric),) + labels
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+
+@dataclasses.dataclass(slots=True)
+class Ticket:
+    """One request's passage through flow control (ctx.flow)."""
+
+    cls: FlowClass
+    t_arrival: float  # monotonic
+    path: str = ""  # "direct" | "released" once let on
+    wait_s: float = 0.0  # time held
+    held_ahead: int = 0  # requests held when it was queued
+    held: bool = False  # in the queue now (counted in the queued gauge)
+    pending: bool = False  # released, its coroutine not yet back to dispatch it (counted on `replica`)
+    replica: str | None = None  # where its grant counts (SlotLedger) until it finishes
+
+    def span_attrs(self) -> dict:
+        return {"warmroute.flow.path": self.path, "warmroute.flow.wait_s": self.wait_s,
+                "warmroute.flow.priority": self.cls.priority_name, "warmroute.flow.weight": self.cls.weight,
+                "warmroute.flow.held_ahead": self.held_ahead}
+
+
+class _Waiter:
+    __slots__ = ("ctx", "decide", "future", "ticket")
+
+    def __init__(self, ctx: RequestContext, decide, future: asyncio.Future, ticket: Ticket) -> None:
+        self.ctx, self.decide, self.future, self.ticket = ctx, decide, future, ticket
+
+
+class FlowControl:
+    """The admission stage and its queue (module rules)."""
+
+    def __init__(self, cfg: GatewayConfig, *, routing: RoutingState, membership: Membership, limiter: TenantLimiter,
+                 slots: int, registry, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        f = self.cfg = cfg.flow
+        self.enabled = f.enabled
+        self.keys_file = cfg.auth.api_keys_file if cfg.auth.enabled else None
+        self.keys_reload_s = cfg.auth.api_keys_reload_s
+        try:
+            key_flows = load_tenant_flows(self.keys_file, f.priorities) if self.keys_file else None
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"auth.api_keys_file: {exc}") from None
+        self.rules = FlowRules(f, key_flows)
+        self.routing, self.membership, self.limiter = routing, membership, limiter
+        self.slots = slots  # sequence slots per replica
+        self.clock, self.wall = clock, wall
+        self.queue = FairQueue(len(f.priorities))
+        self.grants, self.finishes = SlotLedger(), SlotLedger()  # this gateway's, per replica, timed
+        self.metrics = FlowMetrics(registry)
+        self.closed = False
+        # sharing: what the other gateways hold and released, as of the last exchange
+        self.shared = False  # the board answered at the last exchange
+        self.has_board = False
+        self.n_gateways = 1  # gateways seen at the last successful exchange (this one included)
+        self.others_queued: dict[str, int] = {}
+        self.released: dict[str, float] = {}  # tenant -> cost released here so far (published)
+        self._seen: dict[str, dict[str, float]] = {}  # owner -> tenant -> its released counter last read
+        self._arrivals_seen: dict[str, dict[str, int]] = {}
+        self._my_arrivals: dict[str, int] = {}
+        self._ids_of_hash = {tenant_hash(t): t for t in limiter.policies}
+        self._rate: dict[str, tuple[float, float]] = {}  # tenant -> (releases/s EWMA, at)
+        self._pending: dict[str, int] = {}  # replica -> released requests not yet dispatched
+        self._kicked = False
+        self._wake: asyncio.Event | None = None
+        self._keys_mtime = file_mtime(self.keys_file)
+        self.metrics.shared.set(0)
+
+    # ------------------------------------------------------------------ the stage
+    async def hold(self, ctx: RequestContext, decide: Callable[[RequestContext], None]) -> None:
+        """Let `ctx` on now, or hold it until a replica has room (then `decide(ctx)` again); raises
+        ApiError for the refusals of the module rules. Sets `ctx.flow`."""
+        if not self.enabled:
+            return
+        fc = self.rules.classify(ctx.identity, ctx.headers)
+        t = ctx.flow = Ticket(fc, self.clock())
+        if not len(self.queue) and self._grant(ctx, t):
+            t.path = "direct"
+            self.metrics.child(self.metrics.admissions, fc.tenant, fc.priority_name, "direct").inc()
+            return
+        if self.closed:
+            raise self._shed(t, "shutting_down")
+        self._check_bound(t)
+        loop = asyncio.get_running_loop()
+        w = _Waiter(ctx, decide, loop.create_future(), t)
+        t.held_ahead = len(self.queue)
+        entry = self.queue.push(fc.tenant, w, now=t.t_arrival, cls=fc.priority, weight=fc.weight)
+        t.held = True
+        self.metrics.child(self.metrics.queued, fc.tenant, fc.priority_name).inc()
+        self._kick()
+        if self._wake is not None:
+            self._wake.set()
+        try:
+            await w.future  # from here to the dispatch's in-flight count nothing awaits
+        except asyncio.CancelledError:
+            if self.queue.remove(entry):  # the client left while held
+                self._unhold(t)
+                self.metrics.child(self.metrics.sheds, fc.tenant, fc.priority_name, "client_gone").inc()
+            raise
+        finally:
+            if t.pending:
+                t.pending = False
+                self._pending[t.replica] -= 1
+
+    def first_token(self) -> None:
+        """A request of this gateway got its first token: its prefill left the replica's backlog."""
+        if len(self.queue):
+            self._kick()
+
+    def finished(self, ctx: RequestContext) -> None:
+        """A request ended (any way): its slot is free."""
+        t = ctx.flow
+        if t is None or t.replica is None:
+            return
+        self.finishes.add(t.replica, self.wall(), -1)
+        t.replica = None
+        if len(self.queue):
+            self._kick()
+
+    def close(self) -> None:
+        """Shutting down: answer everything held with 503 and hold nothing more."""
+        self.closed = True
+        for e in list(self.queue.entries()):
+            self.queue.remove(e)
+            self._fail(e.payload, "shutting_down")
+
+    # ------------------------------------------------------------------ room and grants
+    def _room(self, v) -> bool:
+        rid = v.replica_id
+        ld = self.routing.load.get(rid)
+        rep = self.routing.index.last_load(rid)
+        if rep is not None and self.wall() - rep.ts > self.grants.horizon_s:
+            rep = None  # older than the ledgers remember: the floor alone
+        delta = 0
+        if rep is not None:
+            delta = self.grants.since(rid, rep.ts) + self.finishes.since(rid, rep.ts - REPORT_SLACK_S)
+        occ = occupancy_reqs(rep, delta, own_active=ld.active_reqs,
+                             own_inflight=ld.inflight_reqs + self._pending.get(rid, 0), others_inflight=ld.others_reqs)
+        f = self.cfg
+        return has_room(v, occ, slots=self.slots, engine_queue_reqs=f.engine_queue_reqs,
+                        max_queue_penalty_s=f.max_queue_penalty_s)
+
+    def _grant(self, ctx: RequestContext, t: Ticket) -> bool:
+        """If a ranked replica has room: put the best such first, count the grant there."""
+        routing = ctx.routing
+        ranked = routing.decision.ranked
+        if not ranked:
+            return False
+        first = routing.view_of(ranked[0].replica_id)
+        if first is not None and self._room(first):
+            rid = ranked[0].replica_id
+        else:
+            views = {v.replica_id: v for v in routing.views}
+            roomy = [c for c in ranked[1:] if self._room(views[c.replica_id])]
+            if not roomy:
+                return False
+            ids = {c.replica_id for c in roomy}
+            rest = [c for c in ranked if c.replica_id not in ids]
+            ctx.routing = dataclasses.replace(routing, decision=Decision(routing.decision.policy, tuple(roomy + rest)))
+            rid = roomy[0].replica_id
+        self.grants.add(rid, self.wall(), +1)
+        t.replica = rid
+        return True
+
+    def _pool_has_room(self) -> bool:
+        now = self.membership.clock()
+        available = {st.replica_id: st.available(now) for st in self.membership.all()}
+        return any(self._room(v) for v in self.routing.views(list(available), (), available) if v.healthy)
+
+    # ------------------------------------------------------------------ releases
+    def _kick(self) -> None:
+        if not self._kicked:
+            self._kicked = True
+            asyncio.get_running_loop().call_soon(self._release)
+
+    def _release(self) -> None:
+        """Release held requests while a replica has room (each re-decided: late binding)."""
+        self._kicked = False
+        while len(self.queue) and self._pool_has_room():
+            e = self.queue.pop()
+            w: _Waiter = e.payload
+            t = w.ticket
+            m = self.metrics
+            self._unhold(t)
+            self.released[e.tenant] = self.released.get(e.tenant, 0.0) + e.cost
+            self._count_release(e.tenant)
+            if w.future.done():
+                continue
+            try:
+                w.decide(w.ctx)
+            except Exception as exc:  # noqa: BLE001 - the request's own failure, not the queue's
+                w.future.set_exception(exc)
+                continue
+            if not w.ctx.routing.decision.ranked:
+                self._fail(w, "no_replica")
+                continue
+            if not self._grant(w.ctx, t):  # the pool view had room: trust it for the best-ranked
+                t.replica = w.ctx.routing.decision.ranked[0].replica_id
+                self.grants.add(t.replica, self.wall(), +1)
+            t.pending = True
+            self._pending[t.replica] = self._pending.get(t.replica, 0) + 1
+            t.path = "released"
+            t.wait_s = self.clock() - t.t_arrival
+            m.child(m.wait, t.cls.tenant, t.cls.priority_name).observe(t.wait_s)
+            m.child(m.admissions, t.cls.tenant, t.cls.priority_name, "released").inc()
+            w.future.set_result(None)
+
+    async def run(self) -> None:
+        """The timer: expiries, a pool without a healthy replica, releases the triggers missed,
+        keys-file reloads of the weights and classes."""
+        self._wake = asyncio.Event()
+        next_keys = self.clock() + self.keys_reload_s
+        while True:
+            if not len(self.queue):
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.keys_reload_s)
+                except asyncio.TimeoutError:
+                    pass
+            await asyncio.sleep(self.cfg.release_interval_s)
+            self.sweep()
+            if self.keys_file and self.clock() >= next_keys:
+                next_keys = self.clock() + self.keys_reload_s
+                self._reload_keys()
+
+    def sweep(self) -> None:
+        now = self.clock()
+        for e in self.queue.expired(now, self.cfg.max_queue_wait_s):
+            self._fail(e.payload, "queue_timeout")
+        if len(self.queue) and not self.membership.any_available():
+            for e in list(self.queue.entries()):
+                self.queue.remove(e)
+                self._fail(e.payload, "no_replica")
+        self._release()
+        if not len(self.queue):
+            self.queue.prune()
+
+    def _reload_keys(self) -> None:
+        mt = file_mtime(self.keys_file)
+        if not mt or mt == self._keys_mtime:
+            return
+        try:
+            self.rules.key_flows = load_tenant_flows(self.keys_file, self.cfg.priorities)
+            self._keys_mtime = mt
+        except (OSError, ValueError) as exc:
+            log.error("api keys file: flow settings invalid, keeping the previous ones: %s", exc)
+
+    # ------------------------------------------------------------------ refusals
+    def _check_bound(self, t: Ticket) -> None:
+        limit = self.cfg.max_queue_reqs_per_tenant
+        mine = self.queue.tenant_len(t.cls.tenant)
+        if self.shared:
+            held, cap = mine + self.others_queued.get(t.cls.tenant, 0), limit
+        else:
+            held, cap = mine, math.ceil(limit / self.n_gateways) if limit else 0
+        if held >= cap:
+            raise self._shed(t, "queue_full", held=held)
+
+    def _shed(self, t: Ticket, reason: str, held: int | None = None) -> ApiError:
+        m = self.metrics
+        m.child(m.sheds, t.cls.tenant, t.cls.priority_name, reason).inc()
+        if reason in ("queue_full", "queue_timeout"):
+            n = self.queue.tenant_len(t.cls.tenant) if held is None else held
+            after = retry_after_s(max(1, n), self._rate_of(t.cls.tenant), self.cfg.max_queue_wait_s)
+            msg = ("this tenant has too many requests waiting for capacity" if reason == "queue_full"
+                   else f"no capacity freed up for this request within {self.cfg.max_queue_wait_s:g} s")
+            return ApiError(429, msg, code=reason, headers={"Retry-After": str(after)})
+        if reason == "no_replica":
+            return ApiError(503, "no replica available", code="no_replica_available", headers={"Retry-After": "1"})
+        return ApiError(503, "the gateway is shutting down", code="shutting_down", headers={"Retry-After": "1"})
+
+    def _fail(self, w: _Waiter, reason: str) -> None:
+        self._unhold(w.ticket)
+        if not w.future.done():
+            w.future.set_exception(self._shed(w.ticket, reason))
+
+    def _unhold(self, t: Ticket) -> None:
+        if t.held:
+            t.held = False
+            self.metrics.child(self.metrics.queued, t.cls.tenant, t.cls.priority_name).dec()
+
+    def _count_release(self, tenant: str) -> None:
+        now = self.clock()
+        rate, at = self._rate.get(tenant, (0.0, now))
+        self._rate[tenant] = (rate * math.exp(-(now - at) / _RATE_TAU_S) + 1.0 / _RATE_TAU_S, now)
+
+    def _rate_of(self, tenant: str) -> float:
+        rate, at = self._rate.get(tenant, (0.0, self.clock()))
+        return rate * math.exp(-(self.clock() - at) / _RATE_TAU_S)
+
+    # ------------------------------------------------------------------ sharing
+    def share_row(self) -> dict[str, TenantShare]:
+        """This gateway's row for the board."""
+        lim = self.limiter
+        counts: dict[str, int] = {}
+        for (tenant, _), n in self.queue.counts().items():
+            counts[tenant] = counts.get(tenant, 0) + n
+        row = {}
+        for th in set(self.released) | set(counts) | set(self._ids_of_hash):
+            tid = self._ids_of_hash.get(th)
+            row[th] = TenantShare(self.released.get(th, 0.0), counts.get(th, 0),
+                                  lim.active(tid) if tid else 0, lim.arrivals.get(tid, 0) if tid else 0)
+        return row
+
+    def apply_shares(self, others: dict[str, dict[str, TenantShare]]) -> None:
+        """The other gateways' rows, read just now."""
+        queued: dict[str, int] = {}
+        active: dict[str, int] = {}
+        arrivals_d: dict[str, int] = {}
+        for owner, row in others.items():
+            new = owner not in self._seen  # a gateway first seen: its past is a baseline, not credited
+            seen = self._seen.setdefault(owner, {})
+            aseen = self._arrivals_seen.setdefault(owner, {})
+            for th, s in row.items():
+                d = s.released - seen.get(th, 0.0)
+                if not new and d > 0:
+                    self.queue.credit(th, d)
+                seen[th] = s.released
+                da = s.arrivals - aseen.get(th, 0)
+                if not new and da > 0:
+                    arrivals_d[th] = arrivals_d.get(th, 0) + da
+                aseen[th] = s.arrivals
+                queued[th] = queued.get(th, 0) + s.queued
+                active[th] = active.get(th, 0) + s.active
+        for gone in set(self._seen) - set(others):
+            del self._seen[gone]
+            self._arrivals_seen.pop(gone, None)
+        self.others_queued = queued
+        self.n_gateways = 1 + len(others)
+        lim = self.limiter
+        lim.others_active = {tid: active.get(th, 0) for th, tid in self._ids_of_hash.items()}
+        lim.concurrency_share = 1.0
+        for th, tid in self._ids_of_hash.items():
+            mine = lim.arrivals.get(tid, 0) - self._my_arrivals.get(tid, 0)
+            self._my_arrivals[tid] = lim.arrivals.get(tid, 0)
+            total = mine + arrivals_d.get(th, 0)
+            prev = lim.rate_share.get(tid, 1.0 / self.n_gateways)
+            share = prev if total <= 0 else 0.7 * prev + 0.3 * (mine / total)
+            lim.rate_share[tid] = max(_MIN_RATE_SHARE, min(1.0, share))
+        self._set_shared(True)
+
+    def board_lost(self) -> None:
+        """The board is away: run on this gateway's local share of the bounds and limits."""
+        lim = self.limiter
+        lim.others_active = {}
+        lim.concurrency_share = 1.0 / self.n_gateways
+        lim.rate_share = {tid: 1.0 / self.n_gateways for tid in self._ids_of_hash.values()}
+        self.others_queued = {}
+        self._seen.clear()  # the others' counters are re-read as a fresh baseline when it returns
+        self._arrivals_seen.clear()
+        self._set_shared(False)
+
+    def _set_shared(self, ok: bool) -> None:
+        if ok != self.shared:
+            self.shared = ok
+            self.metrics.shared.set(1 if ok else 0)
+
+    def readiness_note(self) -> str | None:
+        if self.enabled and self.has_board and not self.shared:
+            return (f"flow control on its local share: the fair-share board is unavailable "
+                    f"(limits divided by the {self.n_gateways} gateway(s) last seen)")
+        return None
+
+
+async def run_share_exchange(flow: FlowControl, board: FairShareBoard, health: FailureLog, period_s: float) -> None:
+    """Exchange rows with the other gateways every `period_s` (module rules)."""
+    flow.has_board = True
+    while True:
+        try:
+            others = await board.exchange_shares(flow.share_row())
+            flow.apply_shares(others)
+            health.ok()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            health.failed(exc)
+            flow.board_lost()
+            await asyncio.sleep(max(period_s, 1.0))
+            continue
+        await asyncio.sleep(period_s)

@@ -1,0 +1,137 @@
+"""Flow control's shared board: what each gateway holds and has released per tenant, so fair
+shares and per-tenant limits hold across gateway workers and gateway replicas.
+
+Each gateway (an owner) writes its whole row on every exchange and reads every other owner's:
+per tenant hash, the cost it has released from its queue so far (a counter that only grows while
+the owner lives), the requests it holds queued now, the requests it has active (the tenant
+limiter's count) and the requests it was asked for (the limiter's arrivals, a growing counter).
+A row expires `ttl_s` after its owner's last write, so a gateway that dies stops counting. Tenant
+ids never reach the board, only their hashes.
+
+Transports, like the rest of the feed: in-process (`memory://`, shared by name within the
+process) and Redis (`{prefix}flow:{owner}`, a HASH of tenant hash -> msgpack [released, queued,
+active, arrivals], written with DEL + HSET + PEXPIRE in one MULTI, read by SCAN + HGETALL, the
+same way as the in-flight counters). Every Redis error surfaces as FeedUnavailable.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import Mapping, Protocol, runtime_checkable
+
+import msgspec
+
+__all__ = ["TenantShare", "FairShareBoard", "fair_share_board"]
+
+
+@dataclass(frozen=True, slots=True)
+class TenantShare:
+    """One owner's figures for one tenant."""
+
+    released: float = 0.0  # cost released from its queue so far (grows)
+    queued: int = 0  # requests held now
+    active: int = 0  # requests admitted and not finished (tenant limiter)
+    arrivals: int = 0  # requests asked for so far (tenant limiter; grows)
+
+
+@runtime_checkable
+class FairShareBoard(Protocol):
+    owner: str
+
+    async def exchange_shares(self, mine: Mapping[str, TenantShare]) -> dict[str, dict[str, TenantShare]]:
+        """Write this owner's row; every other live owner's rows (owner -> tenant -> share)."""
+        ...
+
+
+def fair_share_board(feed, *, ttl_s: float = 10.0, owner: str | None = None) -> FairShareBoard:
+    """The board on the same backend as `feed` (a MemoryFeed or RedisFeed)."""
+    from .memory import MemoryFeed
+    from .redis_feed import RedisFeed
+
+    if isinstance(feed, RedisFeed):
+        return _RedisBoard(feed, ttl_s, owner or feed.owner)
+    if isinstance(feed, MemoryFeed):
+        return _MemoryBoard(feed, ttl_s, owner or uuid.uuid4().hex[:12])
+    raise TypeError(f"no fair-share board for {type(feed).__name__}")
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder()
+
+
+def _encode(s: TenantShare) -> bytes:
+    return _enc.encode([s.released, s.queued, s.active, s.arrivals])
+
+
+def _decode(raw: bytes) -> TenantShare | None:
+    try:
+        r, q, a, n = _dec.decode(raw)[:4]
+        return TenantShare(float(r), int(q), int(a), int(n))
+    except Exception:  # noqa: BLE001 - a malformed row is skipped, not fatal
+        return None
+
+
+class _RedisBoard:
+    def __init__(self, feed, ttl_s: float, owner: str) -> None:
+        self.feed = feed  # shares the feed's client and error mapping
+        self.ttl_s = ttl_s
+        self.owner = owner
+
+    async def exchange_shares(self, mine: Mapping[str, TenantShare]) -> dict[str, dict[str, TenantShare]]:
+        f = self.feed
+        r = f._redis()  # noqa: SLF001 - one client per feed, shared within the package
+        prefix = f"{f.prefix}flow:"
+        key = prefix + self.owner
+        pipe = r.pipeline(transaction=True)
+        pipe.delete(key)
+        pipe.hset(key, mapping={"_": b"", **{t: _encode(s) for t, s in mine.items()}})
+        pipe.pexpire(key, max(1, int(self.ttl_s * 1000)))
+        await f._call(pipe.execute())  # noqa: SLF001
+
+        async def scan() -> list[bytes]:
+            return [k async for k in r.scan_iter(match=prefix + "*", count=100)]
+
+        keys = [k for k in await f._call(scan()) if k.decode() != key]  # noqa: SLF001
+        if not keys:
+            return {}
+        pipe = r.pipeline(transaction=False)
+        for k in keys:
+            pipe.hgetall(k)
+        rows = await f._call(pipe.execute())  # noqa: SLF001
+        out: dict[str, dict[str, TenantShare]] = {}
+        for k, row in zip(keys, rows):
+            if not row:
+                continue  # expired between the scan and the read
+            shares = {}
+            for t, raw in row.items():
+                if t == b"_":
+                    continue
+                s = _decode(raw)
+                if s is not None:
+                    shares[t.decode()] = s
+            out[k.decode()[len(prefix):]] = shares
+        return out
+
+
+# memory: hub name -> owner -> (expires monotonic, row)
+_ROWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+class _MemoryBoard:
+    def __init__(self, feed, ttl_s: float, owner: str) -> None:
+        self._hub = feed._hub  # noqa: SLF001 - the feed's in-process hub (one per name)
+        self.ttl_s = ttl_s
+        self.owner = owner
+
+    async def exchange_shares(self, mine: Mapping[str, TenantShare]) -> dict[str, dict[str, TenantShare]]:
+        now = time.monotonic()
+        with _LOCK:
+            rows = _ROWS.setdefault(self._hub, {})
+            rows[self.owner] = (now + self.ttl_s, dict(mine))
+            for o in [o for o, (until, _) in rows.items() if until <= now]:
+                del rows[o]
+            return {o: dict(row) for o, (_, row) in rows.items() if o != self.owner}

@@ -1,0 +1,159 @@
+"""Flow control's admission rules without sockets (gateway.admission): the room rule and the
+ledger that keeps an engine report current, classification (weights and classes from the keys
+file, JWT claims and config, in that order; the priority header's rules), Retry-After, and the
+flow config's validation naming the field."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.admission import (FlowRules, SlotLedger, TenantFlow, backlog_s, has_room, load_tenant_flows,
+                               occupancy_reqs, retry_after_s)
+from gateway.auth import Identity, load_api_keys_file, tenant_hash
+from gateway.config import ConfigError, FlowConfig, FlowTenantConfig, config_from_dict
+from gateway.errors import ApiError
+from policies.base import ReplicaView
+from replica_agent.feed import LoadReport
+
+
+def _report(running: int, waiting: int, ts: float) -> LoadReport:
+    return LoadReport(running, waiting, 0.5, 0.0, 0.0, 1000, 16, ts)
+
+
+# ----------------------------------------------------------------------------------- room
+
+
+def test_ledger_brings_a_report_up_to_date_and_forgets_what_it_covers():
+    led = SlotLedger(horizon_s=30.0)
+    led.add("r", 10.0, +1)  # before the report: the report counts it
+    led.add("r", 11.0, +1)
+    led.add("r", 12.0, -1)
+    assert led.since("r", 10.5) == 0  # +1 -1 after the report
+    assert led.since("r", 11.5) == -1
+    led.add("r", 13.0, +1)
+    assert led.since("r", 11.5) == 0  # an older report than the newest applied: the newest's view
+    assert led.since("r", 14.0) == 0
+    assert led.since("other", 0.0) == 0
+    led.add("r", 100.0, +1)  # the horizon drops events older than 30 s
+    assert led.since("r", 0.0) == 1
+
+
+def test_occupancy_is_the_report_plus_our_changes_never_below_what_we_know():
+    rep = _report(running=6, waiting=2, ts=0.0)
+    assert occupancy_reqs(rep, -3, own_active=1, own_inflight=0, others_inflight=0) == 5  # 3 finished since
+    assert occupancy_reqs(rep, +2, own_active=0, own_inflight=0, others_inflight=0) == 10
+    assert occupancy_reqs(rep, -8, own_active=2, own_inflight=1, others_inflight=1) == 4  # the floor
+    assert occupancy_reqs(None, 5, own_active=2, own_inflight=1, others_inflight=3) == 6  # no report: the floor
+
+
+def test_room_needs_health_a_free_slot_and_little_prefill_ahead():
+    v = ReplicaView("r", healthy=True, waiting_reqs=0, inflight_prefill_tokens=400, prefill_s_per_token=1e-3)
+    assert backlog_s(v) == pytest.approx(0.4)
+    kw = dict(slots=4, engine_queue_reqs=0, max_queue_penalty_s=1.0)
+    assert has_room(v, 3, **kw)
+    assert not has_room(v, 4, **kw)  # slots full
+    assert has_room(v, 4, **{**kw, "engine_queue_reqs": 1})  # one may wait inside the engine
+    assert not has_room(v, 0, **{**kw, "max_queue_penalty_s": 0.3})  # 0.4 s of prefill ahead
+    assert not has_room(ReplicaView("r", healthy=False), 0, **kw)
+    waiting = ReplicaView("r", waiting_reqs=3, inflight_prefill_tokens=100, prefill_s_per_token=1e-3,
+                          mean_uncached_prefill_tokens=500.0)
+    assert backlog_s(waiting) == pytest.approx(1.5)  # the waiting ones priced at the mean uncached prefill
+
+
+def test_retry_after_is_the_drain_time_at_the_tenants_release_rate():
+    assert retry_after_s(10, 2.0, 30.0) == 5
+    assert retry_after_s(1, 50.0, 30.0) == 1
+    assert retry_after_s(1000, 1.0, 30.0) == 30  # at most the queue's maximum wait
+    assert retry_after_s(3, 0.0, 12.5) == 13  # nothing released lately: the maximum wait
+
+
+# ----------------------------------------------------------------------------------- classification
+
+
+def _rules(**flow) -> FlowRules:
+    cfg = config_from_dict({"flow": flow}, env={}).flow
+    return FlowRules(cfg)
+
+
+def test_weights_and_classes_come_from_claims_then_keys_file_then_config_then_defaults(tmp_path):
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("plain: [k0]\n"
+                    "weighted: {keys: [k1], weight: 3, priority: batch, allowed_priorities: [interactive]}\n"
+                    "configured: {keys: [k2]}\n")
+    assert load_api_keys_file(keys)["weighted"] and len(load_api_keys_file(keys)) == 3  # keys still load
+    flows = load_tenant_flows(keys, ["interactive", "standard", "batch"])
+    assert flows["weighted"] == TenantFlow(3.0, "batch", frozenset({"interactive"}))
+    rules = _rules(tenants={"configured": {"weight": 2.0, "priority": "interactive"},
+                            "weighted": {"weight": 9.0, "priority": "standard"}}, default_weight=0.5)
+    rules.key_flows = flows
+    c = rules.classify(Identity("plain"), {})
+    assert (c.weight, c.priority_name, c.priority, c.tenant) == (0.5, "standard", 1, tenant_hash("plain"))
+    c = rules.classify(Identity("weighted"), {})
+    assert (c.weight, c.priority_name) == (3.0, "batch")  # the keys file over flow.tenants
+    c = rules.classify(Identity("configured"), {})
+    assert (c.weight, c.priority_name) == (2.0, "interactive")
+    jwt_id = Identity("weighted", None, "jwt", {"warmroute_weight": 7, "warmroute_priority": "standard"})
+    c = rules.classify(jwt_id, {})
+    assert (c.weight, c.priority_name) == (7.0, "standard")  # the token's claims first
+
+
+def test_the_priority_header_lowers_freely_and_raises_only_when_allowed():
+    rules = _rules(tenants={"t": {"allowed_priorities": ["interactive"]}})
+    h = "X-Warmroute-Priority"
+    assert rules.classify(Identity("t"), {h: "interactive"}).priority_name == "interactive"
+    assert rules.classify(Identity("u"), {h: "batch"}).priority_name == "batch"  # lower: anyone
+    assert rules.classify(Identity("u"), {h: "standard"}).priority_name == "standard"  # its own
+    with pytest.raises(ApiError) as e:
+        rules.classify(Identity("u"), {h: "interactive"})
+    assert (e.value.status, e.value.code, e.value.param) == (403, "priority_not_allowed", h)
+    with pytest.raises(ApiError) as e:
+        rules.classify(Identity("t"), {h: "urgent"})
+    assert (e.value.status, e.value.code) == (400, "invalid_priority") and "interactive, standard, batch" in e.value.message
+    claims = Identity("u", None, "jwt", {"warmroute_allowed_priorities": ["interactive"]})
+    assert rules.classify(claims, {h: "interactive"}).priority_name == "interactive"
+
+
+def test_bad_flow_claims_are_refused_as_invalid_tokens():
+    rules = _rules()
+    for claims in ({"warmroute_weight": 0}, {"warmroute_weight": "3"}, {"warmroute_weight": True},
+                   {"warmroute_priority": "urgent"}, {"warmroute_allowed_priorities": "interactive"}):
+        with pytest.raises(ApiError) as e:
+            rules.classify(Identity("t", None, "jwt", claims), {})
+        assert (e.value.status, e.value.code) == (401, "invalid_token"), claims
+
+
+def test_keys_file_flow_fields_are_checked_naming_tenant_and_field(tmp_path):
+    p = tmp_path / "keys.yaml"
+    for text, words in (("a: {keys: [k], weight: 0}\n", ("'a'", "weight")),
+                        ("a: {keys: [k], weight: fast}\n", ("'a'", "weight")),
+                        ("a: {keys: [k], priority: urgent}\n", ("'a'", "urgent")),
+                        ("a: {keys: [k], allowed_priorities: batch}\n", ("'a'", "allowed_priorities")),
+                        ("a: {keys: [k], wieght: 2}\n", ("'a'", "wieght"))):
+        p.write_text(text)
+        with pytest.raises(ValueError) as e:
+            load_tenant_flows(p, ["interactive", "standard", "batch"])
+        assert all(w in str(e.value) for w in words), (text, e.value)
+    p.write_text("a: {weight: 2}\n")
+    with pytest.raises(ValueError, match="needs a list of keys"):
+        load_api_keys_file(p)
+
+
+def test_flow_config_defaults_and_errors_name_the_field():
+    f = FlowConfig()
+    assert f.enabled and f.default_weight == 1.0 and f.default_priority in f.priorities
+    bad = [({"max_num_seqs": 0}, "flow.max_num_seqs"), ({"engine_queue_reqs": -1}, "flow.engine_queue_reqs"),
+           ({"max_queue_reqs_per_tenant": -1}, "flow.max_queue_reqs_per_tenant"),
+           ({"max_queue_wait_s": 0}, "flow.max_queue_wait_s"), ({"max_queue_penalty_s": float("inf")}, "flow.max_queue_penalty_s"),
+           ({"priorities": []}, "flow.priorities"), ({"priorities": ["a", "a"]}, "flow.priorities[1]"),
+           ({"default_priority": "vip"}, "flow.default_priority"), ({"priority_header": "X Bad"}, "flow.priority_header"),
+           ({"default_weight": 0}, "flow.default_weight"), ({"weight_claim": ""}, "flow.weight_claim"),
+           ({"tenants": {"t": {"weight": -1}}}, "flow.tenants.t.weight"),
+           ({"tenants": {"t": {"priority": "vip"}}}, "flow.tenants.t.priority"),
+           ({"tenants": {"t": {"allowed_priorities": ["vip"]}}}, "flow.tenants.t.allowed_priorities[0]"),
+           ({"tenants": {"t": {"wieght": 1}}}, "flow.tenants.t.wieght")]
+    for flow, field in bad:
+        with pytest.raises(ConfigError) as e:
+            config_from_dict({"flow": flow}, env={})
+        assert str(e.value).startswith(field + ":"), (flow, e.value)
+    cfg = config_from_dict({}, env={"WARMROUTE_FLOW__ENABLED": "false"})
+    assert cfg.flow.enabled is False  # switched off from the environment
+    assert isinstance(config_from_dict({"flow": {"tenants": {"t": {"weight": 2}}}}, env={}).flow.tenants["t"], FlowTenantConfig)

@@ -1,0 +1,161 @@
+"""Flow control shared across gateways (replica_agent/feed/fair_share.py, gateway.flow's
+exchange), on a real redis-server: the board's rows on both transports (exchange, expiry of a
+gateway that stops, malformed rows skipped); two gateways holding one tenant's queue bound and
+its concurrency limit between them, and crediting each other's releases; and the fallback when
+Redis goes away (local share of the bounds, said in the metric, /readyz and the log) and back."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import aiohttp
+import msgspec
+import pytest
+
+from gateway.auth import tenant_hash
+from gateway.config import config_from_dict
+from gateway.server import start_gateway
+from replica_agent.feed import TenantShare, fair_share_board, open_feed
+from tests.flow_helpers import HeldReplica, ask, flow_config, until
+
+pytestmark = pytest.mark.redis
+
+TENANTS = {"filler": "k-filler", "noisy": "k-noisy", "both": "k-both", "capped": "k-capped"}
+
+
+async def _board_roundtrip(url: str) -> None:
+    fa, fb = open_feed(url), open_feed(url)
+    a = fair_share_board(fa, ttl_s=0.5, owner="gw-a")
+    b = fair_share_board(fb, ttl_s=0.5, owner="gw-b")
+    try:
+        assert await a.exchange_shares({"t1": TenantShare(3.0, 2, 1, 7)}) == {}
+        seen = await b.exchange_shares({"t2": TenantShare(1.0, 0, 0, 1)})
+        assert seen == {"gw-a": {"t1": TenantShare(3.0, 2, 1, 7)}}
+        seen = await a.exchange_shares({})  # a row without tenants still says the gateway is there
+        assert seen == {"gw-b": {"t2": TenantShare(1.0, 0, 0, 1)}}
+        assert await b.exchange_shares({}) == {"gw-a": {}}
+        await asyncio.sleep(0.7)  # a stops writing: its row expires
+        assert await b.exchange_shares({}) == {}
+    finally:
+        await fa.close()
+        await fb.close()
+
+
+async def test_the_board_exchanges_rows_and_forgets_a_gateway_that_stops_in_memory():
+    await _board_roundtrip("memory://flow-board-test")
+
+
+async def test_the_board_exchanges_rows_and_forgets_a_gateway_that_stops_on_redis(redis_server):
+    await _board_roundtrip(redis_server.url)
+    import redis.asyncio as aioredis
+
+    r = aioredis.from_url(redis_server.url)
+    try:
+        await r.hset("wr:flow:gw-x", mapping={"_": b"", "bad": b"\xff\x00", "ok": msgspec.msgpack.encode([1.0, 1, 0, 1])})
+        await r.pexpire("wr:flow:gw-x", 5000)
+        feed = open_feed(redis_server.url)
+        seen = await fair_share_board(feed, owner="gw-y").exchange_shares({})
+        assert seen["gw-x"] == {"ok": TenantShare(1.0, 1, 0, 1)}  # the malformed row is skipped
+        await feed.close()
+    finally:
+        await r.aclose()
+
+
+async def _two_gateways(tmp_path, tok, redis_url: str, rep: HeldReplica, flow: dict, **sections):
+    gws = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = flow_config(d, {"r0": rep.url}, TENANTS, {"share_interval_s": 0.05, **flow},
+                          feed={"url": redis_url, "load_only": False}, **sections)
+        gws.append(await start_gateway(config_from_dict(cfg, env={}), tokenizer=tok))
+    for g in gws:
+        await until(lambda g=g: g.gateway.flow.shared and g.gateway.flow.n_gateways == 2, what="the gateways to see each other")
+    return gws
+
+
+async def test_two_gateways_hold_one_tenants_queue_bound_and_credit_each_others_releases(tmp_path, tok, redis_server):
+    rep = await HeldReplica().start()
+    a, b = await _two_gateways(tmp_path, tok, redis_server.url, rep, {"max_queue_reqs_per_tenant": 3})
+    th = tenant_hash("noisy")
+    try:
+        async with aiohttp.ClientSession() as s:
+            fill = [asyncio.create_task(ask(s, g.url, "k-filler", f"fill-{g.url[-5:]}-{i}")) for g in (a, b) for i in range(2)]
+            await until(lambda: rep.open_count() == 4)
+            held = [asyncio.create_task(ask(s, a.url, "k-noisy", f"a{i}")) for i in range(2)]
+            await until(lambda: len(a.gateway.flow.queue) == 2)
+            held.append(asyncio.create_task(ask(s, b.url, "k-noisy", "b0")))
+            await until(lambda: len(b.gateway.flow.queue) == 1)
+            await until(lambda: b.gateway.flow.others_queued.get(th) == 2, what="b to see a's held requests")
+            status, headers, body = await ask(s, b.url, "k-noisy", "b1")  # 2 on a + 1 on b = the bound
+            assert status == 429 and json.loads(body)["error"]["code"] == "queue_full" and headers["Retry-After"]
+            # b releases one of noisy's: a credits it, though it released none itself
+            assert a.gateway.flow.queue.served(th) == 0
+            n = len(rep.arrived)
+            rep.release(1)  # frees one of the fillers; whichever gateway's it was releases noisy
+            await until(lambda: len(rep.arrived) > n)
+            releaser, other = (a, b) if rep.arrived[-1].startswith("a") else (b, a)
+            await until(lambda: other.gateway.flow.queue.served(th) >= 1, what="the other gateway to credit the release")
+            rep.drain()
+            assert all(st == 200 for st, _, _ in await asyncio.gather(*fill, *held))
+    finally:
+        await a.close()
+        await b.close()
+        await rep.close()
+
+
+async def test_a_tenants_concurrency_limit_holds_across_gateways(tmp_path, tok, redis_server):
+    rep = await HeldReplica().start()
+    a, b = await _two_gateways(tmp_path, tok, redis_server.url, rep, {"max_num_seqs": 64},
+                               auth={"tenants": {"capped": {"max_concurrent_reqs": 2}}})
+    try:
+        async with aiohttp.ClientSession() as s:
+            t1 = asyncio.create_task(ask(s, a.url, "k-capped", "c1"))
+            t2 = asyncio.create_task(ask(s, b.url, "k-capped", "c2"))
+            await until(lambda: rep.open_count() == 2)
+            await until(lambda: a.gateway.limiter.others_active.get("capped") == 1, what="a to see b's active request")
+            status, _, body = await ask(s, a.url, "k-capped", "c3")  # 1 here + 1 there = the limit
+            assert status == 429 and json.loads(body)["error"]["code"] == "concurrency_limit_exceeded"
+            rep.drain()
+            assert [st for st, _, _ in await asyncio.gather(t1, t2)] == [200, 200]
+    finally:
+        await a.close()
+        await b.close()
+        await rep.close()
+
+
+async def test_without_redis_each_gateway_runs_on_its_local_share_and_says_so(tmp_path, tok, redis_server, caplog):
+    caplog.set_level(logging.WARNING, logger="warmroute.gateway")
+    rep = await HeldReplica().start()
+    a, b = await _two_gateways(tmp_path, tok, redis_server.url, rep, {"max_queue_reqs_per_tenant": 4})
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def shared_gauge() -> str:
+                async with s.get(a.admin_url + "/metrics") as r:
+                    return next(line for line in (await r.text()).splitlines() if line.startswith("warmroute_gateway_flow_shared "))
+
+            assert await shared_gauge() == "warmroute_gateway_flow_shared 1.0"
+            redis_server.stop()
+            await until(lambda: not a.gateway.flow.shared, what="a to notice the board is away")
+            assert await shared_gauge() == "warmroute_gateway_flow_shared 0.0"
+            async with s.get(a.admin_url + "/readyz") as r:
+                reasons = (await r.json())["reasons"]
+            assert any("flow control on its local share" in x and "2 gateway(s)" in x for x in reasons), reasons
+            assert any("fair shares" in rec.getMessage() and "failed" in rec.getMessage() for rec in caplog.records)
+            # the local share of the bound: 4 over the 2 gateways last seen = 2 here
+            fill = [asyncio.create_task(ask(s, a.url, "k-filler", f"fill{i}")) for i in range(2)]
+            await until(lambda: rep.open_count() == 2)
+            held = [asyncio.create_task(ask(s, a.url, "k-noisy", f"n{i}")) for i in range(2)]
+            await until(lambda: len(a.gateway.flow.queue) == 2)
+            status, _, body = await ask(s, a.url, "k-noisy", "n2")
+            assert status == 429 and json.loads(body)["error"]["code"] == "queue_full"
+            redis_server.start()  # back on the same port: sharing resumes
+            await until(lambda: a.gateway.flow.shared, timeout_s=15.0, what="a to share again")
+            assert await shared_gauge() == "warmroute_gateway_flow_shared 1.0"
+            rep.drain()
+            assert all(st == 200 for st, _, _ in await asyncio.gather(*fill, *held))
+    finally:
+        await a.close()
+        await b.close()
+        await rep.close()
