@@ -160,7 +160,7 @@ _HEADER_NAME_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 def _check_flow(cfg: GatewayConfig) -> None:
     f = cfg.flow
-    for name, low in (("max_num_seqs", 1), ("engine_queue_reqs", 0), ("max_queue_reqs_per_tenant", 0)):
+    for name, low in (("max_num_seqs", 1), ("engine_queue_reqs", 0), ("headroom_reqs", 0), ("max_queue_reqs_per_tenant", 0)):
         v = getattr(f, name)
         if v is not None and v < low:
             raise _err(f"flow.{name}", f"must be >= {low}, got {v}")

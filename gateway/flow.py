@@ -4,8 +4,19 @@ first-come queues.
 
 Rules:
 - A request goes straight on when nothing is held and a replica it was ranked for has room
-  (gateway.admission); it is then sent to the best-ranked replica *with* room (the others stay
-  behind it for retries). Nothing is awaited on that path.
+  (gateway.admission); it is then sent where the policy ranked it first, with room or not, or to
+  the best-ranked replica with room that holds at least as much of its prefix (flow control
+  decides when a request goes, the policy where: `_grant`). Nothing is awaited on that path.
+- Headroom (`headroom_reqs`, per replica): a tenant is *light* while it has fewer requests
+  granted here (and not finished) than its weighted fair share of this gateway's part of the
+  pool's slots (slots x replicas / gateways, shared by weight among the tenants granted something
+  here or arrived within HEADROOM_RECENT_S). While a light tenant other than the requester
+  arrived within HEADROOM_RECENT_S, a grant for a tenant that is not light needs room under slots
+  - headroom_reqs, with none waiting in the engine; a light tenant's needs the normal room, and it
+  goes straight on even while others are held. So a tenant sending under its share finds a free
+  slot instead of waiting for the next one to free (the wait is the pool's time between
+  completions, however fair the order); no slot is held back when every active tenant is at or
+  over its share, or none other is active.
 - Otherwise it is held in the fair queue (gateway.fairness: weighted shares between tenants,
   priority classes within a tenant, FIFO within a class). Held requests are released while a
   replica has room, checked when a request of this gateway gets its first token or finishes and
@@ -35,6 +46,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections import OrderedDict
 from typing import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -49,20 +61,30 @@ from gateway.errors import ApiError
 from gateway.fairness import FairQueue
 from gateway.membership import Membership
 from gateway.routing import RoutingState
+from gateway.telemetry import LabelCache
 from policies.base import Decision
 from replica_agent.feed import FailureLog, FairShareBoard, TenantShare
 
 __all__ = ["FlowControl", "FlowMetrics", "Ticket", "run_share_exchange"]
+
+
+def _matched(v) -> int:
+    """The leading run of the request's blocks a replica holds, as the policies count it (0 for
+    no view, or a replica whose index is not live: nothing known to lose there)."""
+    return v.matched_blocks_cpu if v is not None and v.index_live else 0
+
 
 log = logging.getLogger("warmroute.gateway")
 
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RATE_TAU_S = 5.0  # time constant of the per-tenant release rate (Retry-After estimates)
 _MIN_RATE_SHARE = 0.05  # a gateway's share of a tenant's rate never drops below this
+HEADROOM_RECENT_S = 1.0  # a light tenant that arrived this recently keeps the headroom (module rules)
 
 
-class FlowMetrics:
+class FlowMetrics(LabelCache):
     def __init__(self, registry) -> None:
+        super().__init__()
         r = registry
         self.queued = Gauge("warmroute_gateway_flow_queued_requests", "Requests held by flow control",
                             ["tenant_hash", "priority"], registry=r, multiprocess_mode="livesum")
@@ -77,14 +99,6 @@ class FlowMetrics:
         self.shared = Gauge("warmroute_gateway_flow_shared", "1 while fair shares and limits are exchanged with the "
                             "other gateways, 0 while this gateway runs on its local share", registry=r,
                             multiprocess_mode="min")
-        self._children: dict[tuple, object] = {}
-
-    def child(self, metric, *labels):
-        key = (id(metric),) + labels
-        c = self._children.get(key)
-        if c is None:
-            c = self._children[key] = metric.labels(*labels)
-        return c
 
 
 @dataclasses.dataclass(slots=True)
@@ -147,6 +161,9 @@ class FlowControl:
         self._ids_of_hash = {tenant_hash(t): t for t in limiter.policies}
         self._rate: dict[str, tuple[float, float]] = {}  # tenant -> (releases/s EWMA, at)
         self._pending: dict[str, int] = {}  # replica -> released requests not yet dispatched
+        self._granted: dict[str, int] = {}  # tenant -> requests granted here and not finished
+        self._weights: dict[str, float] = {}  # tenant -> its weight at its last arrival
+        self._recent: OrderedDict[str, float] = OrderedDict()  # tenant -> its last arrival (clock), oldest first
         self._kicked = False
         self._wake: asyncio.Event | None = None
         self._keys_mtime = file_mtime(self.keys_file)
@@ -160,7 +177,10 @@ class FlowControl:
             return
         fc = self.rules.classify(ctx.identity, ctx.headers)
         t = ctx.flow = Ticket(fc, self.clock())
-        if not len(self.queue) and self._grant(ctx, t):
+        self._weights[fc.tenant] = fc.weight
+        self._arrived(fc.tenant, t.t_arrival)
+        direct = not len(self.queue) or (self._light(fc.tenant) and not self.queue.tenant_len(fc.tenant))
+        if direct and self._grant(ctx, t, self._reserve_for(fc.tenant)):
             t.path = "direct"
             self.metrics.child(self.metrics.admissions, fc.tenant, fc.priority_name, "direct").inc()
             return
@@ -200,6 +220,13 @@ class FlowControl:
             return
         self.finishes.add(t.replica, self.wall(), -1)
         t.replica = None
+        n = self._granted.get(t.cls.tenant, 0) - 1
+        if n > 0:
+            self._granted[t.cls.tenant] = n
+        else:
+            self._granted.pop(t.cls.tenant, None)
+            if t.cls.tenant not in self._recent:
+                self._weights.pop(t.cls.tenant, None)
         if len(self.queue):
             self._kick()
 
@@ -211,7 +238,52 @@ class FlowControl:
             self._fail(e.payload, "shutting_down")
 
     # ------------------------------------------------------------------ room and grants
-    def _room(self, v) -> bool:
+    def _arrived(self, tenant: str, now: float) -> None:
+        recent = self._recent
+        recent[tenant] = now
+        recent.move_to_end(tenant)
+        while recent:
+            oldest, at = next(iter(recent.items()))
+            if now - at <= HEADROOM_RECENT_S:
+                break
+            del recent[oldest]
+            if oldest not in self._granted:
+                self._weights.pop(oldest, None)
+
+    def _recently_arrived(self, now: float):
+        """Tenants that arrived within HEADROOM_RECENT_S, newest first."""
+        for tenant, at in reversed(self._recent.items()):
+            if now - at > HEADROOM_RECENT_S:
+                return
+            yield tenant
+
+    def _fair_slots(self, tenant: str, now: float) -> Callable[[str], bool]:
+        """`light(u)`: u has fewer requests granted here than its fair share of this gateway's part
+        of the pool's slots, among the tenants active here (granted something, or arrived within
+        HEADROOM_RECENT_S) and `tenant`."""
+        active = set(self._granted) | set(self._recently_arrived(now)) | {tenant}
+        w = self._weights
+        per_weight = self.slots * max(1, len(self.membership.all())) / max(1, self.n_gateways) / sum(
+            w.get(u, 1.0) for u in active)
+        return lambda u: self._granted.get(u, 0) < per_weight * w.get(u, 1.0)
+
+    def _light(self, tenant: str) -> bool:
+        return self._fair_slots(tenant, self.clock())(tenant)
+
+    def _reserve_for(self, tenant: str) -> int:
+        """Slots per replica a grant for `tenant` must leave free (module rules: headroom)."""
+        h = min(self.cfg.headroom_reqs, self.slots - 1)
+        if h <= 0:
+            return 0
+        if len(self._recent) < 2:
+            return 0  # nobody else arrived lately (pruned at each arrival): nothing to keep free, O(1)
+        now = self.clock()
+        light = self._fair_slots(tenant, now)
+        if light(tenant):
+            return 0
+        return h if any(u != tenant and light(u) for u in self._recently_arrived(now)) else 0
+
+    def _room(self, v, reserve: int = 0) -> bool:
         rid = v.replica_id
         ld = self.routing.load.get(rid)
         rep = self.routing.index.last_load(rid)
@@ -223,35 +295,52 @@ class FlowControl:
         occ = occupancy_reqs(rep, delta, own_active=ld.active_reqs,
                              own_inflight=ld.inflight_reqs + self._pending.get(rid, 0), others_inflight=ld.others_reqs)
         f = self.cfg
+        if reserve:  # headroom for light tenants: fewer slots, none waiting in the engine
+            return has_room(v, occ, slots=self.slots - reserve, engine_queue_reqs=0, max_queue_penalty_s=f.max_queue_penalty_s)
         return has_room(v, occ, slots=self.slots, engine_queue_reqs=f.engine_queue_reqs,
                         max_queue_penalty_s=f.max_queue_penalty_s)
 
-    def _grant(self, ctx: RequestContext, t: Ticket) -> bool:
-        """If a ranked replica has room: put the best such first, count the grant there."""
+    def _count_grant(self, t: Ticket, rid: str) -> None:
+        self.grants.add(rid, self.wall(), +1)
+        t.replica = rid
+        self._granted[t.cls.tenant] = self._granted.get(t.cls.tenant, 0) + 1
+
+    def _grant(self, ctx: RequestContext, t: Ticket, reserve: int = 0) -> bool:
+        """If a ranked replica has room: count the grant on the policy's first choice, or on the
+        best-ranked replica with room that holds at least as much of the request's prefix.
+
+        Flow control decides when a request goes, the policy where: the first choice may be a
+        replica without room (a prefix's holder with a queue), which the policy preferred to a
+        miss elsewhere. Moving the request to any replica with room would overrule that: with long
+        shared prefixes on busy replicas each such move is seconds of prefill and an eviction, and
+        the moves feed the queues that cause more of them (on the busy regime it collapsed every
+        run). A replica with room that holds as much loses nothing: the request goes there (with
+        two gateways, each seeing the other's finishes late, that keeps slots from idling).
+        `reserve`: slots per replica the grant must leave free (headroom)."""
         routing = ctx.routing
         ranked = routing.decision.ranked
         if not ranked:
             return False
-        first = routing.view_of(ranked[0].replica_id)
-        if first is not None and self._room(first):
-            rid = ranked[0].replica_id
-        else:
-            views = {v.replica_id: v for v in routing.views}
-            roomy = [c for c in ranked[1:] if self._room(views[c.replica_id])]
+        views = {v.replica_id: v for v in routing.views}
+        first = views.get(ranked[0].replica_id)
+        rid = ranked[0].replica_id
+        if first is None or not self._room(first, reserve):
+            roomy = [c for c in ranked[1:] if c.replica_id in views and self._room(views[c.replica_id], reserve)]
             if not roomy:
                 return False
-            ids = {c.replica_id for c in roomy}
-            rest = [c for c in ranked if c.replica_id not in ids]
-            ctx.routing = dataclasses.replace(routing, decision=Decision(routing.decision.policy, tuple(roomy + rest)))
-            rid = roomy[0].replica_id
-        self.grants.add(rid, self.wall(), +1)
-        t.replica = rid
+            same = [c for c in roomy if _matched(views[c.replica_id]) >= _matched(first)]
+            if same:
+                ids = {c.replica_id for c in same}
+                rest = [c for c in ranked if c.replica_id not in ids]
+                ctx.routing = dataclasses.replace(routing, decision=Decision(routing.decision.policy, tuple(same + rest)))
+                rid = same[0].replica_id
+        self._count_grant(t, rid)
         return True
 
-    def _pool_has_room(self) -> bool:
+    def _pool_has_room(self, reserve: int = 0) -> bool:
         now = self.membership.clock()
         available = {st.replica_id: st.available(now) for st in self.membership.all()}
-        return any(self._room(v) for v in self.routing.views(list(available), (), available) if v.healthy)
+        return any(self._room(v, reserve) for v in self.routing.views(list(available), (), available) if v.healthy)
 
     # ------------------------------------------------------------------ releases
     def _kick(self) -> None:
@@ -262,7 +351,10 @@ class FlowControl:
     def _release(self) -> None:
         """Release held requests while a replica has room (each re-decided: late binding)."""
         self._kicked = False
-        while len(self.queue) and self._pool_has_room():
+        while len(self.queue):
+            reserve = self._reserve_for(self.queue.peek().tenant)
+            if not self._pool_has_room(reserve):
+                break
             e = self.queue.pop()
             w: _Waiter = e.payload
             t = w.ticket
@@ -280,9 +372,8 @@ class FlowControl:
             if not w.ctx.routing.decision.ranked:
                 self._fail(w, "no_replica")
                 continue
-            if not self._grant(w.ctx, t):  # the pool view had room: trust it for the best-ranked
-                t.replica = w.ctx.routing.decision.ranked[0].replica_id
-                self.grants.add(t.replica, self.wall(), +1)
+            if not self._grant(w.ctx, t, reserve):  # the pool view had room: trust it for the best-ranked
+                self._count_grant(t, w.ctx.routing.decision.ranked[0].replica_id)
             t.pending = True
             self._pending[t.replica] = self._pending.get(t.replica, 0) + 1
             t.path = "released"

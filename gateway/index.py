@@ -7,8 +7,14 @@ empty `keys` gives `{}`. What counts for replica r:
   - real entries from its feed (`apply` / `load_snapshot`), but only while r is live: it produced a
     feed record (any kind) or a snapshot within `stale_after_s`; a silent replica's entries stop
     counting (they are kept, and count again as soon as r reports);
-  - speculative entries (`insert_speculative`), counted as GPU, until their TTL passes or a real
-    event for that (key, replica) arrives (stored makes it real; removed/cleared drops it). They
+  - speculative entries (`insert_speculative`), counted as GPU, until their TTL passes, a stored
+    record for that (key, replica) makes them real, or r's cache is cleared. A removal does not end
+    them: a removal of a key not stored since the request was routed is usually of an older copy,
+    delivered late, that the routed request computes again (ending them there left the index
+    short of the new copy until its store arrived: a request routed in that gap was predicted
+    under what the engine had). The price: a block the routed request found cached (no store
+    follows) and the engine evicts within the TTL still counts until the TTL ends, an
+    over-prediction; rare, since the request's blocks are the most recently used there. They
     count whatever r's liveness: they are the gateway's own knowledge.
 
 Layout (for speed and memory): each replica gets a slot (a bit position); per medium class (GPU, and
@@ -216,8 +222,9 @@ class KVIndex:
                     d[k] = m
                 else:
                     del d[k]
-        if self._spec:
-            self._drop_spec(slot, keys)
+        # Speculative entries stay (module header): a removal of a key not stored since it was
+        # speculated is usually of an older copy (feed lag) that the routed request computes
+        # again; a store in between would have made it real, and then this removal takes it.
         self._entries -= removed
         self._entries_by_slot[slot] -= removed
 

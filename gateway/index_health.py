@@ -8,8 +8,15 @@ shows as the two disagreeing. This closes that loop per replica.
 
 Rule, per replica:
   - a *sample* is one answer whose engine reported cached tokens, unless the prediction and the
-    report are both 0 (the index knew nothing and the engine had nothing: no evidence either way)
-    or the replica's feed was silent (its matches did not count: `RoutingState.checked`);
+    report are both 0 (the index knew nothing and the engine had nothing: no evidence either way),
+    or the replica's feed was silent (its matches did not count: `RoutingState.checked`), or the
+    engine found less than predicted after the request had waited in its queue more than
+    `queued_evict_s` (1 s: its TTFT beyond its own prefill at the replica's measured rate).
+    Blocks that were there at dispatch are evicted by the running requests while a request
+    waits: a busy replica's over-predictions say nothing about the index, and counting them
+    distrusted every replica of an overloaded pool, whose load-only routing then made the
+    overload worse. A stale index (a lost removal) still shows: the engine prefills what was
+    predicted cached, so the TTFT is that prefill, not a wait;
   - its *agreement* is min(predicted, reported) / max(predicted, reported) (1.0: exact);
   - over the last `window_reqs` (16) samples: the replica becomes *distrusted* when at least
     `min_samples` (8) are in the window and their mean agreement is below `distrust_below` (0.5),
@@ -33,7 +40,8 @@ from collections import deque
 from typing import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["IndexHealth", "ReplicaHealth", "WINDOW_REQS", "MIN_SAMPLES", "DISTRUST_BELOW", "TRUST_FROM", "RETRY_AFTER_S"]
+__all__ = ["IndexHealth", "ReplicaHealth", "WINDOW_REQS", "MIN_SAMPLES", "DISTRUST_BELOW", "TRUST_FROM", "RETRY_AFTER_S",
+           "QUEUED_EVICT_S"]
 
 log = logging.getLogger("warmroute.gateway.index_health")
 
@@ -42,6 +50,7 @@ MIN_SAMPLES = 8  # samples needed before a replica can be distrusted
 DISTRUST_BELOW = 0.5  # mean agreement below this: distrusted
 TRUST_FROM = 0.8  # mean agreement at least this: trusted again
 RETRY_AFTER_S = 60.0  # distrusted this long: window emptied, trusted again (half-open)
+QUEUED_EVICT_S = 1.0  # an over-prediction after a queue wait longer than this is no evidence
 
 
 @dataclass(slots=True)
@@ -62,7 +71,8 @@ class IndexHealth:
 
     def __init__(self, *, window_reqs: int = WINDOW_REQS, min_samples: int = MIN_SAMPLES,
                  distrust_below: float = DISTRUST_BELOW, trust_from: float = TRUST_FROM,
-                 retry_after_s: float = RETRY_AFTER_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 retry_after_s: float = RETRY_AFTER_S, queued_evict_s: float = QUEUED_EVICT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not 1 <= min_samples <= window_reqs:
             raise ValueError(f"need 1 <= min_samples <= window_reqs, got {min_samples}, {window_reqs}")
         if not 0.0 < distrust_below <= trust_from <= 1.0:
@@ -72,14 +82,18 @@ class IndexHealth:
         self.distrust_below = distrust_below
         self.trust_from = trust_from
         self.retry_after_s = retry_after_s
+        self.queued_evict_s = queued_evict_s
         self.clock = clock
         self._reps: dict[str, ReplicaHealth] = {}
 
-    def observe(self, replica_id: str, predicted_tokens: int, reported_tokens: int) -> bool | None:
-        """One answer's prediction and the engine's report; the new verdict (True: trusted again,
-        False: distrusted) when it changed, else None."""
+    def observe(self, replica_id: str, predicted_tokens: int, reported_tokens: int, queued_s: float = 0.0) -> bool | None:
+        """One answer's prediction, the engine's report and how long the request waited in the
+        engine's queue; the new verdict (True: trusted again, False: distrusted) when it changed,
+        else None."""
         if predicted_tokens <= 0 and reported_tokens <= 0:
             return None  # no evidence either way
+        if reported_tokens < predicted_tokens and queued_s > self.queued_evict_s:
+            return None  # evicted while it waited (module rule)
         rh = self._reps.get(replica_id)
         if rh is None:
             rh = self._reps[replica_id] = ReplicaHealth(deque(maxlen=self.window_reqs))

@@ -19,7 +19,13 @@ agent (one per engine step) woke the gateway for a read of a few records, and th
 the Redis client was the largest part of the gateway's CPU on long prompts; the price is at most
 `min_read_interval_s` more feed lag (the gateway's own routing is covered by speculative entries).
 A full batch from some replica (`batch_records` is per stream: a backlog) is followed by the next
-read at once.
+read at once. A request about to be routed calls `wake()`: the wait ends then (no sooner than
+`wake_floor_s` after the previous read started), so what the engines published since, above all
+the removals of blocks they evicted, is applied before the request's match. Without it a client
+sending its next request as the previous one ended was routed on an index up to 100 ms old: the
+engines' evictions made during that request were not in it yet (the over-predictions seen on real
+vLLM under eviction churn). Reads are then at most one per arrival, and never more than
+1 / `wake_floor_s` a second.
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ log = logging.getLogger("warmroute.index_sync")
 class IndexSync:
     def __init__(self, feed: FeedReader, index: KVIndex, *, replicas: Iterable[str] | None = None,
                  discover_every_s: float = 2.0, check_every_s: float = 5.0, block_s: float = 0.5,
-                 batch_records: int = 2000, min_read_interval_s: float = 0.1,
+                 batch_records: int = 2000, min_read_interval_s: float = 0.1, wake_floor_s: float = 0.01,
                  wall_clock: Callable[[], float] = time.time, health: FailureLog | None = None) -> None:
         self.feed = feed
         # a feed outage is logged when it starts, about once a minute while it lasts, and when it ends
@@ -52,7 +58,10 @@ class IndexSync:
         self.block_s = block_s
         self.batch_records = batch_records
         self.min_read_interval_s = min_read_interval_s
+        self.wake_floor_s = wake_floor_s
         self._read_at = -1e18  # time.monotonic() when the last read started
+        self._wanted_at = -1e18  # time.monotonic() of the last wake(): a request wants a fresh index
+        self._woken = asyncio.Event()
         self._coalesce = False  # the last read returned a partial batch: wait before the next
         self._wall = wall_clock
         self._positions: dict[str, int] = {}  # replica -> last applied offset
@@ -81,6 +90,11 @@ class IndexSync:
         self._rebuild.discard(replica_id)
         self._lag_s.pop(replica_id, None)
         self.index.purge(replica_id)
+
+    def wake(self) -> None:
+        """A request is about to be routed: end a coalescing wait (module docstring)."""
+        self._wanted_at = time.monotonic()
+        self._woken.set()
 
     def lag_s(self, replica_id: str) -> float:
         """Publish-to-apply delay of the replica's last applied record (s); 0.0 when none yet."""
@@ -127,9 +141,7 @@ class IndexSync:
             await asyncio.sleep(self.block_s)
             return 0
         if self._coalesce:
-            wait_s = self._read_at + self.min_read_interval_s - time.monotonic()
-            if wait_s > 0:
-                await asyncio.sleep(wait_s)
+            await self._coalescing_wait()
         self._read_at = time.monotonic()
         events = await self.feed.read(dict(self._positions), block_s=self.block_s, count=self.batch_records)
         self._coalesce = bool(events) and not self._backlog(events)
@@ -146,6 +158,20 @@ class IndexSync:
         if not events:
             self.index.maintain(50_000)  # idle: finish sweeping cleared replicas' old entries
         return len(events)
+
+    async def _coalescing_wait(self) -> None:
+        """Until `min_read_interval_s` after the last read started, or `wake()` (after the floor)."""
+        if self._wanted_at <= self._read_at:  # no request has asked since the last read started
+            self._woken.clear()
+            wait_s = self._read_at + self.min_read_interval_s - time.monotonic()
+            if wait_s > 0:
+                try:
+                    await asyncio.wait_for(self._woken.wait(), wait_s)
+                except asyncio.TimeoutError:
+                    return
+        floor_s = self._read_at + self.wake_floor_s - time.monotonic()
+        if floor_s > 0:
+            await asyncio.sleep(floor_s)
 
     def _backlog(self, events: list[FeedEvent]) -> bool:
         """Did some replica's stream fill the batch (`count` is per stream)? Then more is waiting."""

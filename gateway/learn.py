@@ -3,7 +3,9 @@
 Rule: a streamed answer's TTFT (upstream send -> first event) is a prefill-rate sample for its
 replica, taken against the prompt tokens the engine really prefilled (prompt - engine-reported
 cached, when the engine reports them; else the predicted uncached tokens) and the queue the policy
-saw ahead of it; its mean inter-event interval is a decode-step sample. A whole (non-streamed)
+saw ahead of it; its mean inter-event interval is a decode-step sample; its TTFT beyond that prefill at the
+replica's rate is the time it waited in the engine's queue (the index check discounts
+over-predictions after a long wait: gateway.index_health). A whole (non-streamed)
 answer's time is not a TTFT: no rate sample. The engine's `cached_tokens` against the index's
 prediction is the index's accuracy (gateway.telemetry keeps its moving mean). The gateway and the
 virtual-time simulator both learn through `learn()`.
@@ -28,6 +30,7 @@ class Lesson:
     cached_tokens: int | None  # engine-reported prefix-cache hit tokens
     predicted_cached_tokens: int  # the index's prediction
     uncached_tokens: int  # tokens the engine prefilled (reported, else predicted)
+    queued_s: float = 0.0  # TTFT beyond its own prefill at the replica's rate: its wait in the engine's queue
 
 
 def learn(outcome: Outcome, calibrator: Calibrator, policy: Policy) -> Lesson:
@@ -39,7 +42,10 @@ def learn(outcome: Outcome, calibrator: Calibrator, policy: Policy) -> Lesson:
         policy.observe(rid, outcome.ttft_s, uncached)
     if outcome.decode_step_s is not None:
         calibrator.observe_token_interval(rid, outcome.decode_step_s)
-    return Lesson(rid, pt, ct, cached, outcome.predicted_cached_tokens, uncached)
+    queued = 0.0
+    if outcome.ttft_s is not None:
+        queued = max(0.0, outcome.ttft_s - uncached * calibrator.prefill_s_per_token(rid))
+    return Lesson(rid, pt, ct, cached, outcome.predicted_cached_tokens, uncached, queued)
 
 
 def usage_numbers(usage: Mapping[str, Any] | None) -> tuple[int | None, int | None, int | None]:

@@ -177,6 +177,7 @@ class Pipeline:
         """Validate, tokenize, salt, key and decide (`ctx.identity` and `ctx.payload` are set)."""
         ident: Identity = ctx.identity
         ctx.request = parse_request(ctx.kind, ctx.payload, ctx.payload["model"])
+        self.routing.freshen()  # the index reads the engines' latest events while we tokenize
         ctx.prompt = await tokenize(self.tokenizer, ctx.request, inline_max_chars=self.cfg.model.inline_tokenize_max_chars,
                                     max_model_len=self.model.max_model_len)
         ctx.salt = self.salter.salt_for(ident.tenant_id, ident.user_id)
@@ -200,7 +201,7 @@ class Pipeline:
         lesson = learn(outcome, self.routing.calibrator, self.policy)
         agreement = self.metrics.record_lesson(lesson)
         if lesson.cached_tokens is not None:  # the index check (gateway.index_health)
-            self.routing.checked(lesson.replica_id, lesson.predicted_cached_tokens, lesson.cached_tokens)
+            self.routing.checked(lesson.replica_id, lesson.predicted_cached_tokens, lesson.cached_tokens, lesson.queued_s)
         ctx.span.outcome(lesson, agreement)
 
     def finish(self, ctx: RequestContext) -> None:

@@ -48,6 +48,9 @@ class RoutingState:
         self.speculative_ttl_s = speculative_ttl_s  # lifetime of a routed request's speculative keys
         self.clock = clock  # monotonic seconds (virtual in the simulator)
         self.health = IndexHealth()  # predicted vs engine-reported cached tokens (fed by the learn stage)
+        # called as a request starts planning, before it is tokenized: the index's feed consumer
+        # reads what the engines published since its last read (IndexSync.wake); none without a feed
+        self.freshen: Callable[[], None] = lambda: None
 
     def views(self, replica_ids: Sequence[str], keys: Sequence[int], available: Mapping[str, bool]) -> list[ReplicaView]:
         """One view per replica for a request with `keys`; `available`: rid -> passes health."""
@@ -91,12 +94,12 @@ class RoutingState:
             self.index.insert_speculative(replica_id, keys, ttl)
         return flight
 
-    def checked(self, replica_id: str, predicted_tokens: int, reported_tokens: int) -> None:
+    def checked(self, replica_id: str, predicted_tokens: int, reported_tokens: int, queued_s: float = 0.0) -> None:
         """The engine reported a request's cached tokens: check the index's prediction
         (gateway.index_health), unless the replica's feed is silent (its matches do not count then,
-        so a miss says nothing about the index)."""
+        so a miss says nothing about the index). `queued_s`: its wait in the engine's queue."""
         if self.index.is_live(replica_id):
-            self.health.observe(replica_id, predicted_tokens, reported_tokens)
+            self.health.observe(replica_id, predicted_tokens, reported_tokens, queued_s)
 
     def forget(self, replica_id: str) -> None:
         """The replica left the pool: purge what is known of it."""

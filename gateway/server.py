@@ -166,6 +166,7 @@ class Gateway:
             self.feed = open_feed(self.cfg.feed.url, inflight_ttl_s=self.cfg.feed.inflight_ttl_s)
         # Follow exactly the pool's replicas (an agent's --replica-id must equal the gateway's id).
         self.index_sync = IndexSync(self.feed, self.routing.index, replicas=self.membership.ids(), health=self.feed_health)
+        self.routing.freshen = self.index_sync.wake
         self._spawn(run_index_sync(self.index_sync, self.feed_health), "index-sync")
         self._spawn(run_inflight_exchange(self.feed, self.routing.load, self.board_health, self.cfg.feed.inflight_poll_s),
                     "inflight")

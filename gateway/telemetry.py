@@ -29,17 +29,33 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
 
-__all__ = ["Metrics", "StateCollector", "build_tracer_provider", "setup_logging", "JsonFormatter"]
+__all__ = ["LabelCache", "Metrics", "StateCollector", "build_tracer_provider", "setup_logging", "JsonFormatter"]
 
 _LAT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
-class Metrics:
+class LabelCache:
+    """Labelled children of prometheus metrics, each made once: on the hot path a dict lookup
+    instead of `labels()` (a lock and the metric's own lookup)."""
+
+    def __init__(self) -> None:
+        self._children: dict[tuple, Any] = {}
+
+    def child(self, metric, *labels):
+        key = (id(metric),) + labels
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+
+class Metrics(LabelCache):
     """Per-request instruments; label children are cached so the hot path is a dict lookup."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__()
         r = self.registry = registry or CollectorRegistry(auto_describe=True)
         self.requests = Counter("warmroute_gateway_requests", "Requests answered, by route, HTTP status and replica",
                                 ["route", "status", "replica"], registry=r)
@@ -72,7 +88,6 @@ class Metrics:
                                        ["replica", "phase", "reason"], registry=r)
         self.ejections = Counter("warmroute_gateway_ejections", "Passive ejections of a replica", ["replica"], registry=r)
         self.output_tokens = Counter("warmroute_gateway_output_tokens", "Completion tokens (engine usage)", ["replica"], registry=r)
-        self._children: dict[tuple, Any] = {}
         self._acc: dict[str, float] = {}
 
     def request_done(self, route: str, status: int, replica: str) -> None:
@@ -81,13 +96,6 @@ class Metrics:
         if c is None:
             c = self._children[key] = self.requests.labels(route, str(status), replica)
         c.inc()
-
-    def child(self, metric, *labels):
-        key = (id(metric),) + labels
-        c = self._children.get(key)
-        if c is None:
-            c = self._children[key] = metric.labels(*labels)
-        return c
 
     def record_lesson(self, lesson) -> float | None:
         """Count one answer's tokens (a gateway.learn.Lesson); the index agreement, when the

@@ -16,6 +16,7 @@ stdout; a failed request's reason is counted (runner.error_reason) and printed u
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -58,11 +59,15 @@ def bench_requests(workload, model: str, api_keys: dict[str, str] | None, words_
     """The workload's requests as HTTP bodies (`requests`: other WorkloadRequests, e.g. a warm-up;
     `words_per_token`: loadtests.workloads.segment_text)."""
     out = []
+    last_turn: dict[str, int] = {}  # conversation -> index of its latest turn so far
     for r in workload.requests if requests is None else requests:
         body = {"model": model, "messages": render_messages(r, words_per_token), "max_tokens": r.max_output_tokens,
                 "ignore_eos": True, "temperature": 0}
+        after = last_turn.get(r.conversation, -1) if r.conversation and r.turn > 0 else -1
+        if r.conversation:
+            last_turn[r.conversation] = len(out)
         out.append(BenchRequest(r.arrival_s, "/v1/chat/completions", body,
-                                api_key=(api_keys or {}).get(r.tenant), tag=r.request_id))
+                                api_key=(api_keys or {}).get(r.tenant), tag=r.request_id, after=after))
     return out
 
 
@@ -110,7 +115,7 @@ async def run_targets(workload, targets: list[str], model: str, concurrency: int
     report: dict[str, dict] = {}
     runs: dict[str, list[Sample]] = {}
     for url in targets:
-        reqs = [BenchRequest(r.arrival_s, r.route, r.body, api_key, r.tag) for r in bench_requests(workload, model, None)]
+        reqs = [dataclasses.replace(r, api_key=api_key) for r in bench_requests(workload, model, None)]
         progress.stage(f"{url}: sending {len(reqs)} requests" + (" with an API key" if api_key else " without an API key"))
         cpu = CpuMeter()
         with progress.requests(url, len(reqs)) as bar:

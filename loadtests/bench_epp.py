@@ -134,16 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         _wait_ready(f"http://{endpoint}/health")
         if not ready.wait(60):
             raise RuntimeError("picker did not start")
-        direct_port, direct_admin, epp_port, epp_admin = (_free_port() for _ in range(4))
-        direct = EnvoyProcess(direct_bootstrap(direct_port, direct_admin, [("127.0.0.1", up_port)]), direct_admin,
+        # Port 0: each Envoy binds a port of the kernel's choosing and reports it (EnvoyProcess.listen_port).
+        direct = EnvoyProcess(direct_bootstrap(0, 0, [("127.0.0.1", up_port)]), 0,
                               concurrency=args.envoy_concurrency).start()
         procs.append(direct)
         epp = EnvoyProcess(bootstrap(EnvoyOptions(
-            epp_port, epp_admin, ("127.0.0.1", picker_port), [("127.0.0.1", up_port)], response_body_mode=args.response_body_mode)),
-                           epp_admin, concurrency=args.envoy_concurrency).start()
+            0, 0, ("127.0.0.1", picker_port), [("127.0.0.1", up_port)], response_body_mode=args.response_body_mode)),
+                           0, concurrency=args.envoy_concurrency).start()
         procs.append(epp)
-        targets = {"envoy": (f"http://127.0.0.1:{direct_port}", direct.proc.pid),
-                   "envoy+epp": (f"http://127.0.0.1:{epp_port}", epp.proc.pid)}
+        targets = {"envoy": (f"http://127.0.0.1:{direct.listen_port}", direct.proc.pid),
+                   "envoy+epp": (f"http://127.0.0.1:{epp.listen_port}", epp.proc.pid)}
         if not args.no_gateway:
             gw_port, gw_admin = _free_port(), _free_port()
             gw = subprocess.Popen(

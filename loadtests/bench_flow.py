@@ -7,9 +7,10 @@ time model, small `--max-num-seqs`, each with its agent publishing to a private 
   alone       the quiet tenant alone, within its fair share C/2: `--quiet-share` of it (default
               half, C/4), paced (one request every so often, as a client sending "one a second")
   noisy       the same quiet stream plus a noisy tenant at 5x its share (5C/2, Poisson arrivals)
-each with flow control on and off, and each through one gateway process and through two (each
-tenant's requests alternate between them; fair shares and bounds shared over Redis). Tenants
-have equal weights. Every scenario starts from cold caches and fresh gateway processes.
+each with flow control off and on, on once per `--headroom-reqs` value (flow.headroom_reqs: the
+slots heavy tenants leave to light ones; default 1 and 0, side by side), and each through one
+gateway process and through two (each tenant's requests alternate between them; fair shares and
+bounds shared over Redis). Tenants have equal weights. Every scenario starts from cold caches and fresh gateway processes.
 
 Reported per scenario: the quiet tenant's TTFT p50/p99 (and its errors), the noisy tenant's
 completed and refused (429) requests, total throughput (requests completed per second while
@@ -39,6 +40,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from loadtests.bench_gateway_overhead import _wait_ready
 from loadtests.runner import BenchRequest, _one, percentiles, run_load
 
 MODEL = "flow-bench"
@@ -104,7 +106,7 @@ def _slowdown(before: list[dict], after: list[dict]) -> float:
 
 # --------------------------------------------------------------------------- gateways
 def _gateway_config(path: Path, redis_url: str, sims: list[str], ports: tuple[int, int], *, flow: bool,
-                    args: argparse.Namespace) -> None:
+                    args: argparse.Namespace, headroom: int) -> None:
     import yaml
 
     from loadtests.sim.scheduler import TimeModel
@@ -122,7 +124,8 @@ def _gateway_config(path: Path, redis_url: str, sims: list[str], ports: tuple[in
         "auth": {"api_keys": {t: ["sha256:" + hashlib.sha256(k.encode()).hexdigest()] for t, k in TENANT_KEYS.items()}},
         "salt": {"secret_file": str(path.parent / "salt")},
         "flow": {"enabled": flow, "max_queue_wait_s": args.max_queue_wait_s,
-                 "max_queue_reqs_per_tenant": args.max_queue_reqs, "engine_queue_reqs": args.engine_queue_reqs},
+                 "max_queue_reqs_per_tenant": args.max_queue_reqs, "engine_queue_reqs": args.engine_queue_reqs,
+                 "headroom_reqs": headroom},
     }
     path.write_text(yaml.safe_dump(cfg))
 
@@ -130,7 +133,7 @@ def _gateway_config(path: Path, redis_url: str, sims: list[str], ports: tuple[in
 class Gateways:
     """`n` gateway processes on one config shape; `urls` are their API bases."""
 
-    def __init__(self, n: int, redis_url: str, sims: list[str], *, flow: bool, args, workdir: Path) -> None:
+    def __init__(self, n: int, redis_url: str, sims: list[str], *, flow: bool, args, workdir: Path, headroom: int = 1) -> None:
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.admin: list[str] = []
@@ -138,7 +141,7 @@ class Gateways:
             ports = (_free_port(), _free_port())
             d = workdir / f"gw{i}-{'on' if flow else 'off'}-{time.monotonic_ns()}"
             d.mkdir()
-            _gateway_config(d / "gateway.yaml", redis_url, sims, ports, flow=flow, args=args)
+            _gateway_config(d / "gateway.yaml", redis_url, sims, ports, flow=flow, args=args, headroom=headroom)
             log = open(d / "gateway.log", "w")
             self.procs.append(subprocess.Popen([sys.executable, "-m", "gateway.cli", "gateway", "--config", str(d / "gateway.yaml")],
                                                stdout=log, stderr=subprocess.STDOUT))
@@ -156,19 +159,6 @@ class Gateways:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-
-
-def _wait_ready(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except Exception:  # noqa: BLE001
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout_s}s")
 
 
 def _reset_caches(sims: list[str]) -> None:
@@ -260,9 +250,9 @@ async def _calibrate(urls: list[str], args) -> float:
     return sum(1 for t in done if half <= t <= args.calibrate_s) / half
 
 
-def _scenario(name: str, n_gw: int, flow: bool, reqs, ctx, args) -> dict:
+def _scenario(name: str, n_gw: int, flow: bool, reqs, ctx, args, headroom: int = 1) -> dict:
     _reset_caches(ctx["sims"])
-    gws = Gateways(n_gw, ctx["redis"], ctx["sims"], flow=flow, args=args, workdir=ctx["workdir"])
+    gws = Gateways(n_gw, ctx["redis"], ctx["sims"], flow=flow, args=args, workdir=ctx["workdir"], headroom=headroom)
     try:
         import uvloop
 
@@ -271,9 +261,11 @@ def _scenario(name: str, n_gw: int, flow: bool, reqs, ctx, args) -> dict:
         slowdown = _slowdown(before, _sim_stats(ctx["sims"]))
     finally:
         gws.close()
-    row = {"scenario": name, "gateways": n_gw, "flow": "on" if flow else "off", "wall_s": round(wall, 1),
+    row = {"scenario": name, "gateways": n_gw, "flow": "on" if flow else "off", "headroom": headroom if flow else None,
+           "wall_s": round(wall, 1),
            "sim_slowdown": slowdown, **_summary(samples, args.seconds, args.warmup_s)}
-    print(f"{n_gw} gw  flow {row['flow']:3s}  {name:5s}  quiet TTFT p50 {row['quiet_ttft_ms']['p50']:8.1f} p99 "
+    label = f"on, headroom {headroom}" if flow else "off"
+    print(f"{n_gw} gw  flow {label:13s}  {name:5s}  quiet TTFT p50 {row['quiet_ttft_ms']['p50']:8.1f} p99 "
           f"{row['quiet_ttft_ms']['p99']:8.1f} ms (errors {row['quiet_errors']})  noisy ok {row['noisy_ok']:4d} 429 "
           f"{row['noisy_429']:4d}  {row['throughput_rps']:6.2f} req/s  hit {row['hit_ratio']:.3f}  sim x{slowdown}  "
           f"({row['wall_s']} s){'  ' + str(row['error_examples']) if row['error_examples'] else ''}",
@@ -322,13 +314,13 @@ def hot_path_us(n: int = 20_000, replicas: int = 4) -> dict[str, float]:
 
 def _verdicts(rows: list[dict]) -> list[dict]:
     out = []
-    for n_gw in sorted({r["gateways"] for r in rows}):
-        get = {(r["flow"], r["scenario"]): r for r in rows if r["gateways"] == n_gw}
-        alone, on, off = get[("on", "alone")], get[("on", "noisy")], get[("off", "noisy")]
+    for n_gw, headroom in sorted({(r["gateways"], r["headroom"]) for r in rows if r["flow"] == "on"}):
+        get = {(r["flow"], r["headroom"], r["scenario"]): r for r in rows if r["gateways"] == n_gw}
+        alone, on, off = get[("on", headroom, "alone")], get[("on", headroom, "noisy")], get[("off", None, "noisy")]
         ratio = on["quiet_ttft_ms"]["p99"] / alone["quiet_ttft_ms"]["p99"]
         tput = on["throughput_rps"] / off["throughput_rps"] if off["throughput_rps"] else float("nan")
-        out.append({"gateways": n_gw, "quiet_p99_vs_alone": round(ratio, 2),
-                    "quiet_p99_vs_alone_flow_off": round(off["quiet_ttft_ms"]["p99"] / get[("off", "alone")]["quiet_ttft_ms"]["p99"], 1),
+        out.append({"gateways": n_gw, "headroom_reqs": headroom, "quiet_p99_vs_alone": round(ratio, 2),
+                    "quiet_p99_vs_alone_flow_off": round(off["quiet_ttft_ms"]["p99"] / get[("off", None, "alone")]["quiet_ttft_ms"]["p99"], 1),
                     "throughput_vs_off": round(tput, 3), "hit_ratio_on": on["hit_ratio"], "hit_ratio_off": off["hit_ratio"],
                     "goals": {"quiet_p99_within_1.25x": ratio <= 1.25, "throughput_within_3pct": tput >= 0.97,
                               "hit_ratio_not_lower": on["hit_ratio"] >= off["hit_ratio"] - 0.005}})
@@ -354,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the quiet tenant's rate, in fair shares (1.0: exactly its share, which leaves it no headroom "
                          "when the pool's capacity dips: its queue is then critically loaded)")
     ap.add_argument("--engine-queue-reqs", type=int, default=1, help="flow.engine_queue_reqs of the runs")
+    ap.add_argument("--headroom-reqs", default="1,0", help="flow.headroom_reqs values to run flow control with, side by side")
     ap.add_argument("--noisy-multiple", type=float, default=5.0, help="the noisy tenant's rate, in fair shares")
     ap.add_argument("--max-queue-wait-s", type=float, default=5.0, help="flow.max_queue_wait_s of the runs")
     ap.add_argument("--max-queue-reqs", type=int, default=200, help="flow.max_queue_reqs_per_tenant of the runs")
@@ -405,15 +398,16 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 gws.close()
         share = cap / 2
-        print(f"pool capacity C = {cap:.2f} req/s; fair share C/2 = {share:.2f} req/s; quiet paced at {share:.2f}, "
+        print(f"pool capacity C = {cap:.2f} req/s; fair share C/2 = {share:.2f} req/s; quiet paced at {args.quiet_share * share:.2f}, "
               f"noisy Poisson at {args.noisy_multiple * share:.2f}", flush=True)
         report["capacity_rps"] = round(cap, 3)
         quiet = _requests("quiet", _paced(args.quiet_share * share, args.seconds), args, seed=1)
         noisy = _requests("noisy", _poisson(args.noisy_multiple * share, args.seconds, seed=2), args, seed=3)
+        runs = [(True, int(h)) for h in args.headroom_reqs.split(",") if h] + [(False, 0)]
         for n_gw in [int(x) for x in args.gateways.split(",") if x]:
-            for flow in (True, False):
+            for flow, headroom in runs:
                 for name, reqs in (("alone", quiet), ("noisy", quiet + noisy)):
-                    report["rows"].append(_scenario(name, n_gw, flow, reqs, ctx, args))
+                    report["rows"].append(_scenario(name, n_gw, flow, reqs, ctx, args, headroom))
         report["verdicts"] = _verdicts(report["rows"])
         for v in report["verdicts"]:
             print(json.dumps(v), flush=True)

@@ -204,7 +204,7 @@ def _start_pool(args, procs: Procs, tmp: Path, wr_bin: str) -> tuple[dict, dict]
                                    "--max-model-len", str(args.num_blocks * 16), "--max-num-seqs", str(args.max_num_seqs),
                                    "--time-profile", "wallclock", "--kv-events-endpoint", ev, "--replay-endpoint", rp])
         sims[rid] = f"http://127.0.0.1:{port}"
-    return sims, {"warmroute_bin": wr_bin, "feed_url": feed_url, "salt_file": str(salt_file)}
+    return sims, {"warmroute_bin": wr_bin, "feed_url": feed_url, "salt_file": str(salt_file), "max_num_seqs": args.max_num_seqs}
 
 
 def cprofile_table(stats_path: Path, n_requests: int, top: int) -> tuple[list[tuple[str, float, int]], list[tuple[str, float]]]:
@@ -338,7 +338,7 @@ async def _one_run(session, args, procs: Procs, variant: tuple[str, str], load: 
 async def _run(args, procs: Procs, tmp: Path, variants: list[tuple[str, str]]) -> list[dict]:
     from loadtests.workloads import build_workload
 
-    params = dict(REGIME)
+    params = dict(REGIME) if args.workload == "shared_docs" else {}  # the regime's shape is a shared_docs one
     params.update(_parse_params(args.param))
     params.update(rate_rps=args.rate, concurrency=None)
     workload = build_workload(args.workload, args.requests, seed=args.seed, **params)
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--workload", default="shared_docs")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                   help=f"override a workload parameter (defaults: {REGIME})")
+                   help=f"override a workload parameter (shared_docs defaults: {REGIME}; other workloads: their own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-blocks", type=int, default=1616, help="KV capacity per sim, in blocks of 16 tokens")
     p.add_argument("--max-num-seqs", type=int, default=64)

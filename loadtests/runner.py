@@ -19,15 +19,42 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Coroutine, Iterable, Sequence
 
 import aiohttp
 
 __all__ = ["BenchRequest", "Sample", "run_load", "summarize", "percentiles", "CpuMeter", "error_reason",
-           "Interrupted", "run_interruptible"]
+           "Interrupted", "run_interruptible", "wait_http"]
+
+
+def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    """Until GET `url` answers 200; RuntimeError after `timeout_s`, or at once if `proc` exits
+    first (with the tail of its `log`). The soak's and the tests' wait for a started process."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited ({proc.returncode}) before {url} answered: {_tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f}s: {_tail(log)}")
+
+
+def _tail(log: Path | None, n: int = 3000) -> str:
+    if log is None or not log.exists():
+        return ""
+    return log.read_text(errors="replace")[-n:]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +64,7 @@ class BenchRequest:
     body: dict  # OpenAI request body (stream is forced on)
     api_key: str | None = None  # bearer credential (the tenant), None when auth is off
     tag: str = ""  # workload label, e.g. document id
+    after: int = -1  # index (in the same list) of a request that must finish first: a chat's previous turn
 
 
 @dataclass(slots=True)
@@ -153,10 +181,24 @@ async def run_load(
     on_done: Callable[[Sample], None] | None = None,
 ) -> tuple[list[Sample], float]:
     """Send `requests`; return (samples in request order, wall seconds). Open loop unless
-    `concurrency` is given. `on_done(sample)` is called as each request finishes (progress)."""
+    `concurrency` is given. `on_done(sample)` is called as each request finishes (progress).
+    A request with `after` >= 0 is sent no sooner than that request has finished (a user reads
+    answer k before sending turn k + 1; vtime's rule too), at its own arrival time or then."""
     done = on_done or (lambda _s: None)
     connector = aiohttp.TCPConnector(limit=0, force_close=fresh_connections)
     samples: list[Sample | None] = [None] * len(requests)
+    finished = [asyncio.Event() for _ in requests] if any(r.after >= 0 for r in requests) else []
+
+    async def send(i: int, r: BenchRequest) -> None:
+        if r.after >= 0:
+            await finished[r.after].wait()
+        try:
+            samples[i] = await _one(session, base_url, r, t0, timeout_s)
+        finally:
+            if finished:
+                finished[i].set()
+        done(samples[i])
+
     async with aiohttp.ClientSession(connector=connector) as session:
         t0 = time.perf_counter()
         if concurrency:
@@ -164,8 +206,7 @@ async def run_load(
 
             async def worker() -> None:
                 for i, r in it:
-                    samples[i] = await _one(session, base_url, r, t0, timeout_s)
-                    done(samples[i])
+                    await send(i, r)
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
         else:
@@ -173,8 +214,7 @@ async def run_load(
                 delay = r.arrival_s - (time.perf_counter() - t0)
                 if delay > 0:
                     await asyncio.sleep(delay)
-                samples[i] = await _one(session, base_url, r, t0, timeout_s)
-                done(samples[i])
+                await send(i, r)
 
             await asyncio.gather(*(timed(i, r) for i, r in enumerate(requests)))
         wall = time.perf_counter() - t0

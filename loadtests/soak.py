@@ -34,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from loadtests.runner import wait_http
+
 __all__ = ["SoakConfig", "SoakResult", "run_soak", "main"]
 
 MODEL = "warmroute-sim"
@@ -68,6 +70,7 @@ class SoakResult:
     index_evictions: int = 0
     samples: list = field(default_factory=list)  # (t_s, rss_bytes, index_entries) per second
     failures: list = field(default_factory=list)  # which checks failed
+    error_examples: list = field(default_factory=list)  # the first few failed requests: what went wrong
 
     @property
     def ok(self) -> bool:
@@ -114,22 +117,6 @@ class _Processes:
                 p.wait(5)
 
 
-def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"a soak process exited ({proc.returncode}) before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f}s")
-
-
 def _start_system(cfg: SoakConfig, ps: _Processes) -> tuple[subprocess.Popen, str, str]:
     """Redis (unless given), sims, agents and the gateway; (gateway process, API URL, admin URL)."""
     wr = [sys.executable, "-m", "gateway.cli"]
@@ -149,7 +136,7 @@ def _start_system(cfg: SoakConfig, ps: _Processes) -> tuple[subprocess.Popen, st
                                         "--num-blocks", str(cfg.sim_num_blocks), "--kv-events-endpoint", f"tcp://*:{pub}",
                                         "--replay-endpoint", f"tcp://127.0.0.1:{rep}"])
         url = f"http://127.0.0.1:{http}"
-        _wait_http(url + "/health", sim)
+        wait_http(url + "/health", 60.0, sim)
         ps.start(f"agent{i}", wr + ["agent", "--replica-id", f"r{i}", "--engine-url", url, "--kv-events-endpoint",
                                     f"tcp://127.0.0.1:{pub}", "--replay-endpoint", f"tcp://127.0.0.1:{rep}",
                                     "--feed", redis_url, "--model", MODEL, "--load-interval", "0.5"])
@@ -163,7 +150,7 @@ def _start_system(cfg: SoakConfig, ps: _Processes) -> tuple[subprocess.Popen, st
     path = ps.workdir / "gateway.yaml"
     path.write_text(json.dumps(gw_cfg))
     gw = ps.start("gateway", wr + ["gateway", "--config", str(path)])
-    _wait_http(f"http://127.0.0.1:{admin}/readyz", gw)
+    wait_http(f"http://127.0.0.1:{admin}/readyz", 60.0, gw)
     return gw, f"http://127.0.0.1:{api}", f"http://127.0.0.1:{admin}"
 
 
@@ -189,14 +176,19 @@ async def _load(cfg: SoakConfig, url: str, admin_url: str, gw_pid: int, res: Soa
         async def one(n: int) -> None:
             words = " ".join(f"w{rng.randrange(10**9)}" for _ in range(60))  # unique: fresh blocks every time
             body = {"model": MODEL, "prompt": f"request {n}: {words}", "max_tokens": 8, "stream": True}
+            t0 = time.monotonic()
             try:
                 async with s.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=60)) as r:
                     data = await r.read()
                 ok = r.status == 200 and data.endswith(b"data: [DONE]\n\n") and b'"error"' not in data
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+                why = f"HTTP {r.status}, body ends {data[-200:]!r}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 ok = False
+                why = f"{type(exc).__name__}: {exc}"
             res.requests += 1
             res.errors += 0 if ok else 1
+            if not ok and len(res.error_examples) < 3:
+                res.error_examples.append(f"request {n} at {t0 - t_start:.1f} s, after {time.monotonic() - t0:.2f} s: {why}")
 
         async def sampler() -> None:
             while time.monotonic() < t_end:
@@ -245,7 +237,7 @@ def run_soak(cfg: SoakConfig) -> SoakResult:
     finally:
         ps.stop()
     if res.errors:
-        res.failures.append(f"{res.errors} request errors")
+        res.failures.append(f"{res.errors} request errors (first: {'; '.join(res.error_examples)})")
     if res.rss_warm_bytes:
         res.rss_growth = (res.rss_max_bytes - res.rss_warm_bytes) / res.rss_warm_bytes
     if res.rss_growth >= cfg.max_rss_growth:

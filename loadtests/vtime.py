@@ -208,6 +208,11 @@ class SimResult:
     evicted_blocks: int = 0  # cached blocks evicted during the measured stream, all replicas
     preemptions: int = 0  # requests preempted during the measured stream, all replicas
     per_replica_prefill_tokens: list = field(default_factory=list)  # tokens prefilled, measured stream
+    # long misses: measured requests that found under half their prompt cached, by whether another
+    # replica held the prompt's middle block when the request was routed (the router made a copy,
+    # or moved the prefix) or none did (the engines had evicted it, or it was never computed)
+    misses_copy: int = 0
+    misses_evicted: int = 0
 
     def summary(self) -> dict:
         t = self.ttft_s
@@ -238,6 +243,8 @@ class SimResult:
             "busy_max_over_mean": float(max(busy) / np.mean(busy)) if np.mean(busy) > 0 else 0.0,
             "evicted_blocks": self.evicted_blocks,
             "preemptions": self.preemptions,
+            "misses_copy": self.misses_copy,
+            "misses_evicted": self.misses_evicted,
             "collapsed": self.collapsed,
             "wall_s": self.wall_s,
         }
@@ -350,6 +357,8 @@ def simulate(
     push(0.0, REPORT, None)
 
     step_start = [0.0] * n_replicas
+    held_elsewhere: set = set()  # measured requests routed away from a replica holding their prompt's middle block
+    misses = [0, 0]  # long misses of the measured stream: prefix evicted everywhere, copies (SimResult)
     done: list = []
     n_done = 0
     n_unfinished = 0
@@ -405,6 +414,10 @@ def simulate(
                 all_routed.append(r)
             ri = router.route(t, r)
             r.rep = ri
+            if r.keys and not r.warmup:
+                mid = r.keys[len(r.keys) // 2]
+                if any(mid in o.ref for j, o in enumerate(reps) if j != ri):
+                    held_elsewhere.add(payload)
             rep = reps[ri]
             rep.n_requests += 1
             rep.waiting.append(r)
@@ -423,6 +436,8 @@ def simulate(
                 router.first_token(r)
             for r in fin:
                 router.finished(r)
+                if not r.warmup and 2 * r.cached < r.prompt:
+                    misses[r.i in held_elsewhere] += 1
                 if r.warmup:
                     if r.i + 1 < len(wreqs):
                         push(t, ARRIVE, r.i + 1)
@@ -487,4 +502,6 @@ def simulate(
         evicted_blocks=sum(rep.n_evicted for rep in reps),
         preemptions=sum(rep.n_preemptions for rep in reps),
         per_replica_prefill_tokens=[rep.prefill_tokens for rep in reps],
+        misses_copy=misses[1],
+        misses_evicted=misses[0],
     )

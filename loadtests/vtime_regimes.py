@@ -24,7 +24,9 @@ the issue's; the mean prompt is ~1,300 tokens and perfect affinity hits ~0.82), 
 output tokens, at 0.75). `busy_wallclock_cold` is the repo's wall-clock reproduction command of
 the issue (shared_docs_zipf, default 8,192 tokens per step, documents +- 25%, no pre-warm), with
 the token counts that command really sends (its text rendering makes 1.49 tokens of each nominal
-one in the sim's tokenizer: documents of ~4,470 tokens) and at the nominal 3,000.
+one in the sim's tokenizer: documents of ~4,470 tokens) and at the nominal 3,000. `busy_kv1.5`
+is busy's documents with 1.5x the KV: it separates what the engines' LRU costs under skew from
+what placement costs.
 
 Policies: the registry's, plus `sglang_cache_aware` (loadtests/vtime_peers.py: the algorithm of
 sglang-router's and vllm-router's cache_aware) and `static_plan` (the issue's naive static plan:
@@ -86,6 +88,20 @@ REGIMES = {
             "no_sharing": Case("no_sharing", 1500, dict(prompt_tokens=1500, output_tokens=32), None, False),
         },
         policies=("cache_plan", "cache_aware", "sglang_cache_aware", "static_plan", "least_loaded"),
+    ),
+    # the busy documents with 1.5x the KV (2,424 blocks: about 12 documents per replica): what the
+    # engines' LRU costs under skew (cold documents evicted between their requests) against what
+    # placement does (copies), measured apart
+    "busy_kv1.5": Regime(
+        replicas=4,
+        params=SimParams.wallclock(num_blocks=2424, max_num_seqs=64, max_batched_tokens=512, report_interval_s=0.25,
+                                   request_timeout_s=120.0, cache_answers=False),
+        cases={
+            "shared_docs": Case("shared_docs", 1500, {**_DOCS, "popularity": "uniform"}, 24.0, True),
+            "shared_docs_zipf": Case("shared_docs", 1500, {**_DOCS, "popularity": "zipf", "zipf_s": 1.0}, 24.0, True),
+        },
+        policies=("cache_plan", "cache_aware", "sglang_cache_aware", "static_plan"),
+        note="busy's documents with 1.5x the KV per replica",
     ),
     "busy_wallclock_cold": Regime(
         replicas=4,
@@ -221,17 +237,19 @@ def regime_markdown(regime: str, rows: list[dict], command: str) -> str:
         + (reg.note + ". " if reg.note else "")
         + "TTFT and e2e in seconds over finished requests; hit = engine cached / prompt tokens (finished requests); oracle = "
         "pooled-Belady bound with the warm-up served first; util = offered prefill+decode load under perfect affinity; "
-        "evicted = cached blocks evicted, preempt = requests preempted (measured stream, all replicas).",
+        "evicted = cached blocks evicted, preempt = requests preempted (measured stream, all replicas); "
+        "misses = requests that found under half their prompt cached: copies (another replica held the prompt when it was routed: "
+        "the router made a copy or moved it) / evicted (no replica held it: the engines had evicted it, or it was new).",
         "",
-        "| case | seed | rate rps | util | policy | TTFT p50 | p90 | p99 | e2e p50 | unfinished | hit | oracle | evicted | preempt | requests per replica |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | seed | rate rps | util | policy | TTFT p50 | p90 | p99 | e2e p50 | unfinished | hit | oracle | evicted | preempt | misses copy / evicted | requests per replica |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append("| " + " | ".join([
             r["case"], str(r["seed"]), f"{r['rate_rps']:.1f}", f"{r['offered_util']:.2f}", r["policy"],
             _f(r["ttft_p50_s"]), _f(r["ttft_p90_s"]), _f(r["ttft_p99_s"]), _f(r["e2e_p50_s"]), str(r["unfinished"]),
             _f(r["hit_ratio"]), _f(r["oracle_hit_ratio"]), str(r["evicted_blocks"]), str(r["preemptions"]),
-            " ".join(str(x) for x in r["per_replica_requests"]),
+            f"{r['misses_copy']} / {r['misses_evicted']}", " ".join(str(x) for x in r["per_replica_requests"]),
         ]) + " |")
     # per policy, the mean over seeds
     lines += ["", "Mean over seeds:", "", "| case | policy | TTFT p50 | p99 | e2e p50 | unfinished | hit |", "|---|---|---|---|---|---|---|"]

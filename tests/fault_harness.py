@@ -16,35 +16,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtests.runner import wait_http
 from tests.conftest import free_port
 
 MODEL = "warmroute-sim"
-
-
-def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
-    """Until GET `url` answers 200 (or fail with the process's log tail)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited ({proc.returncode}) before {url} answered: {_tail(log)}")
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f}s: {_tail(log)}")
-
-
-def _tail(log: Path | None, n: int = 3000) -> str:
-    if log is None or not log.exists():
-        return ""
-    return log.read_text(errors="replace")[-n:]
 
 
 def rss_bytes(pid: int) -> int:

@@ -92,8 +92,11 @@ def index_keys(index: KVIndex, rid: str) -> set:
     return {k for k, m in index._gpu.items() if m & bit}
 
 
-async def run_case(frames, feed_url, *, publish_plan, retain_from=0, old_replay=False):
-    """publish_plan: list of (seq, frame index, drop) in send order."""
+async def run_case(frames, feed_url, *, publish_plan, retain_from=0, old_replay=False, generated_in_order=False):
+    """publish_plan: list of (seq, frame index, drop) in send order. `generated_in_order`: only the
+    delivery is reordered; the engine made its batches in seq order, so its replay buffer holds
+    every seq up to the highest one sent (without it a replay asked for a batch that is merely
+    late found it missing whenever the agent asked before the late send: a resync, timing-bound)."""
     engine = FakeEngine(frames, retain_from=retain_from, old_replay=old_replay)
     feed = open_feed(feed_url)
     cfg = AgentConfig(replica_id="r1", kv_events_endpoint=engine.pub_ep, replay_endpoint=engine.replay_ep,
@@ -104,6 +107,8 @@ async def run_case(frames, feed_url, *, publish_plan, retain_from=0, old_replay=
     sync_task = asyncio.create_task(sync.run())
     await asyncio.sleep(0.3)  # let the SUB connect (a slow joiner would be repaired by replay anyway)
     for seq, i, drop in publish_plan:
+        if generated_in_order:
+            engine.buffer.update({s: frames[j][2] for s, j, _ in publish_plan if s <= seq})
         await engine.publish(seq, frames[i][2], drop=drop)
     return engine, agent, index, sync, sync_task
 

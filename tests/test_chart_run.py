@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from loadtests.runner import wait_http
 from tests.chart.podrun import LocalContainer, local_entrypoint
 from tests.chart.render import NAMESPACE, Rendered, deep_merge, render
 from tests.conftest import free_port
@@ -166,7 +167,7 @@ def test_rendered_system_runs_serves_warm_and_explains_its_weights(tmp_path):
         for probe in ("readinessProbe", "livenessProbe"):
             redis.wait_probe(probe, 20)  # exec: redis-cli ping with the password from the rendered Secret
         for url in urls.values():
-            _wait_200(url + "/health", 60)
+            wait_http(url + "/health", 60)
         for agent in agents:
             agent.start()
             running.append(agent)
@@ -334,7 +335,7 @@ def test_rendered_picker_runs_and_answers_its_probes_and_envoy(tmp_path):
         redis.start()
         running.append(redis)
         redis.wait_probe("readinessProbe", 20)
-        _wait_200(cfg["membership"]["replicas"][0]["url"] + "/health", 60)
+        wait_http(cfg["membership"]["replicas"][0]["url"] + "/health", 60)
         agent.start()
         running.append(agent)
         picker.start()
@@ -347,7 +348,7 @@ def test_rendered_picker_runs_and_answers_its_probes_and_envoy(tmp_path):
         admin = f"http://127.0.0.1:{picker.port('admin')}"
         assert picker.port("admin") == ports["admin"]
         for path in ("/healthz", "/readyz"):
-            _wait_200(admin + path, 10)
+            wait_http(admin + path, 10)
         # The Service's ext_proc port (the InferencePool's endpointPickerRef) is where ext_proc answers.
         grpc_port = next(p for p in svc["spec"]["ports"] if p["name"] == "grpc-ext-proc")
         assert grpc_port["port"] == pool["spec"]["endpointPickerRef"]["port"]["number"] == ports["grpc"]
@@ -373,19 +374,6 @@ def test_rendered_picker_runs_and_answers_its_probes_and_envoy(tmp_path):
     logs = "\n".join(c.log() for c in running)
     for secret in (SALT, API_KEY, REDIS_PASSWORD):
         assert secret not in logs, "a secret appears in a process log"
-
-
-def _wait_200(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} did not answer 200 within {timeout_s} s")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -76,19 +76,21 @@ class Stack:
         self.envoy_kw = envoy_kw
         self.epp: EppServer | None = None
         self.envoy: EnvoyProcess | None = None
-        self.port = free_port()
+        self.port = 0  # Envoy's ingress port, known once started
 
     async def __aenter__(self) -> "Stack":
-        picker_port = free_port()
+        picker_port = free_port()  # without a picker: a port nothing listens on
         if self.picker is not None:
-            self.epp = EppServer(self.picker, host="127.0.0.1", port=picker_port)
+            self.epp = EppServer(self.picker, host="127.0.0.1", port=0)
             picker_port = await self.epp.start()
             await self.epp.set_ready(True)
-        admin = free_port()
-        opts = EnvoyOptions(self.port, admin, ("127.0.0.1", picker_port), [("127.0.0.1", s.port) for s in self.replicas],
+        # Port 0 for Envoy's listener and admin: a port chosen here and bound later by Envoy was
+        # taken in between once in CI ("Address already in use").
+        opts = EnvoyOptions(0, 0, ("127.0.0.1", picker_port), [("127.0.0.1", s.port) for s in self.replicas],
                             **self.envoy_kw)
-        self.envoy = EnvoyProcess(bootstrap(opts), admin)
+        self.envoy = EnvoyProcess(bootstrap(opts), 0)
         await asyncio.to_thread(self.envoy.start)
+        self.port = self.envoy.listen_port
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -64,10 +64,10 @@ async def stack(tok, tmp_path_factory):
     epp = EppServer(PipelinePicker(gw), host="127.0.0.1", port=0)
     picker_port = await epp.start()
     await epp.set_ready(True)
-    port, admin = free_port(), free_port()
-    envoy = EnvoyProcess(bootstrap(EnvoyOptions(port, admin, ("127.0.0.1", picker_port),
-                                                [("127.0.0.1", s.port) for s in sims])), admin)
+    envoy = EnvoyProcess(bootstrap(EnvoyOptions(0, 0, ("127.0.0.1", picker_port),
+                                                [("127.0.0.1", s.port) for s in sims])), 0)
     await asyncio.to_thread(envoy.start)
+    port = envoy.listen_port
     for _ in range(100):
         if all(gw.index.is_live(f"r{i}") for i in range(2)):
             break

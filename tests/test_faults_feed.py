@@ -53,9 +53,9 @@ class Checks:
         self.pairs: list[tuple[str, int, int]] = []
         orig = gw.routing.checked
 
-        def rec(rid, predicted, reported):
+        def rec(rid, predicted, reported, queued_s=0.0):
             self.pairs.append((rid, predicted, reported))
-            orig(rid, predicted, reported)
+            orig(rid, predicted, reported, queued_s)
 
         gw.routing.checked = rec
 
@@ -255,7 +255,8 @@ async def test_reordered_batches_leave_the_index_equal_to_the_engine(vllm_fixtur
     order[5], order[6] = order[6], order[5]
     order[17], order[18] = order[18], order[17]
     want = expected_keys([f[2] for f in frames[:n]])
-    engine, agent, index, sync, task = await run_case(frames, "memory://reorder", publish_plan=[(i, i, False) for i in order])
+    engine, agent, index, sync, task = await run_case(frames, "memory://reorder", publish_plan=[(i, i, False) for i in order],
+                                                      generated_in_order=True)
     try:
         await until(lambda: "r1" in index.replicas() and index_keys(index, "r1") == want, 10.0, what="index equals engine")
         assert set(agent.translator.keys()) == want

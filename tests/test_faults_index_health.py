@@ -14,13 +14,16 @@ import aiohttp
 import pytest
 
 from gateway.config import config_from_dict
+from gateway.context import Outcome
 from gateway.index import KVIndex
+from gateway.learn import learn
 from gateway.index_health import DISTRUST_BELOW, MIN_SAMPLES, RETRY_AFTER_S, TRUST_FROM, WINDOW_REQS, IndexHealth
 from gateway.load import LoadTracker
 from gateway.routing import RoutingState
 from gateway.server import start_gateway
 from gateway.tokenization import TokenizerService
 from loadtests.sim.server import SimConfig, start_sim_server
+from policies.cache_aware import CacheAwarePolicy
 from policies.calibration import Calibrator
 from replica_agent.agent import AgentConfig, start_agent
 from replica_agent.feed import FeedEvent, open_feed
@@ -92,6 +95,35 @@ def test_over_prediction_counts_like_under_prediction():
     for _ in range(8):  # the index says cached, the engine found nothing: a stale index
         h.observe("r", 256, 0)
     assert not h.trusted("r")
+
+
+def test_over_predictions_after_a_long_queue_wait_are_no_evidence():
+    """A busy replica evicts the blocks a queued request was routed for: after a wait over
+    queued_evict_s the engine finding less than predicted says nothing about the index. The same
+    over-prediction without the wait (a stale index: the engine prefilled what was predicted
+    cached) and an under-prediction after the wait still count."""
+    h = IndexHealth()
+    for _ in range(20):
+        assert h.observe("a", 64, 0, queued_s=5.0) is None
+    assert h.trusted("a") and h.agreement("a") is None
+    for _ in range(8):
+        h.observe("b", 64, 0, queued_s=0.5)
+    assert not h.trusted("b")
+    for _ in range(8):
+        h.observe("c", 0, 64, queued_s=5.0)
+    assert not h.trusted("c")
+
+
+def test_learn_measures_the_queue_wait_beyond_the_requests_own_prefill():
+    cal = Calibrator(prior_prefill_s_per_token=0.001)
+    usage = {"prompt_tokens": 3100, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 3000}}
+    out = Outcome("r0", 5.0, 3000, 100, 0.0, 0, usage, None)
+    lesson = learn(out, cal, CacheAwarePolicy())
+    rate = cal.prefill_s_per_token("r0")
+    assert lesson.uncached_tokens == 100 and abs(lesson.queued_s - (5.0 - 100 * rate)) < 1e-9 and lesson.queued_s > 4.0
+    cold = learn(Outcome("r0", 3.0, 0, 3100, 0.0, 0, {**usage, "prompt_tokens_details": {"cached_tokens": 0}}, None),
+                 cal, CacheAwarePolicy())
+    assert cold.queued_s < 0.5  # a cold prefill's TTFT is its prefill, not a wait
 
 
 def test_distrusted_replica_is_routed_by_load_only():

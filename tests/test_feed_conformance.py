@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+import time
 
 import pytest
 
@@ -234,3 +235,32 @@ async def test_consumer_survives_bad_records(make_feed):
         await sync.step()
     assert index.match([1, 2])["r"] == Match(2, 2)
     assert sync.stats["bad_records"] == (2 if make_feed.kind == "redis" else 1)
+
+
+async def test_a_request_about_to_be_routed_ends_the_coalescing_wait(make_feed):
+    """Reads are coalesced (at most one per `min_read_interval_s` while caught up); `wake()` (called
+    by the pipeline before it tokenizes) ends the wait, so a removal published since the last read
+    is in the index before the request's match. No sooner than `wake_floor_s` after the last read."""
+    pub = make_feed()
+    await pub.publish("r", drafts(("stored", [1, 2, 3])))
+    index = KVIndex()
+    sync = IndexSync(make_feed(), index, block_s=0.05, min_read_interval_s=5.0, wake_floor_s=0.3)
+    task = asyncio.create_task(sync.run())
+    try:
+        await _until(lambda: index.match([1, 2, 3]).get("r") == Match(3, 3))
+        await pub.publish("r", drafts(("removed", [3])))
+        await asyncio.sleep(0.5)
+        assert index.match([1, 2, 3])["r"] == Match(3, 3), "coalescing: the removal waits for the next read"
+        t0 = time.monotonic()
+        sync.wake()
+        await _until(lambda: index.match([1, 2, 3])["r"] == Match(2, 2), 2.0)
+        assert time.monotonic() - t0 < 1.0  # not the 5 s interval
+        # a wake right after a read waits out the floor, then reads
+        await pub.publish("r", drafts(("removed", [2])))
+        sync.wake()
+        await asyncio.sleep(0.1)
+        assert index.match([1, 2])["r"] == Match(2, 2), "within the floor"
+        await _until(lambda: index.match([1, 2])["r"] == Match(1, 1), 2.0)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -4,6 +4,8 @@ file, JWT claims and config, in that order; the priority header's rules), Retry-
 flow config's validation naming the field."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from gateway.admission import (FlowRules, SlotLedger, TenantFlow, backlog_s, has_room, load_tenant_flows,
@@ -11,7 +13,9 @@ from gateway.admission import (FlowRules, SlotLedger, TenantFlow, backlog_s, has
 from gateway.auth import Identity, load_api_keys_file, tenant_hash
 from gateway.config import ConfigError, FlowConfig, FlowTenantConfig, config_from_dict
 from gateway.errors import ApiError
-from policies.base import ReplicaView
+from gateway.context import Routing
+from gateway.flow import FlowControl, Ticket
+from policies.base import Candidate, Decision, ReplicaView, RequestView
 from replica_agent.feed import LoadReport
 
 
@@ -157,3 +161,29 @@ def test_flow_config_defaults_and_errors_name_the_field():
     cfg = config_from_dict({}, env={"WARMROUTE_FLOW__ENABLED": "false"})
     assert cfg.flow.enabled is False  # switched off from the environment
     assert isinstance(config_from_dict({"flow": {"tenants": {"t": {"weight": 2}}}}, env={}).flow.tenants["t"], FlowTenantConfig)
+
+
+def _grant_on(first_room: bool, others: dict, first_matched: int = 40):
+    """FlowControl._grant on a ranking r0 (the policy's first choice), then `others` in order:
+    replica -> (has room, matched blocks); r0 has `first_matched` blocks and room or not."""
+    room = {"r0": first_room, **{r: ok for r, (ok, _) in others.items()}}
+    matched = {"r0": first_matched, **{r: m for r, (_, m) in others.items()}}
+    views = tuple(ReplicaView(r, matched_blocks_gpu=matched[r], matched_blocks_cpu=matched[r]) for r in room)
+    ranked = tuple(Candidate(r, -i, {}) for i, r in enumerate(room))
+    ctx = SimpleNamespace(routing=Routing(RequestView(prompt_tokens=0, block_size=16), views, Decision("p", ranked), 0.0))
+    fake = SimpleNamespace(_room=lambda v, reserve=0: room[v.replica_id], _count_grant=lambda t, rid: setattr(t, "replica", rid))
+    t = Ticket(None, 0.0)
+    ok = FlowControl._grant(fake, ctx, t)
+    return ok, t.replica, [c.replica_id for c in ctx.routing.decision.ranked]
+
+
+def test_a_grant_keeps_the_policys_choice_unless_a_free_replica_loses_nothing():
+    # first choice has room: it
+    assert _grant_on(True, {"r1": (True, 40)}) == (True, "r0", ["r0", "r1"])
+    # first choice full; the free one holds less of the prefix: still the policy's choice (a miss
+    # elsewhere would be seconds of prefill and an eviction)
+    assert _grant_on(False, {"r1": (True, 0), "r2": (False, 40)}) == (True, "r0", ["r0", "r1", "r2"])
+    # a free one holding as much: the request goes there, the rest keep their order for retries
+    assert _grant_on(False, {"r1": (True, 0), "r2": (True, 40)}) == (True, "r2", ["r2", "r0", "r1"])
+    # nothing free: held
+    assert _grant_on(False, {"r1": (False, 40)})[0] is False

@@ -266,6 +266,73 @@ async def test_a_held_request_is_placed_by_a_decision_made_at_release(tmp_path, 
         await r1.close()
 
 
+async def test_a_request_takes_a_free_slot_elsewhere_when_it_loses_no_cache_there(tmp_path, tok):
+    """Two replicas, one slot each; prefix_hash sends a prompt to the same replica every time.
+    With that replica's slot taken and the other's free, the pool has room and the repeat goes on
+    at once. The gateway here routes by load only (no feed), so it knows of no cached prefix the
+    free replica would lose: the request takes the free slot (the rule that keeps a request on a
+    holder that matches more is in tests/test_flow_admission.py)."""
+    r0, r1 = await HeldReplica().start(), await HeldReplica().start()
+    g = await _gateway(tmp_path, tok, {"r0": r0.url, "r1": r1.url}, {"max_num_seqs": 1}, policy={"name": "prefix_hash"})
+    doc = "one shared document, long enough for several blocks. " * 20
+    try:
+        async with aiohttp.ClientSession() as s:
+            first = asyncio.create_task(ask(s, g.url, "k-filler", doc))
+            await until(lambda: r0.open_count() + r1.open_count() == 1)
+            home, other = (r0, r1) if r0.open_count() else (r1, r0)
+            second = asyncio.create_task(ask(s, g.url, "k-filler", doc))
+            await until(lambda: len(other.arrived) == 1, what="the repeat to take the free slot")
+            assert len(g.gateway.flow.queue) == 0 and len(home.arrived) == 1
+            r0.drain(), r1.drain()
+            assert [st for st, _, _ in await asyncio.gather(first, second)] == [200, 200]
+            text = await _metrics(s, g)
+            assert _metric(text, "warmroute_gateway_flow_admissions_total", tenant_hash=tenant_hash("filler"), path="direct") == 2
+    finally:
+        await g.close()
+        await r0.close()
+        await r1.close()
+
+
+@pytest.mark.parametrize("headroom", [1, 0])
+async def test_a_light_tenant_finds_the_headroom_a_heavy_one_leaves(tmp_path, tok, headroom):
+    """One replica, 3 slots, two tenants of equal weight (fair share 1.5 slots each), headroom 1:
+    while the quiet tenant (under its share) is recent, the noisy one, once over its share, gets 2
+    slots and the rest of its requests wait; the quiet tenant's next request goes straight on into
+    the third. Once the quiet tenant has been idle for HEADROOM_RECENT_S the noisy one fills every
+    slot. With headroom 0 the quiet request waits for a slot to free."""
+    rep = await HeldReplica().start()
+    g = await _gateway(tmp_path, tok, {"r0": rep.url}, {"max_num_seqs": 3, "headroom_reqs": headroom})
+    flow = g.gateway.flow
+    try:
+        async with aiohttp.ClientSession() as s:
+            q0 = asyncio.create_task(ask(s, g.url, "k-quiet", "q0"))
+            await until(lambda: rep.open_count() == 1, what="the quiet request")
+            rep.release(1)
+            assert (await q0)[0] == 200
+            noisy = [asyncio.create_task(ask(s, g.url, "k-noisy", f"n{i}")) for i in range(4)]
+            room = 2 if headroom else 3
+            await until(lambda: rep.open_count() == room and len(flow.queue) == 4 - room, what="noisy to take its slots")
+            q1 = asyncio.create_task(ask(s, g.url, "k-quiet", "q1"))
+            if headroom:
+                await until(lambda: "q1" in rep.arrived, what="the quiet request to go straight on")
+                assert len(flow.queue) == 2 and rep.open_count() == 3
+                rep.gates[rep.arrived.index("q1")].set()  # the quiet request ends: nothing of its in flight
+                await asyncio.sleep(0.2)
+                assert len(flow.queue) == 2 and rep.open_count() == 2, "the headroom is kept while the quiet tenant is recent"
+                await until(lambda: len(flow.queue) == 1 and rep.open_count() == 3, timeout_s=5.0,
+                            what="the noisy tenant to take the headroom once the quiet one is idle")
+            else:
+                await until(lambda: len(flow.queue) == 2, what="the quiet request to be held")
+                assert "q1" not in rep.arrived
+                rep.release(1)
+                await until(lambda: "q1" in rep.arrived, what="the quiet request released first (fair order)")
+            rep.drain()
+            assert all(r[0] == 200 for r in await asyncio.gather(q1, *noisy))
+    finally:
+        await g.close()
+        await rep.close()
+
+
 async def test_an_unsaturated_pool_lets_everything_straight_through(tmp_path, tok):
     rep = await HeldReplica().start()
     g = await _gateway(tmp_path, tok, {"r0": rep.url}, {"max_num_seqs": 64})

@@ -234,6 +234,10 @@ def test_slow_trickling_clients(svc):
                 got += part
             except socket.timeout:
                 pass
+            except ConnectionResetError:
+                # The gateway closed with our unread bytes in its buffer: the kernel resets the
+                # connection, which can discard the 408 before we read it. Cut off all the same.
+                break
         assert b" 408 " in got.split(b"\r\n", 1)[0] or got == b"", got[:200]
         assert time.monotonic() - t0 < 5.0
     finally:

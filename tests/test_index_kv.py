@@ -83,6 +83,23 @@ def test_speculative_entries_count_until_ttl_or_real_events(clock):
     assert ix.stats().speculative_entries == 0
 
 
+def test_a_late_removal_of_an_older_copy_leaves_the_speculation(clock):
+    """The engine evicted blocks 2-3 (its removal still on the way), then a request for 1-3 was
+    routed there: it will compute 2-3 again. The late removal must not end the speculation, or the
+    index says 1 block until the new copy's store arrives (a request routed meanwhile was
+    predicted short of what the engine held)."""
+    ix = KVIndex(clock=clock)
+    ix.apply(ev("a", "stored", [1, 2, 3]))
+    ix.insert_speculative("a", [1, 2, 3], ttl_s=2.0)
+    ix.apply(ev("a", "removed", [2, 3], off=2))  # of the older copy
+    assert ix.match([1, 2, 3]) == {"a": Match(3, 3)}
+    ix.apply(ev("a", "stored", [2, 3], off=3))  # the new copy
+    clock.t += 2.5
+    assert ix.match([1, 2, 3]) == {"a": Match(3, 3)}
+    ix.apply(ev("a", "removed", [3], off=4))  # after its store: authoritative
+    assert ix.match([1, 2, 3]) == {"a": Match(2, 2)}
+
+
 def test_speculation_refresh_keeps_later_ttl(clock):
     ix = KVIndex(clock=clock)
     ix.insert_speculative("a", [1], ttl_s=1.0)

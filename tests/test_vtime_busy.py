@@ -38,12 +38,16 @@ def _run(case_name: str, policy: str = "cache_plan", seed: int = 0):
         SimRouter.finished = orig
     holders = collections.defaultdict(set)
     misses = 0
+    long_misses = 0
     for r in finished:
         if r.warmup:
             continue
         holders[r.wr.segments[1].seg_id].add(r.rep)
         misses += r.cached < 1000  # recomputed (most of) its document
-    return res.summary(), holders, misses
+        long_misses += 2 * r.cached < r.prompt
+    s = res.summary()
+    assert s["misses_copy"] + s["misses_evicted"] == long_misses  # the result's classification covers every long miss
+    return s, holders, misses
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +64,7 @@ def test_uniform_popularity_keeps_every_document_on_its_holder(uniform):
     s, holders, misses = uniform
     assert s["completed"] == s["requests"] == 1500 and s["unfinished"] == 0
     assert misses == 0 and all(len(h) == 1 for h in holders.values())  # never moved for balance
+    assert s["misses_copy"] == s["misses_evicted"] == 0
     assert s["hit_ratio"] >= 0.96  # the ceiling is 3,024 / ~3,128 tokens = 0.967
     assert s["ttft_p99_s"] <= 1.5  # queueing only (the peer emulation: 0.92 s; cache_aware: 3.7 s)
 
@@ -71,5 +76,8 @@ def test_zipf_popularity_spreads_the_hot_document_and_does_not_collapse(uniform,
     assert s["hit_ratio"] >= u["hit_ratio"] - 0.03
     assert len(holders["doc/0"]) >= 2  # the hot document (~26% of the requests) has several holders
     assert misses <= 12  # a few evictions of cold documents (KV holds ~8 of 24 per replica), no thrash (cache_aware: 18)
+    # the hot document's copies (another replica held it) and cold documents that the engines'
+    # LRU evicted between their requests (no replica held them)
+    assert s["misses_copy"] >= 1 and s["misses_evicted"] >= 1
     assert s["ttft_p50_s"] <= 1.0  # cache_aware: 2.2 s; the peer emulation collapses (12.7 s, 40 unfinished)
     assert s["ttft_p99_s"] <= 6.0  # cache_aware: 7.5 s

@@ -216,7 +216,8 @@ class EnvoyProcess:
     def __init__(self, config: dict, admin_port: int, *, concurrency: int = 1, log_level: str = "warning",
                  exe: str | None = None, cpu: int | None = None) -> None:
         self.config = config
-        self.admin_port = admin_port
+        self.admin_port = admin_port  # 0: Envoy picks one; start() reads it back
+        self.listen_port = 0  # the ingress listener's bound port, known once started
         self.concurrency = concurrency  # Envoy worker threads
         self.log_level = log_level
         self.exe = exe or find_envoy()
@@ -237,8 +238,9 @@ class EnvoyProcess:
     def start(self, timeout_s: float = 30.0) -> "EnvoyProcess":
         cfg = self.dir / "envoy.json"
         cfg.write_text(json.dumps(self.config))
+        admin_file = self.dir / "admin.address"
         args = [self.exe, "-c", str(cfg), "--concurrency", str(self.concurrency), "-l", self.log_level,
-                "--disable-hot-restart", "--log-path", str(self.log_path)]
+                "--disable-hot-restart", "--log-path", str(self.log_path), "--admin-address-path", str(admin_file)]
         preexec = (lambda: os.sched_setaffinity(0, {self.cpu})) if self.cpu is not None else None
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=preexec)
         deadline = time.monotonic() + timeout_s
@@ -246,14 +248,27 @@ class EnvoyProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"envoy exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
+                # Envoy writes its admin address ("127.0.0.1:PORT") once the admin socket is bound.
+                self.admin_port = int(admin_file.read_text().strip().rsplit(":", 1)[1])
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=0.5) as r:
                     if r.status == 200:
+                        self.listen_port = self._bound_listener_port()
                         return self
-            except OSError:
+            except (OSError, ValueError, IndexError):
                 pass
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"envoy not ready after {timeout_s}s:\n{self.log_tail()}")
+
+    def _bound_listener_port(self) -> int:
+        """The port the ingress listener bound (port 0 in the bootstrap lets the kernel choose one,
+        so no other process can take it between choosing and binding)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/listeners?format=json", timeout=2) as r:
+            data = json.load(r)
+        for status in data.get("listener_statuses", []):
+            if status.get("name") == "ingress":
+                return int(status["local_address"]["socket_address"]["port_value"])
+        raise ValueError("envoy reports no ingress listener")
 
     def stats(self) -> dict[str, int]:
         """Envoy's counters and gauges (admin /stats)."""

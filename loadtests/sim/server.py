@@ -673,6 +673,8 @@ class SimServer:
                     return resp
                 if parts:
                     await resp.write(b"".join(parts))
+        except ConnectionResetError:  # the client went away mid-stream: nothing left to answer (finally frees its blocks)
+            return resp
         finally:
             if not st.done and not st.aborted:
                 # client went away (handler cancelled or write failed): free its blocks

@@ -24,27 +24,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+from loadtests.runner import wait_http
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait_http(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not answer 200 within {timeout_s} s")
 
 
 def _rss_kib(pid: int) -> tuple[int, int]:
@@ -87,7 +75,7 @@ def main() -> int:
             replicas.append((f"r{i}", http, ev, rep))
         agents = []
         for rid, http, ev, rep in replicas:
-            _wait_http(f"http://127.0.0.1:{http}/health", 60)
+            wait_http(f"http://127.0.0.1:{http}/health", 60)
             agents.append(start([exe, "agent", "--replica-id", rid, "--engine-url", f"http://127.0.0.1:{http}",
                    "--kv-events-endpoint", f"tcp://127.0.0.1:{ev}", "--replay-endpoint", f"tcp://127.0.0.1:{rep}",
                    "--feed", feed], f"agent-{rid}"))
@@ -100,7 +88,7 @@ def main() -> int:
         for rid, http, _, _ in replicas:
             cmd += ["--replica", f"{rid}=http://127.0.0.1:{http}"]
         gw = start(cmd, "gateway")
-        _wait_http(f"http://127.0.0.1:{admin}/readyz", 120)
+        wait_http(f"http://127.0.0.1:{admin}/readyz", 120)
         rss_ready, _ = _rss_kib(gw.pid)
         cpu0 = _cpu_s(gw.pid)
         agent_cpu0 = [_cpu_s(a.pid) for a in agents]

@@ -55,6 +55,7 @@ BOUNDS: dict[str, dict[str, Any]] = {
     "policy.name": {"enum": list(POLICY_NAMES)},
     "flow.max_num_seqs": {"minimum": 1},
     "flow.engine_queue_reqs": {"minimum": 0},
+    "flow.headroom_reqs": {"minimum": 0},
     "flow.max_queue_reqs_per_tenant": {"minimum": 0},
     "flow.default_weight": {"exclusiveMinimum": 0},
     "flow.priorities": {"minItems": 1, "uniqueItems": True},

@@ -164,6 +164,9 @@ class WarmSystem:
         # CPU engines on 2 shared cores answer /health late while saturated (the routing test
         # saturates one): a longer timeout, as an operator of such replicas would set.
         cfg.membership.health_timeout_s = 5.0
+        # ... and accept connections late: in a preemption storm (16 long generations on 2 cores) a
+        # connect took over the default 2 s and a request failed on both replicas (CI, 2026-12-01)
+        cfg.proxy.connect_timeout_s = 10.0
         cfg.feed.url = self.redis_url  # the gateway opens its own Redis connection, as in production
         cfg.policy.name = "cache_aware"
         cfg.policy.seed = 7
