@@ -106,7 +106,7 @@ class RunningAgent:
         self._records_since_snapshot = 0
         self._last_snapshot_at = 0.0
         self._tasks: list[asyncio.Task] = []
-        self._restarts_at_scrape = 0  # sequencer restarts seen as of the last successful scrape
+        self._restarts_at_scrape = 0  # sequencer restarts seen when the last successful scrape began
         self._runner = None
         self._closed = False
 
@@ -337,6 +337,10 @@ class RunningAgent:
                     pass
                 continue
             prev = self.last_load
+            # The sequencer's restart count as of before this scrape's read: a restart the stream
+            # sees while the read is under way may postdate what the read returns (the old
+            # engine's counters), so it must not count as seen "as of this scrape".
+            restarts_before = self.stream.seq.stats.restarts
             try:
                 load = await self._scrape_once()
             except Exception as exc:
@@ -347,7 +351,7 @@ class RunningAgent:
             async with self._lock:
                 if prev is not None and load.prefix_cache_queries_total < prev.prefix_cache_queries_total:
                     await self._metrics_reset_locked(prev, load)
-                self._restarts_at_scrape = self.stream.seq.stats.restarts
+                self._restarts_at_scrape = restarts_before
                 await self._publish([FeedEvent(rid, 0, "load", load=load)])
             try:
                 await self.feed.set_live(rid, load, self.cfg.live_ttl_s)
