@@ -92,6 +92,9 @@ CATEGORIES: list[tuple[str, str, frozenset | None]] = [
     ("tracing", "gateway/tracing.py", None),
     ("logging", "logging/", None),
     ("learn", "gateway/learn.py", None),
+    ("flow control", "gateway/flow.py", None),
+    ("flow control", "gateway/fairness.py", None),
+    ("flow control", "gateway/admission.py", None),
     ("pipeline glue", "gateway/pipeline.py", None),
     ("pipeline glue", "gateway/dispatch.py", None),
     ("pipeline glue", "gateway/context.py", None),
@@ -144,6 +147,10 @@ CPROFILE_ROWS: list[tuple[str, str, str]] = [
     ("    feed: index apply", "gateway/index.py", "apply"),
     ("inflight exchange", "gateway/background.py", "run_inflight_exchange"),
     ("health probes", "gateway/membership.py", "probe_all"),
+    ("flow control: admission (hold)", "gateway/flow.py", "hold"),
+    ("flow control: releases", "gateway/flow.py", "_release"),
+    ("  flow control: pool room check", "gateway/flow.py", "_pool_has_room"),
+    ("flow control: timer (sweep)", "gateway/flow.py", "sweep"),
 ]
 
 
