@@ -505,6 +505,13 @@ async def _compare(args, procs: Procs, tmp: Path) -> dict:
             if not router_alive:
                 s["router_log_tail"] = router_log
             report[label] = s
+            if args.samples:  # one line per request: where each router's misses fall, request by request
+                with open(args.samples, "a") as f:
+                    for x in samples:
+                        f.write(json.dumps({"router": label, "tag": x.tag, "ok": x.ok, "start_s": round(x.start_s, 3),
+                                            "ttft_s": round(x.ttft_s, 4) if x.ttft_s == x.ttft_s else None,
+                                            "prompt_tokens": x.prompt_tokens, "cached_tokens": x.cached_tokens,
+                                            "replica": x.replica}) + "\n")
             print(f"  {s['requests']} req, {s['errors']} errors, {wall:.0f}s, TTFT p50 {s['ttft_ms']['p50']} ms, "
                   f"hit {s['hit_ratio']}, spread {list(s['per_replica_requests'].values())}, cpu {share:.2f}", file=sys.stderr)
     return report
@@ -588,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=60.0)
     p.add_argument("--agent-load-interval", type=float, default=0.25)
     p.add_argument("--json", default=None, metavar="FILE")
+    p.add_argument("--samples", default=None, metavar="FILE",
+                   help="append one JSON line per measured request (router, tag, start, TTFT, prompt and cached tokens, replica)")
     p.add_argument("--md", default=None, metavar="FILE", help="append the markdown section to this file")
     p.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (their directory is printed)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the sims' token budget per step (chunked prefill)")
