@@ -310,7 +310,7 @@ class RunningAgent:
         """The engine's counters went backwards: it restarted (empty cache). The KV-event stream
         only shows that with the new engine's first batch (seq back to 0), which may come much
         later: until then gateways would keep trusting the old engine's blocks. Drop them now,
-        unless the stream already saw the restart since the previous scrape (then the new
+        unless the stream saw a restart since the previous scrape began (then the new
         engine's blocks may already be in the translator, and the sequencer's resync handled it)."""
         if self.stream.seq.stats.restarts != self._restarts_at_scrape:
             return
