@@ -2,7 +2,10 @@
 `/debug/index` description (pure reads of a `gateway.server.Gateway`; no I/O).
 
 Readiness (`/readyz` 200) needs: the tokenizer loaded, the model's name and context length known,
-at least one replica, one of them available, not draining. What degrades routing without stopping
+at least one replica, one of them available, not draining, and start-up finished: the request
+pipeline built and, when the gateway serves the API, its port listening (the admin port answers
+from the start of start-up; a 200 before the API port listens sent a load test's first request to
+a closed port). What degrades routing without stopping
 it is listed in `degraded()` (`/readyz` "degraded", 200 all the same): the feed unreachable (the
 gateway serves from the last known index, then by load only as each replica's entries go stale;
 taking every gateway out of service because the shared Redis is down would be an outage of its
@@ -29,6 +32,8 @@ def readiness(gw) -> tuple[bool, list[str]]:
         why.append("no replica available")
     if gw.draining:
         why.append("draining")
+    if gw.pipeline is None or (gw.api_port and not gw.url):
+        why.append("starting (the API port is not listening yet)" if gw.api_port else "starting")
     return not why, why
 
 
