@@ -35,7 +35,8 @@ import subprocess
 import sys
 from typing import Any, Mapping, Sequence
 
-from loadtests.bench_gateway_overhead import MODEL, _cpu_s, _free_port, _wait_ready, fake_upstream_main, run_level
+from loadtests.bench_gateway_overhead import MODEL, _cpu_s, _free_port, fake_upstream_main, run_level
+from loadtests.runner import wait_http
 
 
 class TransportOnlyPicker:
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens_per_stream": args.tokens, "interval_ms": args.interval_ms, "cpus": os.cpu_count(),
                     "envoy_concurrency": args.envoy_concurrency, "loadavg_start": os.getloadavg(), "levels": []}
     try:
-        _wait_ready(f"http://{endpoint}/health")
+        wait_http(f"http://{endpoint}/health", 120.0)
         if not ready.wait(60):
             raise RuntimeError("picker did not start")
         # Port 0: each Envoy binds a port of the kernel's choosing and reports it (EnvoyProcess.listen_port).
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 [sys.executable, "-m", "gateway.cli", "gateway", "--host", "127.0.0.1", "--port", str(gw_port),
                  "--admin-port", str(gw_admin), "--replica", f"r0=http://{endpoint}", "--no-auth", "--feed", "memory://",
                  "--model", MODEL, "--max-model-len", "4096"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            _wait_ready(f"http://127.0.0.1:{gw_admin}/readyz", 300.0)
+            wait_http(f"http://127.0.0.1:{gw_admin}/readyz", 300.0)
             targets["gateway"] = (f"http://127.0.0.1:{gw_port}", gw.pid)
         import uvloop
 

@@ -40,8 +40,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from loadtests.bench_gateway_overhead import _wait_ready
-from loadtests.runner import BenchRequest, _one, percentiles, run_load
+from loadtests.runner import BenchRequest, _one, percentiles, run_load, wait_http
 
 MODEL = "flow-bench"
 TENANT_KEYS = {"quiet": "sk-flow-quiet", "noisy": "sk-flow-noisy"}
@@ -148,7 +147,7 @@ class Gateways:
             self.urls.append(f"http://127.0.0.1:{ports[0]}")
             self.admin.append(f"http://127.0.0.1:{ports[1]}")
         for a in self.admin:
-            _wait_ready(a + "/readyz", 120.0)
+            wait_http(a + "/readyz", 120.0)
 
     def close(self) -> None:
         for p in self.procs:
@@ -386,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             p.start()
         sims = [f"http://127.0.0.1:{p}" for p in ports]
         for u in sims:
-            _wait_ready(u + "/health", 60.0)
+            wait_http(u + "/health", 60.0)
         ctx = {"sims": sims, "redis": redis_url, "workdir": workdir}
         cap = args.capacity_rps
         if cap is None:

@@ -36,6 +36,8 @@ import subprocess
 import sys
 import time
 
+from loadtests.runner import wait_http
+
 MODEL = "bench-model"
 
 
@@ -223,21 +225,6 @@ def _cpu_s(pid: int) -> float:
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _wait_ready(url: str, timeout_s: float = 120.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except Exception:  # noqa: BLE001
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout_s}s")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--levels", default="1,64,256", help="concurrent streams per phase")
@@ -273,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if others:
         os.sched_setaffinity(up.pid, others)
         os.sched_setaffinity(0, others)
-    _wait_ready(f"http://127.0.0.1:{up_port}/health")
+    wait_http(f"http://127.0.0.1:{up_port}/health", 120.0)
     gw = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "gateway", "--host", "127.0.0.1", "--port", str(gw_port),
          "--admin-port", str(gw_admin), "--replica", f"r0=http://127.0.0.1:{up_port}", "--no-auth",
@@ -284,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                     "interval_ms": args.interval_ms, "loadavg_start": os.getloadavg(), "gateway_pinned_cpu": args.gateway_cpu if pin else None,
                     "seconds_per_phase": args.seconds, "levels": []}
     try:
-        _wait_ready(f"http://127.0.0.1:{gw_admin}/readyz", 300.0)
+        wait_http(f"http://127.0.0.1:{gw_admin}/readyz", 300.0)
         direct, via = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{gw_port}"
         import uvloop
 

@@ -35,6 +35,7 @@ __all__ = ["BenchRequest", "Sample", "run_load", "summarize", "percentiles", "Cp
 def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
     """Until GET `url` answers 200; RuntimeError after `timeout_s`, or at once if `proc` exits
     first (with the tail of its `log`). The soak's and the tests' wait for a started process."""
+    import http.client
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
@@ -45,7 +46,7 @@ def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None =
             with urllib.request.urlopen(url, timeout=1.0) as r:
                 if r.status == 200:
                     return
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not listening yet, or answering half-started
             pass
         time.sleep(0.05)
     raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f}s: {_tail(log)}")
