@@ -20,7 +20,10 @@ response passthrough), not warmroute's decision. `--picker pipeline` measures wa
 learning); `--picker MODULE:FACTORY` another: FACTORY(endpoints: list[str]) -> Picker (or an
 awaitable of one), called in the picker process.
 
-Run:  python -m loadtests.bench_epp [--levels 1,64] [--seconds 6] [--no-gateway] [--json FILE]
+`--transports h2,grpcio` runs a picker (and an Envoy in front of it) per gRPC transport, side by
+side (gateway.epp.server.TRANSPORTS; h2 is the default).
+
+Run:  python -m loadtests.bench_epp [--levels 1,64] [--seconds 6] [--transports h2,grpcio] [--no-gateway] [--json FILE]
 A short smoke: python -m loadtests.bench_epp --levels 1,8 --seconds 2
 """
 from __future__ import annotations
@@ -81,7 +84,7 @@ def _load_factory(spec: str | None):
     return getattr(importlib.import_module(module), name or "make_picker")
 
 
-def picker_main(port: int, endpoints: list[str], factory_spec: str | None, ready) -> None:
+def picker_main(port: int, endpoints: list[str], factory_spec: str | None, ready, transport: str = "h2") -> None:
     import uvloop
 
     from gateway.epp.server import EppServer
@@ -90,7 +93,7 @@ def picker_main(port: int, endpoints: list[str], factory_spec: str | None, ready
         picker = _load_factory(factory_spec)(endpoints)
         if inspect.isawaitable(picker):
             picker = await picker
-        srv = EppServer(picker, host="127.0.0.1", port=port)
+        srv = EppServer(picker, host="127.0.0.1", port=port, transport=transport)
         await srv.start()
         await srv.set_ready(True)
         ready.set()
@@ -111,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                     choices=["FULL_DUPLEX_STREAMED", "STREAMED", "NONE"],
                     help="ext_proc response body mode: FULL_DUPLEX_STREAMED (the protocol's; every chunk through the "
                          "picker), NONE (response headers only: no usage for the picker) ...")
+    ap.add_argument("--transports", default="h2", help="the picker's gRPC transports to measure, side by side (h2,grpcio: "
+                                                       "one picker process and one Envoy each)")
     ap.add_argument("--no-gateway", action="store_true", help="skip the warmroute HTTP gateway target")
     ap.add_argument("--json", default=None, help="write the report here")
     args = ap.parse_args(argv)
@@ -118,33 +123,42 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.epp.envoy import EnvoyOptions, EnvoyProcess, bootstrap, direct_bootstrap
 
     ctx = mp.get_context("spawn")
-    up_port, picker_port = _free_port(), _free_port()
+    up_port = _free_port()
     endpoint = f"127.0.0.1:{up_port}"
     up = ctx.Process(target=fake_upstream_main, args=(up_port, args.interval_ms), daemon=True)
     up.start()
-    ready = ctx.Event()
-    pk = ctx.Process(target=picker_main, args=(picker_port, [endpoint], args.picker, ready), daemon=True)
-    pk.start()
+    transports = [t for t in args.transports.split(",") if t]
+    pickers: dict[str, tuple] = {}  # transport -> (process, port)
+    for t in transports:
+        port, ready = _free_port(), ctx.Event()
+        pk = ctx.Process(target=picker_main, args=(port, [endpoint], args.picker, ready, t), daemon=True)
+        pk.start()
+        pickers[t] = (pk, port, ready)
+    epp_names = {t: "envoy+epp" if len(transports) == 1 else f"envoy+epp[{t}]" for t in transports}
     procs: list = []
     gw = None
     report: dict = {"command": " ".join(sys.argv), "picker": args.picker or "TransportOnlyPicker (transport only)",
-                    "response_body_mode": args.response_body_mode,
+                    "response_body_mode": args.response_body_mode, "transports": transports,
                     "tokens_per_stream": args.tokens, "interval_ms": args.interval_ms, "cpus": os.cpu_count(),
                     "envoy_concurrency": args.envoy_concurrency, "loadavg_start": os.getloadavg(), "levels": []}
     try:
         wait_http(f"http://{endpoint}/health", 120.0)
-        if not ready.wait(60):
-            raise RuntimeError("picker did not start")
+        for t, (_, _, ready) in pickers.items():
+            if not ready.wait(60):
+                raise RuntimeError(f"picker ({t}) did not start")
         # Port 0: each Envoy binds a port of the kernel's choosing and reports it (EnvoyProcess.listen_port).
         direct = EnvoyProcess(direct_bootstrap(0, 0, [("127.0.0.1", up_port)]), 0,
                               concurrency=args.envoy_concurrency).start()
         procs.append(direct)
-        epp = EnvoyProcess(bootstrap(EnvoyOptions(
-            0, 0, ("127.0.0.1", picker_port), [("127.0.0.1", up_port)], response_body_mode=args.response_body_mode)),
-                           0, concurrency=args.envoy_concurrency).start()
-        procs.append(epp)
-        targets = {"envoy": (f"http://127.0.0.1:{direct.listen_port}", direct.proc.pid),
-                   "envoy+epp": (f"http://127.0.0.1:{epp.listen_port}", epp.proc.pid)}
+        targets = {"envoy": (f"http://127.0.0.1:{direct.listen_port}", direct.proc.pid)}
+        picker_pids = {}
+        for t, (pk, port, _) in pickers.items():
+            epp = EnvoyProcess(bootstrap(EnvoyOptions(
+                0, 0, ("127.0.0.1", port), [("127.0.0.1", up_port)], response_body_mode=args.response_body_mode)),
+                               0, concurrency=args.envoy_concurrency).start()
+            procs.append(epp)
+            targets[epp_names[t]] = (f"http://127.0.0.1:{epp.listen_port}", epp.proc.pid)
+            picker_pids[epp_names[t]] = pk.pid
         if not args.no_gateway:
             gw_port, gw_admin = _free_port(), _free_port()
             gw = subprocess.Popen(
@@ -159,32 +173,36 @@ def main(argv: list[str] | None = None) -> int:
         for c in [int(x) for x in args.levels.split(",") if x]:
             row: dict = {"concurrency": c}
             for name, (url, pid) in targets.items():
-                cpu0, pcpu0 = _cpu_s(pid), _cpu_s(pk.pid)
+                ppid = picker_pids.get(name)
+                cpu0, pcpu0 = _cpu_s(pid), _cpu_s(ppid) if ppid else 0.0
                 res = uvloop.run(run_level(url, c, args.seconds, args.tokens, stagger_s=stagger))
                 n = max(1, res["requests"])
                 res["proxy_cpu_ms_per_request"] = (_cpu_s(pid) - cpu0) * 1000 / n
-                if name == "envoy+epp":
-                    res["picker_cpu_ms_per_request"] = (_cpu_s(pk.pid) - pcpu0) * 1000 / n
+                if ppid:
+                    res["picker_cpu_ms_per_request"] = (_cpu_s(ppid) - pcpu0) * 1000 / n
                 row[name] = res
             base = row["envoy"]["ttft_ms"]
-            row["epp_added_over_envoy_ms"] = {k: row["envoy+epp"]["ttft_ms"][k] - base[k] for k in ("p50", "p99")}
-            if "gateway" in row:
-                row["epp_added_over_gateway_ms"] = {k: row["envoy+epp"]["ttft_ms"][k] - row["gateway"]["ttft_ms"][k]
-                                                    for k in ("p50", "p99")}
+            for name in picker_pids:
+                sfx = name[len("envoy+epp"):]  # "" or "[transport]"
+                row["epp_added_over_envoy_ms" + sfx] = {k: row[name]["ttft_ms"][k] - base[k] for k in ("p50", "p99")}
+                if "gateway" in row:
+                    row["epp_added_over_gateway_ms" + sfx] = {k: row[name]["ttft_ms"][k] - row["gateway"]["ttft_ms"][k]
+                                                              for k in ("p50", "p99")}
             report["levels"].append(row)
             cells = []
             for name in targets:
                 r = row[name]
                 cells.append(f"{name} p50 {r['ttft_ms']['p50']:6.2f} p99 {r['ttft_ms']['p99']:6.2f} ms "
                              f"({r['requests']} req, {r['errors']} err, proxy {r['proxy_cpu_ms_per_request']:.2f} CPU-ms/req)")
-            e = row["envoy+epp"]
             print(f"c={c:3d}  " + " | ".join(cells), flush=True)
-            line = (f"       envoy+epp adds p50 {row['epp_added_over_envoy_ms']['p50']:+.2f} p99 {row['epp_added_over_envoy_ms']['p99']:+.2f} ms"
-                    f" over envoy")
-            if "gateway" in row:
-                line += (f", p50 {row['epp_added_over_gateway_ms']['p50']:+.2f} p99 {row['epp_added_over_gateway_ms']['p99']:+.2f} ms"
-                         f" over the gateway")
-            print(line + f"; picker {e['picker_cpu_ms_per_request']:.3f} CPU-ms/req", flush=True)
+            for name in picker_pids:
+                sfx, e = name[len("envoy+epp"):], row[name]
+                over_envoy = row["epp_added_over_envoy_ms" + sfx]
+                line = f"       {name} adds p50 {over_envoy['p50']:+.2f} p99 {over_envoy['p99']:+.2f} ms over envoy"
+                if "gateway" in row:
+                    over_gw = row["epp_added_over_gateway_ms" + sfx]
+                    line += f", p50 {over_gw['p50']:+.2f} p99 {over_gw['p99']:+.2f} ms over the gateway"
+                print(line + f"; picker {e['picker_cpu_ms_per_request']:.3f} CPU-ms/req", flush=True)
     finally:
         for p in procs:
             p.stop()
@@ -195,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 gw.kill()
                 gw.wait()
-        for p in (pk, up):
+        for p in [pk for pk, _, _ in pickers.values()] + [up]:
             p.terminate()
             p.join(5)
     report["loadavg_end"] = os.getloadavg()

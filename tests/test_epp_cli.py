@@ -11,6 +11,7 @@ import textwrap
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.epp.serve import server_options
@@ -35,10 +36,12 @@ def test_flags_are_the_gateways_plus_the_pickers():
     a = p.parse_args(["--replica", "r1=http://10.0.0.1:8000", "--no-auth"])
     opts = server_options(a, max_body_bytes=1 << 20)
     assert opts == {"host": "0.0.0.0", "port": 9002, "health_port": 9003, "max_body_bytes": 1 << 20,
-                    "default_request_body_mode": FULL_DUPLEX_STREAMED}
-    a = p.parse_args(["--grpc-port", "7000", "--grpc-health-port", "-1", "--request-body-mode", "buffered", "--host", "127.0.0.1"])
+                    "default_request_body_mode": FULL_DUPLEX_STREAMED, "transport": "h2"}
+    a = p.parse_args(["--grpc-port", "7000", "--grpc-health-port", "-1", "--request-body-mode", "buffered", "--host", "127.0.0.1",
+                      "--transport", "grpcio"])
     opts = server_options(a, max_body_bytes=10)
-    assert (opts["port"], opts["health_port"], opts["default_request_body_mode"], opts["host"]) == (7000, None, BUFFERED, "127.0.0.1")
+    assert (opts["port"], opts["health_port"], opts["default_request_body_mode"], opts["host"], opts["transport"]) == (
+        7000, None, BUFFERED, "127.0.0.1", "grpcio")
 
 
 def _status(port: int, service: str) -> int:
@@ -46,7 +49,8 @@ def _status(port: int, service: str) -> int:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
 
 
-def test_picker_process_is_ready_then_stops_promptly_on_sigterm():
+@pytest.mark.parametrize("transport", ["h2", "grpcio"])
+def test_picker_process_is_ready_then_stops_promptly_on_sigterm(transport):
     grpc_port, health_port = free_port(), free_port()
     script = textwrap.dedent(f"""
         import argparse, asyncio
@@ -55,7 +59,7 @@ def test_picker_process_is_ready_then_stops_promptly_on_sigterm():
         from tests.epp_double import StaticPickerDouble
         p = argparse.ArgumentParser(); add_arguments(p)
         args = p.parse_args(["--host", "127.0.0.1", "--grpc-port", "{grpc_port}", "--grpc-health-port", "{health_port}",
-                             "--shutdown-grace-s", "20"])
+                             "--shutdown-grace-s", "20", "--transport", "{transport}"])
         async def until_ready():
             await asyncio.sleep(0.5)
         raise SystemExit(serve(StaticPickerDouble(["a:1"]), args, until_ready=until_ready))

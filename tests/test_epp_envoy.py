@@ -19,7 +19,7 @@ import pytest
 
 from gateway.epp.envoy import EnvoyOptions, EnvoyProcess, bootstrap, find_envoy
 from gateway.epp.extproc import Reject
-from gateway.epp.server import EppServer
+from gateway.epp.server import TRANSPORTS, EppServer
 from gateway.errors import ApiError
 from tests.conftest import free_port
 from tests.epp_double import StaticPickerDouble
@@ -52,6 +52,12 @@ class Sim:
                 self.proc.wait()
 
 
+@pytest.fixture(params=TRANSPORTS)
+def transport(request) -> str:
+    """Every test with a picker runs on both of its transports (gateway.epp.server.TRANSPORTS)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def sims():
     find_envoy()  # fail here, loudly, when the binary is missing
@@ -70,8 +76,9 @@ async def prompt_tokens_seen(sim: Sim) -> int:
 class Stack:
     """EPP server (in this event loop) + Envoy in front of the given replicas."""
 
-    def __init__(self, picker, replicas: list[Sim], **envoy_kw) -> None:
+    def __init__(self, picker, replicas: list[Sim], transport: str = "h2", **envoy_kw) -> None:
         self.picker = picker
+        self.transport = transport
         self.replicas = replicas
         self.envoy_kw = envoy_kw
         self.epp: EppServer | None = None
@@ -81,7 +88,7 @@ class Stack:
     async def __aenter__(self) -> "Stack":
         picker_port = free_port()  # without a picker: a port nothing listens on
         if self.picker is not None:
-            self.epp = EppServer(self.picker, host="127.0.0.1", port=0)
+            self.epp = EppServer(self.picker, host="127.0.0.1", port=0, transport=self.transport)
             picker_port = await self.epp.start()
             await self.epp.set_ready(True)
         # Port 0 for Envoy's listener and admin: a port chosen here and bound later by Envoy was
@@ -131,10 +138,10 @@ async def wait_outcomes(picker: StaticPickerDouble, n: int, timeout_s: float = 5
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("body_mode,source", [("FULL_DUPLEX_STREAMED", "header"), ("BUFFERED", "header"),
                                               ("FULL_DUPLEX_STREAMED", "metadata")])
-async def test_openai_sdk_streams_chat_and_completions_to_the_picked_replica(sims, body_mode, source):
+async def test_openai_sdk_streams_chat_and_completions_to_the_picked_replica(sims, body_mode, source, transport):
     # The picker's primary is the second replica: Envoy's own round robin would spread requests.
     picker = StaticPickerDouble([sims[1].endpoint, sims[0].endpoint])
-    async with Stack(picker, sims, request_body_mode=body_mode, override_source=source) as stack:
+    async with Stack(picker, sims, transport=transport, request_body_mode=body_mode, override_source=source) as stack:
         before = [await prompt_tokens_seen(s) for s in sims]
         client = stack.client()
         text, usage = await stream_chat(client, f"hello {uuid.uuid4().hex}")
@@ -158,14 +165,14 @@ async def test_openai_sdk_streams_chat_and_completions_to_the_picked_replica(sim
     assert [ctx["n"] for ctx, _ in picker.outcomes] == [1, 2, 3]
 
 
-async def test_body_mutation_reaches_the_engine(sims):
+async def test_body_mutation_reaches_the_engine(sims, transport):
     """The double swaps the client's cache_salt for its own: the engine's prefix cache then holds
     the prompt under the double's salt (a direct request with it is warm) and not under the
     client's (a direct request with that one is cold)."""
     target = sims[2]
     picker = StaticPickerDouble([target.endpoint], salt=f"picker-salt-{uuid.uuid4().hex[:8]}")
-    document = " ".join(f"word{i}" for i in range(300)) + uuid.uuid4().hex
-    async with Stack(picker, sims) as stack:
+    document = uuid.uuid4().hex + " " + " ".join(f"word{i}" for i in range(300))  # unique from its first block: the test runs once per transport
+    async with Stack(picker, sims, transport=transport) as stack:
         _, usage = await stream_chat(stack.client(), document, extra_body={"cache_salt": "client-chosen-salt"})
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0
     sent = json.loads(picker.picks[0][1])
@@ -178,22 +185,22 @@ async def test_body_mutation_reaches_the_engine(sims):
 
 
 @pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
-async def test_long_body_arrives_whole_and_goes_on_rewritten(sims, body_mode):
+async def test_long_body_arrives_whole_and_goes_on_rewritten(sims, body_mode, transport):
     """A 1.5 MB body: Envoy streams it in many chunks (or buffers it), the picker answers once
     with it rewritten (sent back in pieces), and the replica gets all of it."""
     picker = StaticPickerDouble([sims[0].endpoint])
     padding = "p" * 1_500_000
-    async with Stack(picker, sims, request_body_mode=body_mode) as stack:
+    async with Stack(picker, sims, transport=transport, request_body_mode=body_mode) as stack:
         text, usage = await stream_chat(stack.client(), "short question", user=padding)
     assert text and usage["prompt_tokens"] > 0
     assert len(picker.picks[0][1]) > 1_500_000 and json.loads(picker.picks[0][1])["user"] == padding
 
 
-async def test_refused_primary_is_retried_on_the_fallback_without_client_error(sims):
+async def test_refused_primary_is_retried_on_the_fallback_without_client_error(sims, transport):
     dead = Sim()  # a replica of the pool whose listening socket closes: connections refused
     try:
         picker = StaticPickerDouble([dead.endpoint, sims[0].endpoint])
-        async with Stack(picker, [dead, *sims]) as stack:
+        async with Stack(picker, [dead, *sims], transport=transport) as stack:
             assert (await stream_chat(stack.client(), "warm the connection pool"))[0]
             async with httpx.AsyncClient() as c:
                 r = await c.post(f"{dead.url}/sim/fault", json={"kind": "crash", "refuse": True})
@@ -241,9 +248,9 @@ async def test_picker_down_fail_open_goes_to_the_pool_unpicked(sims, body_mode, 
     assert sum(grew) >= 2  # spread by round robin, not all sent where the client asked
 
 
-async def test_client_sent_destination_header_is_overwritten_by_the_pick(sims):
+async def test_client_sent_destination_header_is_overwritten_by_the_pick(sims, transport):
     picker = StaticPickerDouble([sims[0].endpoint])
-    async with Stack(picker, sims) as stack:
+    async with Stack(picker, sims, transport=transport) as stack:
         client = stack.client(default_headers={"x-gateway-destination-endpoint": sims[2].endpoint})
         raw = await client.chat.completions.with_raw_response.create(
             model=MODEL, messages=[{"role": "user", "content": "where do I go"}], max_tokens=3)
@@ -254,18 +261,18 @@ async def test_client_sent_destination_header_is_overwritten_by_the_pick(sims):
     assert not any(h.startswith("x-gateway-destination-endpoint") for h in raw.headers)
 
 
-async def test_subset_hint_from_envoy_bounds_the_pick(sims):
+async def test_subset_hint_from_envoy_bounds_the_pick(sims, transport):
     picker = StaticPickerDouble([s.endpoint for s in sims])
-    async with Stack(picker, sims, subset_hint=[sims[2].endpoint]) as stack:
+    async with Stack(picker, sims, transport=transport, subset_hint=[sims[2].endpoint]) as stack:
         await stream_chat(stack.client(), "subset please")
         await wait_outcomes(picker, 1)
     assert picker.picks[0][2] == (sims[2].endpoint,)
     assert picker.outcomes[0][1].served_endpoint == sims[2].endpoint
 
 
-async def test_empty_subset_hint_is_503_in_openai_shape(sims):
+async def test_empty_subset_hint_is_503_in_openai_shape(sims, transport):
     picker = StaticPickerDouble([s.endpoint for s in sims])
-    async with Stack(picker, sims, subset_hint=[]) as stack:
+    async with Stack(picker, sims, transport=transport, subset_hint=[]) as stack:
         with pytest.raises(openai.APIStatusError) as exc:
             await stream_chat(stack.client(), "nobody eligible")
     assert exc.value.status_code == 503 and exc.value.body["code"] == "no_endpoint"
@@ -274,11 +281,11 @@ async def test_empty_subset_hint_is_503_in_openai_shape(sims):
 
 @pytest.mark.parametrize("status,exc_type", [(429, openai.RateLimitError), (401, openai.AuthenticationError),
                                              (400, openai.BadRequestError)])
-async def test_picker_refusal_reaches_the_client_as_openai_error(sims, status, exc_type):
+async def test_picker_refusal_reaches_the_client_as_openai_error(sims, status, exc_type, transport):
     err = ApiError(status, f"refused with {status}", code=f"code_{status}",
                    headers={"Retry-After": "3"} if status == 429 else {})
     picker = StaticPickerDouble([sims[0].endpoint], reject=Reject.from_api_error(err))
-    async with Stack(picker, sims) as stack:
+    async with Stack(picker, sims, transport=transport) as stack:
         with pytest.raises(exc_type) as exc:
             await stream_chat(stack.client(), "please")
     assert exc.value.status_code == status
@@ -289,17 +296,17 @@ async def test_picker_refusal_reaches_the_client_as_openai_error(sims, status, e
     assert picker.outcomes == []
 
 
-async def test_invalid_json_body_is_400_from_the_picker(sims):
+async def test_invalid_json_body_is_400_from_the_picker(sims, transport):
     picker = StaticPickerDouble([sims[0].endpoint])
-    async with Stack(picker, sims) as stack:
+    async with Stack(picker, sims, transport=transport) as stack:
         async with httpx.AsyncClient() as c:
             r = await c.post(f"{stack.base_url}/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
-async def test_client_gone_mid_stream_is_observed_as_ended_early(sims):
+async def test_client_gone_mid_stream_is_observed_as_ended_early(sims, transport):
     picker = StaticPickerDouble([sims[0].endpoint])
-    async with Stack(picker, sims) as stack:
+    async with Stack(picker, sims, transport=transport) as stack:
         client = stack.client()
         stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a long answer"}],
                                                       stream=True, max_tokens=2000)

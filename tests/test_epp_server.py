@@ -1,6 +1,6 @@
-"""The EPP's gRPC server (gateway/epp/server.py) over a real socket, with grpcio as the client
-playing Envoy: health services, one full conversation, picker failures, protocol errors and
-graceful stop. The picker is the TEST DOUBLE of tests/epp_double.py."""
+"""The EPP's gRPC server (gateway/epp/server.py) over a real socket, on each transport (h2 and
+grpcio), with grpcio as the client playing Envoy: health services, one full conversation, picker
+failures, protocol errors and graceful stop. The picker is the TEST DOUBLE of tests/epp_double.py."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.epp.extproc import DESTINATION_HEADER, FULL_DUPLEX_STREAMED
-from gateway.epp.server import EXT_PROC_SERVICE, METHOD, EppServer
+from gateway.epp.server import EXT_PROC_SERVICE, METHOD, TRANSPORTS, EppServer
 from gateway.epp.wire import ext_proc_pb2 as pb
 from gateway.errors import ApiError
 from tests.epp_double import StaticPickerDouble
@@ -49,12 +49,12 @@ def body(data: bytes, eos: bool, response=False) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(response_body=b) if response else pb.ProcessingRequest(request_body=b)
 
 
-@pytest.fixture
-async def served():
+@pytest.fixture(params=TRANSPORTS)
+async def served(request):
     started: list = []
 
     async def start(picker, **kw):
-        srv = EppServer(picker, host="127.0.0.1", port=0, **kw)
+        srv = EppServer(picker, host="127.0.0.1", port=0, transport=request.param, **kw)
         port = await srv.start()
         client = Envoyish(port)
         started.append((srv, client))
@@ -177,6 +177,6 @@ async def test_stop_lets_open_streams_finish_and_refuses_new_ones(served):
 
 async def test_port_in_use_is_an_error(served):
     srv, _ = await served(StaticPickerDouble(["a:1"]))
-    second = EppServer(StaticPickerDouble(["a:1"]), host="127.0.0.1", port=srv.port)
-    with pytest.raises(RuntimeError):
+    second = EppServer(StaticPickerDouble(["a:1"]), host="127.0.0.1", port=srv.port, transport=srv.transport)
+    with pytest.raises(OSError if srv.transport == "h2" else RuntimeError):  # grpcio: RuntimeError("Failed to bind")
         await second.start()

@@ -77,6 +77,7 @@ def server_options(args: argparse.Namespace, *, max_body_bytes: int) -> dict:
         "health_port": None if health is None or health < 0 else health,
         "max_body_bytes": max_body_bytes,
         "default_request_body_mode": BUFFERED if args.request_body_mode == "buffered" else FULL_DUPLEX_STREAMED,
+        "transport": getattr(args, "transport", "h2"),
     }
 
 

@@ -1,11 +1,13 @@
-"""The Endpoint Picker's gRPC server (grpcio asyncio): Envoy's `ExternalProcessor.Process`
-bidirectional stream, one per HTTP request, plus the gRPC health services.
+"""The Endpoint Picker's gRPC service: Envoy's `ExternalProcessor.Process` bidirectional stream,
+one per HTTP request, plus the gRPC health services, on one of two transports: `h2` (the
+default, gateway.epp.h2_transport: an asyncio protocol over the `h2` library) or `grpcio`
+(gateway.epp.grpcio_transport: grpc.aio, the reference; ~3x the CPU per message).
 
-This module is the thin I/O shell around `gateway.epp.extproc.ExtProcStream`: it reads a
-message, hands it to the conversation, writes the replies in order, and calls the `Picker` for
-the two things only the picker knows: `pick()` once the request is complete, `observe()` once
-its response ended (or the stream stopped). Decisions, body rewriting and learning are the
-picker's; protocol rules are the conversation's; nothing here parses HTTP or JSON.
+This module is what both transports run: `serve_stream` reads a message, hands it to the
+conversation (`gateway.epp.extproc.ExtProcStream`), writes the replies in order, and calls the
+`Picker` for the two things only the picker knows: `pick()` once the request is complete,
+`observe()` once its response ended (or the stream stopped). Decisions, body rewriting and
+learning are the picker's; protocol rules are the conversation's; framing is the transport's.
 
 Failure rules: a picker exception becomes a 500 ImmediateResponse in OpenAI's error shape (the
 client gets an answer, the error is logged without the request body); a protocol error ends the
@@ -22,21 +24,22 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from gateway.epp.extproc import (BUFFERED, FULL_DUPLEX_STREAMED, ExtProcStream, Outcome, Pick, ProtocolError, Reject,
                                  RequestComplete)
-from gateway.epp.wire import ext_proc_pb2 as pb
+from gateway.epp.grpcio_transport import GrpcioServer
+from gateway.epp.h2_transport import H2GrpcServer
 from gateway.errors import ApiError
 
-__all__ = ["Picker", "EppServer", "EppStats", "EXT_PROC_SERVICE", "HEALTH_SERVICES", "METHOD"]
+__all__ = ["Picker", "EppServer", "EppStats", "EXT_PROC_SERVICE", "HEALTH_SERVICES", "METHOD", "TRANSPORTS"]
 
 log = logging.getLogger("warmroute.epp")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 METHOD = f"/{EXT_PROC_SERVICE}/Process"
 HEALTH_SERVICES = ("liveness", "readiness", EXT_PROC_SERVICE)
+TRANSPORTS = ("h2", "grpcio")  # gateway.epp.h2_transport (default), gateway.epp.grpcio_transport
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _GRPC_OVERHEAD_BYTES = 64 * 1024  # message framing and headers on top of a body
@@ -77,9 +80,11 @@ class EppServer:
 
     def __init__(self, picker: Picker, *, host: str = "0.0.0.0", port: int = 9002, health_port: int | None = None,
                  max_body_bytes: int = 8 * 1024 * 1024, default_request_body_mode: int = FULL_DUPLEX_STREAMED,
-                 default_response_body_mode: int = FULL_DUPLEX_STREAMED) -> None:
+                 default_response_body_mode: int = FULL_DUPLEX_STREAMED, transport: str = "h2") -> None:
         if default_request_body_mode not in (FULL_DUPLEX_STREAMED, BUFFERED):
             raise ValueError("default_request_body_mode: FULL_DUPLEX_STREAMED or BUFFERED")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport: one of {', '.join(TRANSPORTS)}")
         self.picker = picker
         self.host = host
         self.port = port  # 0: ephemeral; the bound port after start()
@@ -87,70 +92,55 @@ class EppServer:
         self.max_body_bytes = max_body_bytes
         self.default_request_body_mode = default_request_body_mode  # when Envoy sends no protocol_config
         self.default_response_body_mode = default_response_body_mode
+        self.transport = transport
         self.stats = EppStats()
-        self.health = health.aio.HealthServicer()
-        self._server: grpc.aio.Server | None = None
+        self._health = {"liveness": _NOT_SERVING, "readiness": _NOT_SERVING, EXT_PROC_SERVICE: _NOT_SERVING,
+                        "": _NOT_SERVING}
+        self._server: H2GrpcServer | GrpcioServer | None = None
         self._ready = False
 
     async def start(self) -> int:
         """Bind and serve; returns the ext_proc port. Not ready until `set_ready(True)`."""
-        limit = self.max_body_bytes + _GRPC_OVERHEAD_BYTES
-        server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", limit),  # BUFFERED mode sends the whole body in one message
-            ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0),  # a port already in use is an error, not a silent second listener
-        ])
-        handler = grpc.stream_stream_rpc_method_handler(self._process, request_deserializer=pb.ProcessingRequest.FromString,
-                                                        response_serializer=pb.ProcessingResponse.SerializeToString)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": handler}),))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.port = server.add_insecure_port(f"{self.host}:{self.port}")
-        if self.health_port is not None:
-            self.health_port = server.add_insecure_port(f"{self.host}:{self.health_port}")
-        await self.health.set("liveness", _SERVING)
-        await self._set_ready_status()
-        await server.start()
+        limit = self.max_body_bytes + _GRPC_OVERHEAD_BYTES  # BUFFERED mode sends the whole body in one message
+        self._health["liveness"] = _SERVING
+        if self.transport == "h2":
+            server = H2GrpcServer(self.serve_stream, self._health.get, method=METHOD, max_message_bytes=limit)
+            self.port = await server.listen(self.host, self.port)
+            if self.health_port is not None:
+                self.health_port = await server.listen(self.host, self.health_port)
+        else:
+            server = GrpcioServer(self.serve_stream, service=EXT_PROC_SERVICE, max_message_bytes=limit)
+            self.port = server.listen(self.host, self.port)
+            if self.health_port is not None:
+                self.health_port = server.listen(self.host, self.health_port)
+            await server.start(self._health)
         self._server = server
-        log.info("endpoint picker serving ext_proc on %s:%d", self.host, self.port)
+        log.info("endpoint picker serving ext_proc on %s:%d (%s)", self.host, self.port, self.transport)
         return self.port
 
     async def set_ready(self, ready: bool) -> None:
         """`readiness` and the ext_proc service's health: SERVING iff `ready`."""
         self._ready = ready
-        await self._set_ready_status()
-
-    async def _set_ready_status(self) -> None:
-        status = _SERVING if self._ready else _NOT_SERVING
-        await self.health.set("readiness", status)
-        await self.health.set(EXT_PROC_SERVICE, status)
-        await self.health.set("", status)
+        status = _SERVING if ready else _NOT_SERVING
+        for service in ("readiness", EXT_PROC_SERVICE, ""):
+            self._health[service] = status
+        if isinstance(self._server, GrpcioServer):
+            await self._server.set_health(self._health)
 
     async def stop(self, grace_s: float = 30.0) -> None:
         """Health goes NOT_SERVING, new streams are refused, open ones get `grace_s` to finish."""
         if self._server is None:
             return
-        await self.health.enter_graceful_shutdown()
+        for service in self._health:
+            self._health[service] = _NOT_SERVING
         server, self._server = self._server, None
         await server.stop(grace_s)
 
     async def wait_closed(self) -> None:
         if self._server is not None:
-            await self._server.wait_for_termination()
+            await self._server.wait_closed()
 
     # ------------------------------------------------------------------ one stream
-    async def _process(self, _requests, context: grpc.aio.ServicerContext) -> None:
-        read = context.read
-        eof = grpc.aio.EOF
-
-        async def next_message():
-            msg = await read()
-            return None if msg is eof else msg
-
-        try:
-            await self.serve_stream(next_message, context.write)
-        except ProtocolError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-
     async def serve_stream(self, read, write) -> None:
         """One ext_proc stream over any transport: `read()` -> the next ProcessingRequest or None
         at the end; `write(ProcessingResponse)`. Raises ProtocolError (the transport ends the

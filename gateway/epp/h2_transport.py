@@ -1,0 +1,455 @@
+"""The Endpoint Picker's gRPC transport on an asyncio protocol over `h2` (the default): HTTP/2
+connections from Envoy, gRPC's message framing, the `Process` bidirectional streams and the
+unary health `Check`, with nothing of ext_proc itself (that is `EppServer.serve_stream`).
+
+Why not grpcio: a streamed answer is ~35 message round trips, and grpc.aio spends ~120-150 us of
+the picker's CPU on each (its C core hands every message to the event loop through a task
+wake-up); at 64 streams that kept the picker's one loop busy and added milliseconds to every
+request. Here a connection's frames are handled in one callback, replies are queued on the
+`h2` connection and written once per loop turn, and a message that needs no wait costs no task
+switch.
+
+gRPC over HTTP/2 as served here: requests are POSTs with `content-type: application/grpc...`;
+each message is a 5-byte prefix (compressed flag 0, big-endian length) and the protobuf bytes;
+compressed messages are refused (Envoy's gRPC client does not compress); replies go out as
+response headers, messages, then trailers with `grpc-status` (and a percent-encoded
+`grpc-message`), or trailers alone when nothing was sent. Flow control: received data is
+acknowledged at once while the stream holds under one message's limit unread, and as it is read
+beyond that, so a peer cannot make us buffer without bound; a reply waits for the peer's window.
+
+Stop: the listeners close, each connection gets a GOAWAY naming the last stream it will serve
+(later streams are refused with REFUSED_STREAM, which a client may retry elsewhere), open
+streams get the grace period, then whatever is left is cancelled and the connections close.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections import deque
+from typing import Awaitable, Callable
+from urllib.parse import quote
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+from grpc_health.v1 import health_pb2
+from hyperframe.frame import GoAwayFrame
+
+from gateway.epp.extproc import ProtocolError
+from gateway.epp.wire import ext_proc_pb2 as pb
+
+__all__ = ["H2GrpcServer", "StreamGone", "HEALTH_CHECK_METHOD"]
+
+log = logging.getLogger("warmroute.epp")
+
+HEALTH_CHECK_METHOD = b"/grpc.health.v1.Health/Check"
+_PREFIX = struct.Struct(">BI")  # compressed flag, message length
+_OK, _CANCELLED, _INVALID_ARGUMENT, _NOT_FOUND, _RESOURCE_EXHAUSTED, _UNIMPLEMENTED, _INTERNAL = 0, 1, 3, 5, 8, 12, 13
+_WINDOW = 1 << 20  # per-stream receive window we advertise (BUFFERED bodies arrive in one message)
+_CONNECTION_WINDOW = 16 << 20
+_MAX_STREAMS = 4096
+_H2_CONFIG = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=False,
+                                       normalize_inbound_headers=False, validate_outbound_headers=False,
+                                       normalize_outbound_headers=False)
+_RESPONSE_HEADERS = ((b":status", b"200"), (b"content-type", b"application/grpc"))
+
+Handler = Callable[[Callable[[], Awaitable[pb.ProcessingRequest | None]],
+                    Callable[[pb.ProcessingResponse], Awaitable[None]]], Awaitable[None]]
+
+
+class StreamGone(ConnectionError):
+    """The peer reset the stream or the connection closed: nothing more can be written."""
+
+
+class _Stream:
+    """One HTTP/2 stream's gRPC state: parsed inbound messages, and our reply's progress."""
+
+    __slots__ = ("conn", "sid", "kind", "buf", "inbox", "waiter", "remote_closed", "gone", "headers_sent",
+                 "finished", "unacked", "window", "task")
+
+    def __init__(self, conn: "_Connection", sid: int, kind: str) -> None:
+        self.conn, self.sid, self.kind = conn, sid, kind
+        self.buf = bytearray()  # received bytes not yet a whole message
+        self.inbox: deque = deque()  # whole messages (bytes), then None at the end
+        self.waiter: asyncio.Future | None = None
+        self.remote_closed = False
+        self.gone = False
+        self.headers_sent = False
+        self.finished = False
+        self.unacked = 0  # received bytes held back from the peer's window until read
+        self.window: asyncio.Future | None = None  # a reply waiting for the peer's window
+        self.task: asyncio.Task | None = None
+
+    def buffered(self) -> int:
+        return len(self.buf) + sum(len(m) for m in self.inbox if m is not None)
+
+    def wake(self) -> None:
+        w, self.waiter = self.waiter, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def wake_window(self) -> None:
+        w, self.window = self.window, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # -- what serve_stream sees
+    async def read(self) -> pb.ProcessingRequest | None:
+        while not self.inbox:
+            if self.remote_closed or self.gone:
+                return None
+            self.waiter = self.conn.loop.create_future()
+            await self.waiter
+        raw = self.inbox.popleft()
+        if raw is None:
+            return None
+        if self.unacked:
+            self.conn.release(self)
+        try:
+            return pb.ProcessingRequest.FromString(raw)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
+            raise ProtocolError(f"undecodable ProcessingRequest ({len(raw)} bytes)") from exc
+
+    async def write(self, msg) -> None:
+        await self.conn.send_message(self, msg.SerializeToString())
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/2 connection (from one Envoy worker, typically): all its streams."""
+
+    def __init__(self, server: "H2GrpcServer") -> None:
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        self.h2 = h2.connection.H2Connection(config=_H2_CONFIG)
+        self.transport: asyncio.Transport | None = None
+        self.streams: dict[int, _Stream] = {}
+        self.flush_scheduled = False
+        self.draining = False
+        self.last_stream_id = 0  # after GOAWAY: the last stream we serve
+        self.closed = asyncio.Event()
+        self.acks: dict[int, int] = {}  # stream id -> received bytes to acknowledge after this read
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.h2.local_settings = h2.settings.Settings(client=False, initial_values={
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: _MAX_STREAMS,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW,
+            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 64 * 1024,
+        })
+        self.h2.initiate_connection()
+        self.h2.increment_flow_control_window(_CONNECTION_WINDOW - 65535)
+        self.server.connections.add(self)
+        self.flush()
+
+    def connection_lost(self, exc) -> None:
+        self.server.connections.discard(self)
+        for st in list(self.streams.values()):
+            self._lose(st)
+        self.streams.clear()
+        self.closed.set()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            events = self.h2.receive_data(data)
+        except h2.exceptions.ProtocolError as exc:
+            log.warning("ext_proc HTTP/2 protocol error from the peer: %s", exc)
+            self.flush()
+            self.transport.close()
+            return
+        for ev in events:
+            t = type(ev)
+            if t is h2.events.DataReceived:
+                self._data(ev)
+            elif t is h2.events.RequestReceived:
+                self._request(ev)
+            elif t is h2.events.StreamEnded:
+                st = self.streams.get(ev.stream_id)
+                if st is not None:
+                    self._remote_end(st)
+            elif t is h2.events.StreamReset:
+                st = self.streams.pop(ev.stream_id, None)
+                if st is not None:
+                    self._lose(st)
+            elif t is h2.events.WindowUpdated:
+                if ev.stream_id == 0:
+                    for st in self.streams.values():
+                        st.wake_window()
+                elif (st := self.streams.get(ev.stream_id)) is not None:
+                    st.wake_window()
+            elif t is h2.events.ConnectionTerminated:
+                self.flush()
+                self.transport.close()
+                return
+            elif t is h2.events.TrailersReceived:  # a gRPC client sends none; end of stream comes as StreamEnded
+                pass
+        if self.acks:  # one window update per stream per read, not one per frame
+            for sid, n in self.acks.items():
+                self._ack(sid, n)
+            self.acks.clear()
+        self.flush()
+
+    # -- inbound
+    def _request(self, ev: h2.events.RequestReceived) -> None:
+        sid = ev.stream_id
+        if self.draining and sid > self.last_stream_id:
+            self.h2.reset_stream(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
+            return
+        path = ctype = None
+        for k, v in ev.headers:
+            if k == b":path":
+                path = v
+            elif k == b"content-type":
+                ctype = v
+        if ctype is None or not ctype.startswith(b"application/grpc"):
+            self.h2.send_headers(sid, ((b":status", b"415"),), end_stream=True)
+            return
+        if path == self.server.method:
+            st = _Stream(self, sid, "process")
+            self.streams[sid] = st
+            st.task = self.loop.create_task(self.server.run_process(st))
+        elif path == HEALTH_CHECK_METHOD:
+            self.streams[sid] = _Stream(self, sid, "check")
+        else:
+            self._trailers_only(sid, _UNIMPLEMENTED, f"unknown method {path.decode('latin-1') if path else ''}")
+
+    def _data(self, ev: h2.events.DataReceived) -> None:
+        st = self.streams.get(ev.stream_id)
+        n = ev.flow_controlled_length
+        if st is None or st.finished:  # a stream we are done with: keep the window open, drop the data
+            if n:
+                self.acks[ev.stream_id] = self.acks.get(ev.stream_id, 0) + n
+            return
+        st.buf += ev.data
+        buf, limit = st.buf, self.server.max_message_bytes
+        while len(buf) >= 5:
+            flag, size = _PREFIX.unpack_from(buf)
+            if flag != 0:
+                self._fail(st, _UNIMPLEMENTED, "compressed gRPC messages are not supported")
+                return
+            if size > limit:
+                self._fail(st, _RESOURCE_EXHAUSTED, f"message of {size} bytes over the limit of {limit}")
+                return
+            if len(buf) < 5 + size:
+                break
+            st.inbox.append(bytes(buf[5:5 + size]))
+            del buf[:5 + size]
+        if n:
+            if st.buffered() <= limit:
+                self.acks[ev.stream_id] = self.acks.get(ev.stream_id, 0) + n
+            else:
+                st.unacked += n  # released as the messages are read
+        if st.inbox:
+            if st.kind == "check":
+                self._answer_check(st)
+            else:
+                st.wake()
+
+    def _remote_end(self, st: _Stream) -> None:
+        st.remote_closed = True
+        if st.kind == "check":
+            if not st.finished:
+                self._answer_check(st)
+            self.streams.pop(st.sid, None)
+            return
+        st.inbox.append(None)
+        st.wake()
+        if st.finished:
+            self.streams.pop(st.sid, None)
+
+    def _ack(self, sid: int, n: int) -> None:
+        try:
+            self.h2.acknowledge_received_data(n, sid)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            pass
+
+    def release(self, st: _Stream) -> None:
+        """The reader consumed messages: give back the window held for them."""
+        if st.buffered() <= self.server.max_message_bytes and st.unacked and not st.gone:
+            n, st.unacked = st.unacked, 0
+            self._ack(st.sid, n)
+            self.flush_soon()
+
+    def _lose(self, st: _Stream) -> None:
+        st.gone = True
+        st.wake()
+        st.wake_window()
+
+    # -- outbound
+    async def send_message(self, st: _Stream, payload: bytes) -> None:
+        if st.gone or st.finished:
+            raise StreamGone(f"stream {st.sid} is closed")
+        h = self.h2
+        if not st.headers_sent:
+            h.send_headers(st.sid, _RESPONSE_HEADERS)
+            st.headers_sent = True
+        data = memoryview(_PREFIX.pack(0, len(payload)) + payload)
+        while data:
+            try:
+                room = min(h.local_flow_control_window(st.sid), h.max_outbound_frame_size)
+            except h2.exceptions.StreamClosedError as exc:
+                raise StreamGone(f"stream {st.sid} is closed") from exc
+            if room <= 0:
+                self.flush()
+                st.window = self.loop.create_future()
+                await st.window
+                if st.gone:
+                    raise StreamGone(f"stream {st.sid} is closed")
+                continue
+            h.send_data(st.sid, data[:room].tobytes())
+            data = data[room:]
+        self.flush_soon()
+
+    def finish(self, st: _Stream, status: int, message: str | None = None) -> None:
+        """End our side: trailers (or trailers alone when nothing was sent)."""
+        if st.finished or st.gone:
+            return
+        st.finished = True
+        trailers = [(b"grpc-status", str(status).encode())]
+        if message:
+            trailers.append((b"grpc-message", quote(message, safe=" !#$&'()*+,/:;=?@[]~").encode()))
+        try:
+            if st.headers_sent:
+                self.h2.send_headers(st.sid, trailers, end_stream=True)
+            else:
+                self.h2.send_headers(st.sid, list(_RESPONSE_HEADERS) + trailers, end_stream=True)
+        except h2.exceptions.StreamClosedError:
+            pass
+        if st.remote_closed:
+            self.streams.pop(st.sid, None)
+        self.flush_soon()
+
+    def _fail(self, st: _Stream, status: int, message: str) -> None:
+        self.finish(st, status, message)
+        self._lose(st)
+        if st.task is not None:
+            st.task.cancel()
+
+    def _trailers_only(self, sid: int, status: int, message: str) -> None:
+        hdrs = list(_RESPONSE_HEADERS) + [(b"grpc-status", str(status).encode()),
+                                          (b"grpc-message", quote(message).encode())]
+        self.h2.send_headers(sid, hdrs, end_stream=True)
+
+    def _answer_check(self, st: _Stream) -> None:
+        if not st.inbox or st.inbox[0] is None:
+            self.finish(st, _INVALID_ARGUMENT, "a health check needs one HealthCheckRequest")
+            return
+        try:
+            service = health_pb2.HealthCheckRequest.FromString(st.inbox.popleft()).service
+        except Exception:  # noqa: BLE001
+            self.finish(st, _INVALID_ARGUMENT, "undecodable HealthCheckRequest")
+            return
+        status = self.server.health_status(service)
+        if status is None:
+            self.finish(st, _NOT_FOUND, "unknown service")
+            return
+        payload = health_pb2.HealthCheckResponse(status=status).SerializeToString()
+        self.h2.send_headers(st.sid, _RESPONSE_HEADERS)
+        st.headers_sent = True
+        self.h2.send_data(st.sid, _PREFIX.pack(0, len(payload)) + payload)  # tiny: always within the window
+        self.finish(st, _OK)
+
+    def flush_soon(self) -> None:
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.flush_scheduled = False
+        data = self.h2.data_to_send()
+        if data and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    # -- stop
+    def goaway(self) -> None:
+        """Graceful: no stream after the highest one seen will be served."""
+        self.draining = True
+        self.last_stream_id = self.h2.highest_inbound_stream_id
+        self.flush()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(GoAwayFrame(stream_id=0, last_stream_id=self.last_stream_id).serialize())
+
+    def busy(self) -> bool:
+        return any(st.kind == "process" and st.task is not None and not st.task.done() for st in self.streams.values())
+
+    def close(self) -> None:
+        for st in list(self.streams.values()):
+            if st.task is not None and not st.task.done():
+                st.task.cancel()
+        if self.transport is not None and not self.transport.is_closing():
+            try:
+                self.h2.close_connection(last_stream_id=self.last_stream_id or self.h2.highest_inbound_stream_id)
+            except h2.exceptions.ProtocolError:
+                pass
+            self.flush()
+            self.transport.close()
+
+
+class H2GrpcServer:
+    """Listeners for `method` (a bidirectional stream served by `handler(read, write)`) and the
+    health `Check` (answered from `health_status(service)`: a HealthCheckResponse status, or
+    None for an unknown service)."""
+
+    def __init__(self, handler: Handler, health_status: Callable[[str], int | None], *, method: str,
+                 max_message_bytes: int) -> None:
+        self.handler = handler
+        self.health_status = health_status
+        self.method = method.encode()
+        self.max_message_bytes = max_message_bytes
+        self.connections: set[_Connection] = set()
+        self._listeners: list[asyncio.base_events.Server] = []
+        self._stopped = asyncio.Event()
+
+    async def listen(self, host: str, port: int) -> int:
+        """Serve on `host:port` (0: ephemeral); returns the bound port. A port in use raises OSError."""
+        loop = asyncio.get_running_loop()
+        srv = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True, reuse_port=False)
+        self._listeners.append(srv)
+        return srv.sockets[0].getsockname()[1]
+
+    async def run_process(self, st: _Stream) -> None:
+        conn = st.conn
+        try:
+            await self.handler(st.read, st.write)
+        except ProtocolError as exc:
+            conn.finish(st, _INVALID_ARGUMENT, str(exc))
+        except StreamGone:
+            pass
+        except asyncio.CancelledError:
+            if not st.gone:
+                conn.finish(st, _CANCELLED, "the endpoint picker is stopping")
+            raise
+        except Exception:  # noqa: BLE001 - one stream's failure never takes the server down
+            log.exception("ext_proc stream failed")
+            conn.finish(st, _INTERNAL, "the endpoint picker failed on this stream")
+        else:
+            conn.finish(st, _OK)
+
+    async def stop(self, grace_s: float) -> None:
+        for srv in self._listeners:
+            srv.close()
+        for conn in list(self.connections):
+            conn.goaway()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, grace_s)
+        while any(c.busy() for c in self.connections) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for conn in list(self.connections):
+            conn.close()
+        closing = [asyncio.ensure_future(c.closed.wait()) for c in self.connections]
+        if closing:
+            _, late = await asyncio.wait(closing, timeout=1.0)
+            for f in late:
+                f.cancel()
+        for conn in list(self.connections):  # a peer not reading what we flushed: drop it
+            if conn.transport is not None:
+                conn.transport.abort()
+        self._listeners.clear()
+        self._stopped.set()
+
+    async def wait_closed(self) -> None:
+        await self._stopped.wait()
