@@ -5,7 +5,8 @@ Layers, each knowing only the one below:
 - `wire/`: the ext_proc protobuf messages (a wire-compatible subset of Envoy's API, generated).
 - `extproc`: the protocol, sans-I/O: messages in, events and replies out (the pick header and
   metadata, body mutation, ImmediateResponses, the response path's usage reading).
-- `server`: the grpcio asyncio server and health services; asks a `Picker` for decisions.
+- `server`: one ext_proc stream served (`serve_stream`) and the health state; asks a `Picker`
+  for decisions, over a transport: `h2_transport` (default) or `grpcio_transport`.
 - `cli`: the flags of `warmroute epp`.
 The `Picker` (decide and learn) is the gateway's request pipeline; this package holds none of it.
 """
