@@ -180,3 +180,42 @@ async def test_port_in_use_is_an_error(served):
     second = EppServer(StaticPickerDouble(["a:1"]), host="127.0.0.1", port=srv.port, transport=srv.transport)
     with pytest.raises(OSError if srv.transport == "h2" else RuntimeError):  # grpcio: RuntimeError("Failed to bind")
         await second.start()
+
+
+async def test_unknown_method_is_unimplemented(served):
+    _, client = await served(StaticPickerDouble(["a:1"]))
+    call = client.channel.unary_unary("/no.such.Service/Nothing")
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await call(b"", timeout=5)
+    assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_message_over_the_limit_is_refused_and_the_server_goes_on(served):
+    srv, client = await served(StaticPickerDouble(["a:1"]), max_body_bytes=1024)
+    call = client.process()
+    await call.write(headers())
+    await call.write(body(b"x" * (200 * 1024), True))  # over max_body_bytes + the framing allowance
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await call.read()
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    ok = client.process()  # the next stream on the same connection is served
+    await ok.write(headers(eos=True))
+    assert (await ok.read()).WhichOneof("response") == "request_headers"
+    await ok.done_writing()
+
+
+async def test_h2_refuses_compressed_messages():
+    """grpcio's server decompresses; the h2 transport refuses (Envoy's gRPC client does not compress)."""
+    srv = EppServer(StaticPickerDouble(["a:1"]), host="127.0.0.1", port=0, transport="h2")
+    client = Envoyish(await srv.start())
+    try:
+        call = client.channel.stream_stream(METHOD, request_serializer=pb.ProcessingRequest.SerializeToString,
+                                            response_deserializer=pb.ProcessingResponse.FromString)(
+            compression=grpc.Compression.Gzip)
+        await call.write(body(b"a" * 20000, True))  # compressible: gRPC sends a message uncompressed when gzip would not shrink it
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await call.read()
+        assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await client.close()
+        await srv.stop(0)
