@@ -276,6 +276,7 @@ def test_picker_pod_is_the_gateway_pod_but_for_command_ports_and_probes(name):
     a = p.parse_args(c["args"][1:])
     assert (a.grpc_port, a.grpc_health_port) == (v["epp"]["ports"]["grpc"], health)
     assert a.trusted_tenant_header == (v["epp"]["trustedTenantHeader"] or None)
+    assert a.transport == v["epp"].get("transport", "h2")
     assert any(m["mountPath"] == str(Path(a.config).parent) for m in c["volumeMounts"])
     # No HTTP gateway alongside.
     assert FULL_NAME not in {d["metadata"]["name"] for d in epp_r.of_kind("Deployment")}
