@@ -15,7 +15,8 @@ bounds shared over Redis). Tenants have equal weights. Every scenario starts fro
 Reported per scenario: the quiet tenant's TTFT p50/p99, over all its requests and over those
 sent after the warm-up (its first request is cold in every scenario; with the default 12 s and
 ~45 quiet requests the p99 is about the slowest one: `--seconds 30` or more for a steady-state
-p99), its five slowest requests (when, where, cached tokens) and its errors, the noisy tenant's
+p99), its five slowest requests (when, where, cached tokens, how many of its own requests were open
+on that replica when each was sent) and its errors, the noisy tenant's
 completed and refused (429) requests, total throughput (requests completed per second while
 arrivals run, after a warm-up), the hit ratio (engine-reported cached / prompt tokens of
 completed requests started after the warm-up) and the sims' slowdown (wall seconds per modelled
@@ -217,13 +218,17 @@ def _summary(samples, seconds: float, warmup_s: float) -> dict:
     q = percentiles(s.ttft_s for s in quiet)
     qw = percentiles(s.ttft_s for s in quiet if s.start_s >= warmup_s)
     slow = sorted(quiet, key=lambda s: -s.ttft_s)[:5]
+
+    def quiet_ahead(x) -> int:  # the quiet tenant's own requests on x's replica still open when x was sent
+        return sum(1 for s in quiet if s is not x and s.replica == x.replica and s.start_s < x.start_s < s.start_s + s.e2e_s)
     return {
         "quiet_ttft_ms": {"p50": round(q["p50"] * 1000, 1), "p99": round(q["p99"] * 1000, 1)},
         # steady state: the quiet tenant's requests sent after the warm-up (its first, cold
         # request and the noisy tenant's cold start excluded, in every scenario alike)
         "quiet_ttft_ms_warm": {"p50": round(qw["p50"] * 1000, 1), "p99": round(qw["p99"] * 1000, 1)},
         "quiet_slowest": [{"start_s": round(s.start_s, 2), "ttft_ms": round(s.ttft_s * 1000, 1), "cached": s.cached_tokens,
-                           "prompt": s.prompt_tokens, "replica": s.replica} for s in slow],
+                           "prompt": s.prompt_tokens, "replica": s.replica, "quiet_open_there": quiet_ahead(s)} for s in slow],
+        "quiet_open_there_mean": round(sum(quiet_ahead(s) for s in quiet) / len(quiet), 2) if quiet else 0.0,
         "quiet_ok": len(quiet), "quiet_errors": sum(1 for s in samples if s.tag == "quiet" and not s.ok),
         "noisy_ok": sum(1 for s in ok if s.tag == "noisy"),
         "noisy_429": sum(1 for s in samples if s.tag == "noisy" and s.status == 429),
