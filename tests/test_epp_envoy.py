@@ -101,10 +101,24 @@ class Stack:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        if self.epp is not None and self.transport == "h2" and exc[0] is None:
+            await self._no_stream_left()
         if self.envoy is not None:
             await asyncio.to_thread(self.envoy.stop)
         if self.epp is not None:
             await self.epp.stop(1)
+
+    async def _no_stream_left(self) -> None:
+        """Every stream Envoy opened has ended on both sides (none kept by the h2 transport)."""
+        def left() -> list:
+            return [(st.sid, st.kind, st.finished, st.remote_closed) for c in self.epp._server.connections
+                    for st in c.streams.values()]
+        try:
+            async with asyncio.timeout(3):
+                while left():
+                    await asyncio.sleep(0.02)
+        except TimeoutError:
+            pytest.fail(f"streams left open on the picker's connections: {left()}")
 
     @property
     def base_url(self) -> str:
