@@ -175,6 +175,23 @@ async def test_stop_lets_open_streams_finish_and_refuses_new_ones(served):
     assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+async def test_stop_ends_streams_still_open_after_the_grace_period(served):
+    """A stream that outlasts the grace is ended (the client sees the RPC fail, not hang) and
+    stop() returns promptly."""
+    picker = StaticPickerDouble(["a:1"], delay_s=30)
+    srv, client = await served(picker)
+    call = client.process()
+    await call.write(headers(eos=True))
+    await asyncio.sleep(0.1)  # the pick is under way
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await srv.stop(0.3)
+    assert loop.time() - t0 < 3
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await asyncio.wait_for(call.read(), 5)
+    assert exc.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+
+
 async def test_port_in_use_is_an_error(served):
     srv, _ = await served(StaticPickerDouble(["a:1"]))
     second = EppServer(StaticPickerDouble(["a:1"]), host="127.0.0.1", port=srv.port, transport=srv.transport)

@@ -161,6 +161,20 @@ class _Connection(asyncio.Protocol):
             self.flush()
             self.transport.close()
             return
+        try:
+            self._events(events)
+        except h2.exceptions.ProtocolError as exc:  # e.g. a frame for a stream h2 no longer allows
+            log.warning("ext_proc HTTP/2 connection closed: %s", exc)
+            self.flush()
+            self.transport.close()
+            return
+        if self.acks:  # one window update per stream per read, not one per frame
+            for sid, n in self.acks.items():
+                self._ack(sid, n)
+            self.acks.clear()
+        self.flush()
+
+    def _events(self, events: list) -> None:
         for ev in events:
             t = type(ev)
             if t is h2.events.DataReceived:
@@ -187,11 +201,6 @@ class _Connection(asyncio.Protocol):
                 return
             elif t is h2.events.TrailersReceived:  # a gRPC client sends none; end of stream comes as StreamEnded
                 pass
-        if self.acks:  # one window update per stream per read, not one per frame
-            for sid, n in self.acks.items():
-                self._ack(sid, n)
-            self.acks.clear()
-        self.flush()
 
     # -- inbound
     def _request(self, ev: h2.events.RequestReceived) -> None:
@@ -284,24 +293,24 @@ class _Connection(asyncio.Protocol):
         if st.gone or st.finished:
             raise StreamGone(f"stream {st.sid} is closed")
         h = self.h2
-        if not st.headers_sent:
-            h.send_headers(st.sid, _RESPONSE_HEADERS)
-            st.headers_sent = True
         data = memoryview(_PREFIX.pack(0, len(payload)) + payload)
-        while data:
-            try:
+        try:
+            if not st.headers_sent:
+                h.send_headers(st.sid, _RESPONSE_HEADERS)
+                st.headers_sent = True
+            while data:
                 room = min(h.local_flow_control_window(st.sid), h.max_outbound_frame_size)
-            except h2.exceptions.StreamClosedError as exc:
-                raise StreamGone(f"stream {st.sid} is closed") from exc
-            if room <= 0:
-                self.flush()
-                st.window = self.loop.create_future()
-                await st.window
-                if st.gone:
-                    raise StreamGone(f"stream {st.sid} is closed")
-                continue
-            h.send_data(st.sid, data[:room].tobytes())
-            data = data[room:]
+                if room <= 0:
+                    self.flush()
+                    st.window = self.loop.create_future()
+                    await st.window
+                    if st.gone or st.finished:
+                        raise StreamGone(f"stream {st.sid} is closed")
+                    continue
+                h.send_data(st.sid, data[:room].tobytes())
+                data = data[room:]
+        except h2.exceptions.ProtocolError as exc:  # the stream or the connection closed under us
+            raise StreamGone(f"stream {st.sid} is closed") from exc
         self.flush_soon()
 
     def finish(self, st: _Stream, status: int, message: str | None = None) -> None:
@@ -317,7 +326,7 @@ class _Connection(asyncio.Protocol):
                 self.h2.send_headers(st.sid, trailers, end_stream=True)
             else:
                 self.h2.send_headers(st.sid, list(_RESPONSE_HEADERS) + trailers, end_stream=True)
-        except h2.exceptions.StreamClosedError:
+        except h2.exceptions.ProtocolError:  # the peer reset it, or the connection is closing
             pass
         if st.remote_closed:
             self.streams.pop(st.sid, None)
@@ -332,7 +341,10 @@ class _Connection(asyncio.Protocol):
     def _trailers_only(self, sid: int, status: int, message: str) -> None:
         hdrs = list(_RESPONSE_HEADERS) + [(b"grpc-status", str(status).encode()),
                                           (b"grpc-message", quote(message).encode())]
-        self.h2.send_headers(sid, hdrs, end_stream=True)
+        try:
+            self.h2.send_headers(sid, hdrs, end_stream=True)
+        except h2.exceptions.ProtocolError:
+            pass
 
     def _answer_check(self, st: _Stream) -> None:
         if not st.inbox or st.inbox[0] is None:
