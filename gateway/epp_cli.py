@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default 9003, -1: none)")
     g.add_argument("--transport", choices=["h2", "grpcio"], default="h2",
                    help="the gRPC server: h2 (an asyncio protocol over the h2 library; default) or grpcio (grpc.aio; "
-                        "about 1.5x the picker's CPU per request)")
+                        "about 1.4x the picker's CPU per request)")
     g.add_argument("--request-body-mode", choices=["full-duplex", "buffered"], default="full-duplex",
                    help="body mode assumed when Envoy does not say (Envoy 1.36+ always says; default full-duplex)")
     g.add_argument("--shutdown-grace-s", type=float, default=None,

@@ -94,10 +94,8 @@ class EppServer:
         self.default_response_body_mode = default_response_body_mode
         self.transport = transport
         self.stats = EppStats()
-        self._health = {"liveness": _NOT_SERVING, "readiness": _NOT_SERVING, EXT_PROC_SERVICE: _NOT_SERVING,
-                        "": _NOT_SERVING}
+        self._health = {service: _NOT_SERVING for service in (*HEALTH_SERVICES, "")}  # "": the server as a whole
         self._server: H2GrpcServer | GrpcioServer | None = None
-        self._ready = False
 
     async def start(self) -> int:
         """Bind and serve; returns the ext_proc port. Not ready until `set_ready(True)`."""
@@ -120,7 +118,6 @@ class EppServer:
 
     async def set_ready(self, ready: bool) -> None:
         """`readiness` and the ext_proc service's health: SERVING iff `ready`."""
-        self._ready = ready
         status = _SERVING if ready else _NOT_SERVING
         for service in ("readiness", EXT_PROC_SERVICE, ""):
             self._health[service] = status
