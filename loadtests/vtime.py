@@ -57,6 +57,7 @@ from gateway.config import FeedConfig
 from hashing.keys import block_extras, chain_keys, root_key
 from loadtests.vtime_replica import ReplicaModel, SimReq
 from loadtests.workloads import Workload, WorkloadRequest, _ROLE_IDS, segment_token_ids
+from loadtests.vtime_pacing import PaceChains, Pacing
 from loadtests.vtime_router import SimRouter, VClock
 from policies.registry import get_policy
 
@@ -263,6 +264,7 @@ def simulate(
     keys: list[RequestKeys] | None = None,
     collapse_ttft_s: float | None = None,
     warmup: list[WorkloadRequest] | None = None,
+    pacing: Pacing | None = None,
 ) -> SimResult:
     """Run `workload` through `policy_name` on `n_replicas` modelled replicas (module header).
 
@@ -274,6 +276,7 @@ def simulate(
     percentiles are lower bounds. Deterministic: the check runs on virtual time only.
     `warmup`: requests sent one at a time before the stream (module header); the stream's arrival
     times then count from the end of the warm-up.
+    `pacing`: the paced-prefill design probe (loadtests/vtime_pacing.py), measured requests only.
     """
     if n_replicas < 1:
         raise ValueError("n_replicas must be >= 1")
@@ -309,6 +312,7 @@ def simulate(
     router = SimRouter(n_replicas, p, policy, random.Random(seed), clock)
     reps = [ReplicaModel(i, p, p.cache_answers) for i in range(n_replicas)]
 
+    chains = PaceChains(pacing, p.block_size) if pacing is not None else None
     heap: list = []  # (time, seq, kind, payload)
     seq = 0
     STEP, REPORT, EVENTS, ARRIVE, TIMEOUT = 0, 1, 2, 3, 4
@@ -420,7 +424,10 @@ def simulate(
                     held_elsewhere.add(payload)
             rep = reps[ri]
             rep.n_requests += 1
-            rep.waiting.append(r)
+            if chains is None or r.warmup:
+                rep.waiting.append(r)
+            else:
+                rep.waiting.extend(chains.admit(r, ri))
             if timeout is not None and not r.warmup:
                 push(t + timeout, TIMEOUT, r)
             if not rep.stepping:
@@ -433,8 +440,12 @@ def simulate(
             fin: list = []
             rep.end_step(t, firsts, fin)
             for r in firsts:
-                router.first_token(r)
+                if r.pace is None:
+                    router.first_token(r)
             for r in fin:
+                if r.pace is not None:  # a paced request's chunk: the chain's next part joins the queue
+                    rep.waiting.extend(chains.chunk_done(r))
+                    continue
                 router.finished(r)
                 if not r.warmup and 2 * r.cached < r.prompt:
                     misses[r.i in held_elsewhere] += 1

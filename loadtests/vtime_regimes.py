@@ -171,7 +171,7 @@ def build_case(regime: str, case_name: str, seed: int, n_requests: int | None = 
     return CaseRun(w, warm, keys, rate, rate * per_req_s / reg.replicas, inf, bel)
 
 
-def run_regime(regime: str, seeds, cases=None, policies=None, progress=None) -> list[dict]:
+def run_regime(regime: str, seeds, cases=None, policies=None, progress=None, pacing=None) -> list[dict]:
     reg = REGIMES[regime]
     p = reg.params
     rows = []
@@ -183,7 +183,8 @@ def run_regime(regime: str, seeds, cases=None, policies=None, progress=None) -> 
             for pol in policies or reg.policies:
                 if pol == "static_plan" and not case.warm:
                     continue  # documents only
-                res = simulate(w, _policy(pol, w, keys, reg.replicas), reg.replicas, p, seed=seed, keys=keys, warmup=warm or None)
+                res = simulate(w, _policy(pol, w, keys, reg.replicas), reg.replicas, p, seed=seed, keys=keys, warmup=warm or None,
+                               pacing=pacing)
                 s = res.summary()
                 s.update(case=case_name, seed=seed, rate_rps=rate, offered_util=util, oracle_hit_ratio=bel.hit_ratio,
                          oracle_inf_hit_ratio=inf.hit_ratio, per_replica_requests=res.per_replica_requests, policy=pol)
@@ -267,7 +268,7 @@ def regime_markdown(regime: str, rows: list[dict], command: str) -> str:
     return "\n".join(lines)
 
 
-def regime_main(regime: str, seeds, cases, policies, command: str, md: str | None, js: str | None) -> int:
+def regime_main(regime: str, seeds, cases, policies, command: str, md: str | None, js: str | None, pacing=None) -> int:
     if regime not in REGIMES:
         raise SystemExit(f"unknown regime {regime!r}; choose one of {', '.join(REGIMES)}")
     t0 = time.perf_counter()
@@ -276,7 +277,7 @@ def regime_main(regime: str, seeds, cases, policies, command: str, md: str | Non
         print(f"  {s['case']:>16} s{s['seed']} {s['policy']:>18}: p50 {s['ttft_p50_s']:.3f} p99 {s['ttft_p99_s']:.3f} hit {s['hit_ratio']:.3f} "
               f"unfinished {s['unfinished']} ({s['wall_s']:.1f}s)", file=sys.stderr, flush=True)
 
-    rows = run_regime(regime, seeds, cases or None, policies or None, progress)
+    rows = run_regime(regime, seeds, cases or None, policies or None, progress, pacing)
     text = regime_markdown(regime, rows, command) + f"\n\n(total wall time {time.perf_counter() - t0:.0f} s)\n"
     print(text, end="")
     if md:

@@ -45,7 +45,7 @@ class SimReq:
     __slots__ = (
         "i", "wr", "keys", "out_keys", "prompt", "max_out", "arrival", "rep", "cached", "computed", "total",
         "held", "anon", "registered", "first_s", "finish_s", "pred_uncached", "backlog", "running_at",
-        "chunk", "gen", "epoch", "adm", "state", "finish_step", "preemptions", "warmup", "aborted", "scan",
+        "chunk", "gen", "epoch", "adm", "state", "finish_step", "preemptions", "warmup", "aborted", "scan", "pace",
     )
     WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
 
@@ -78,6 +78,7 @@ class SimReq:
         self.preemptions = 0
         self.warmup = False
         self.aborted = False
+        self.pace = None  # a paced request's chunk: id of its chain (loadtests/vtime_pacing.py)
         self.scan = rk.prompt  # keys a (re)admission looks up: the prompt's, plus its output blocks after a preemption
 
     @property

@@ -45,6 +45,7 @@ import time
 
 from loadtests.oracle import infinite_bound, pooled_belady_bound
 from loadtests.vtime import SimParams, prepare_keys, simulate
+from loadtests.vtime_pacing import Pacing
 from loadtests.workloads import Workload, build_workload
 from policies.registry import POLICY_NAMES
 
@@ -190,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--util", type=float, default=0.7, help="offered load, 0..1 (default 0.7)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--pace-min", type=int, default=0, metavar="TOKENS",
+                    help="with --regime: the paced-prefill design probe (loadtests/vtime_pacing.py; the gateway does not pace): "
+                         "requests predicted to miss at least TOKENS are prefilled in chunks first (default 0: off)")
+    ap.add_argument("--pace-chunk", type=int, default=512, metavar="TOKENS", help="tokens per chunk of --pace-min (default 512)")
+    ap.add_argument("--pace-no-follow", action="store_true", help="with --pace-min: same-prefix requests do not wait for a chain")
     ap.add_argument("--md", default=None, metavar="FILE", help="also write the markdown (with the total wall time) to FILE")
     args = ap.parse_args(argv)
     if args.regime:
@@ -197,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 
         command = "python -m loadtests.vtime_report " + " ".join(argv if argv is not None else sys.argv[1:])
         return regime_main(args.regime, [int(x) for x in args.seeds.split(",") if x.strip()], args.workload, args.policy,
-                           command.strip(), args.md, args.json)
+                           command.strip(), args.md, args.json,
+                           Pacing(args.pace_min, args.pace_chunk, not args.pace_no_follow) if args.pace_min > 0 else None)
     bad = [x for x in args.policy if x not in POLICY_NAMES]
     if bad:
         ap.error(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICY_NAMES)}")

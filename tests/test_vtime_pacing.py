@@ -1,0 +1,77 @@
+"""loadtests/vtime_pacing.py: the paced-prefill probe cuts a long miss into block-aligned chunk
+requests, queues same-prefix followers behind the chain, and so stops one cold prefill from
+holding every request queued behind it on its replica."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from loadtests.vtime import SimParams, simulate
+from loadtests.vtime_pacing import PaceChains, Pacing
+from loadtests.vtime_replica import SimReq
+from loadtests.workloads import Segment, Workload, WorkloadRequest
+
+
+def _req(i, prompt, pred_uncached, keys=None):
+    wr = SimpleNamespace(prompt_tokens=prompt, max_output_tokens=4, request_id=f"q{i}")
+    r = SimReq(i, wr, SimpleNamespace(prompt=keys or list(range(100 + i * 1000, 100 + i * 1000 + prompt // 16)), output=None), 0.0)
+    r.pred_uncached = pred_uncached
+    r.rep = 0
+    return r
+
+
+def test_cuts_start_after_the_predicted_match_and_leave_the_request_its_last_part():
+    chains = PaceChains(Pacing(min_uncached=1024, chunk=500), 16)  # 500 rounds down to 496 (31 blocks)
+    assert chains.cuts(_req(0, 3000, 1000)) == []  # under min_uncached: sent whole
+    cuts = chains.cuts(_req(1, 3000, 3000 - 200))  # 200 tokens cached (12.5 blocks: 192 aligned)
+    assert cuts[0] == 192 + 496 and all(c % 16 == 0 for c in cuts)
+    assert all(b - a == 496 for a, b in zip(cuts, cuts[1:]))
+    assert 3000 - cuts[-1] >= 496 // 2 and 3000 - cuts[-1] < 496 + 496 // 2
+
+
+def test_chain_sends_chunks_one_at_a_time_then_the_request_and_its_followers():
+    chains = PaceChains(Pacing(min_uncached=1024, chunk=1024), 16)
+    long = _req(1, 4096, 4096)
+    first = chains.admit(long, 0)
+    assert len(first) == 1 and first[0].prompt == 1024 and first[0].keys == long.keys[:64] and first[0].max_out == 1
+    follower = _req(2, 4200, 100, keys=long.keys + [7, 8, 9])  # needs the prefix the chain warms
+    other = _req(3, 4200, 100)  # shares nothing
+    assert chains.admit(follower, 0) == []
+    assert chains.admit(other, 0) == [other]
+    assert chains.admit(_req(4, 4200, 100, keys=long.keys + [5]), 1)[0].i == 4  # another replica: no wait
+    nxt = chains.chunk_done(first[0])
+    assert [c.prompt for c in nxt] == [2048]
+    nxt = chains.chunk_done(nxt[0])
+    assert [c.prompt for c in nxt] == [3072]
+    assert chains.chunk_done(nxt[0]) == [long, follower]
+    assert chains.chains == {}
+
+
+def test_a_paced_miss_no_longer_holds_the_replica_for_its_whole_prefill():
+    doc = Segment("doc", "user", 3000, "document")
+    reqs = [WorkloadRequest("cold", 0.0, "t", "", (doc,), 4, prompt_tokens=3000)]
+    for i in range(20):  # short unrelated requests arriving while the document prefills
+        seg = Segment(f"s{i}", "user", 64, "question")
+        reqs.append(WorkloadRequest(f"s{i}", 0.05 + 0.1 * i, "t", "", (seg,), 4, prompt_tokens=64))
+    w = Workload("probe", tuple(reqs), rate_rps=10.0, concurrency=None)
+    p = SimParams.wallclock(num_blocks=1000, max_num_seqs=64, max_batched_tokens=512)
+
+    def run(pacing):
+        res = simulate(w, "round_robin", 1, p, pacing=pacing)
+        assert res.completed == len(reqs)
+        return sorted(res.ttft_s)
+
+    plain, paced = run(None), run(Pacing(min_uncached=1024, chunk=512))
+    # unpaced: the document's ~3 s of running prefill goes first, the short requests wait it out
+    assert plain[-2] > 2.0
+    # paced: each short request waits at most a chunk step or two, the document itself longer
+    assert paced[-2] < 1.5
+    assert paced[-1] >= plain[-1] * 0.9
+
+
+def test_pacing_rejects_empty_chunks():
+    with pytest.raises(ValueError):
+        Pacing(min_uncached=0)
+    with pytest.raises(ValueError):
+        Pacing(chunk=0)
