@@ -214,6 +214,7 @@ class SimResult:
     # or moved the prefix) or none did (the engines had evicted it, or it was never computed)
     misses_copy: int = 0
     misses_evicted: int = 0
+    paced_ttft_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per finished paced request (pacing probe)
 
     def summary(self) -> dict:
         t = self.ttft_s
@@ -246,6 +247,8 @@ class SimResult:
             "preemptions": self.preemptions,
             "misses_copy": self.misses_copy,
             "misses_evicted": self.misses_evicted,
+            "paced": len(self.paced_ttft_s),
+            "paced_ttft_p50_s": float(np.percentile(self.paced_ttft_s, 50)) if len(self.paced_ttft_s) else None,
             "collapsed": self.collapsed,
             "wall_s": self.wall_s,
         }
@@ -515,4 +518,5 @@ def simulate(
         per_replica_prefill_tokens=[rep.prefill_tokens for rep in reps],
         misses_copy=misses[1],
         misses_evicted=misses[0],
+        paced_ttft_s=np.array([r.first_s - r.arrival for r in chains.paced if r.first_s >= 0.0] if chains else [], dtype=float),
     )

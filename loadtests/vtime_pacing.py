@@ -50,6 +50,7 @@ class PaceChains:
         self.chains: dict = {}  # id(parent) -> [parent, remaining cuts, parent's keys, followers, replica]
         self.n = 0
         self.chunks_sent = 0
+        self.paced: list = []  # every request a chain was started for
 
     def cuts(self, r: SimReq) -> list[int]:
         """Prefix lengths (tokens) to warm before `r`, from what its replica is predicted to hold."""
@@ -69,6 +70,7 @@ class PaceChains:
         cuts = self.cuts(r)
         if cuts:
             self.chains[id(r)] = [r, cuts, set(r.keys), [], ri]
+            self.paced.append(r)
             return [self._next(id(r))]
         if self.pacing.follow and r.keys:
             need = r.keys[min(len(r.keys) - 1, self.pacing.min_uncached // self.bs)]

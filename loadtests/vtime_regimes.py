@@ -275,7 +275,8 @@ def regime_main(regime: str, seeds, cases, policies, command: str, md: str | Non
 
     def progress(s):
         print(f"  {s['case']:>16} s{s['seed']} {s['policy']:>18}: p50 {s['ttft_p50_s']:.3f} p99 {s['ttft_p99_s']:.3f} hit {s['hit_ratio']:.3f} "
-              f"unfinished {s['unfinished']} ({s['wall_s']:.1f}s)", file=sys.stderr, flush=True)
+              f"unfinished {s['unfinished']}"
+              + (f" paced {s['paced']} (their TTFT p50 {s['paced_ttft_p50_s']:.2f})" if s.get("paced") else "") + f" ({s['wall_s']:.1f}s)", file=sys.stderr, flush=True)
 
     rows = run_regime(regime, seeds, cases or None, policies or None, progress, pacing)
     text = regime_markdown(regime, rows, command) + f"\n\n(total wall time {time.perf_counter() - t0:.0f} s)\n"

@@ -60,6 +60,7 @@ def test_a_paced_miss_no_longer_holds_the_replica_for_its_whole_prefill():
     def run(pacing):
         res = simulate(w, "round_robin", 1, p, pacing=pacing)
         assert res.completed == len(reqs)
+        assert res.summary()["paced"] == (1 if pacing else 0)  # the document only
         return sorted(res.ttft_s)
 
     plain, paced = run(None), run(Pacing(min_uncached=1024, chunk=512))
