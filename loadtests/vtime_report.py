@@ -198,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pace-no-follow", action="store_true", help="with --pace-min: same-prefix requests do not wait for a chain")
     ap.add_argument("--md", default=None, metavar="FILE", help="also write the markdown (with the total wall time) to FILE")
     args = ap.parse_args(argv)
+    if args.pace_min < 0 or args.pace_chunk < 1:
+        ap.error("--pace-min takes tokens >= 0 (0: off) and --pace-chunk tokens >= 1")
+    if args.pace_min and not args.regime:
+        ap.error("--pace-min goes with --regime (the probe runs on the named regimes)")
     if args.regime:
         from loadtests.vtime_regimes import regime_main
 

@@ -76,3 +76,13 @@ def test_pacing_rejects_empty_chunks():
         Pacing(min_uncached=0)
     with pytest.raises(ValueError):
         Pacing(chunk=0)
+
+
+def test_report_refuses_pacing_outside_a_regime(capsys):
+    from loadtests.vtime_report import main
+
+    for argv in (["--pace-min", "1024"], ["--regime", "busy", "--pace-min", "-1"], ["--regime", "busy", "--pace-chunk", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert "--pace-" in capsys.readouterr().err
