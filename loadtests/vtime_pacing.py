@@ -20,7 +20,7 @@ they finish, and count their prefill in the replica's in-flight load.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from loadtests.vtime_replica import SimReq
@@ -41,15 +41,23 @@ class Pacing:
             raise ValueError("pacing needs min_uncached >= 1 and chunk >= 1")
 
 
+@dataclass(slots=True)
+class _Chain:
+    parent: SimReq  # the paced request
+    cuts: list  # prefix lengths (tokens) still to send, in order
+    keys: set  # the parent's block keys (what a follower may need)
+    replica: int
+    followers: list = field(default_factory=list)  # requests waiting for the chain to end
+
+
 class PaceChains:
     """The chains in progress: which chunk comes next, and who waits for each chain."""
 
     def __init__(self, pacing: Pacing, block_size: int) -> None:
         self.pacing = pacing
         self.bs = block_size
-        self.chains: dict = {}  # id(parent) -> [parent, remaining cuts, parent's keys, followers, replica]
-        self.n = 0
-        self.chunks_sent = 0
+        self.chains: dict = {}  # id(parent) -> _Chain
+        self.n = 0  # chunks sent
         self.paced: list = []  # every request a chain was started for
 
     def cuts(self, r: SimReq) -> list[int]:
@@ -69,33 +77,32 @@ class PaceChains:
         """What replica `ri`'s queue gets now for the routed request `r` (maybe nothing yet)."""
         cuts = self.cuts(r)
         if cuts:
-            self.chains[id(r)] = [r, cuts, set(r.keys), [], ri]
+            chain = self.chains[id(r)] = _Chain(r, cuts, set(r.keys), ri)
             self.paced.append(r)
-            return [self._next(id(r))]
+            return [self._next(chain)]
         if self.pacing.follow and r.keys:
             need = r.keys[min(len(r.keys) - 1, self.pacing.min_uncached // self.bs)]
             for chain in self.chains.values():
-                if chain[4] == ri and need in chain[2]:
-                    chain[3].append(r)
+                if chain.replica == ri and need in chain.keys:
+                    chain.followers.append(r)
                     return []
         return [r]
 
     def chunk_done(self, c: SimReq) -> list[SimReq]:
         """Chunk `c` finished: the chain's next chunk, or its request and followers still waiting."""
         chain = self.chains[c.pace]
-        if chain[1]:
-            return [self._next(c.pace)]
+        if chain.cuts:
+            return [self._next(chain)]
         del self.chains[c.pace]
-        return [r for r in [chain[0], *chain[3]] if not r.aborted]
+        return [r for r in [chain.parent, *chain.followers] if not r.aborted]
 
-    def _next(self, cid: int) -> SimReq:
-        parent, cuts = self.chains[cid][0], self.chains[cid][1]
-        n_tok = cuts.pop(0)
+    def _next(self, chain: _Chain) -> SimReq:
+        parent = chain.parent
+        n_tok = chain.cuts.pop(0)
         self.n += 1
-        self.chunks_sent += 1
         wr = SimpleNamespace(prompt_tokens=n_tok, max_output_tokens=1, request_id=f"pace-{self.n}")
         rk = SimpleNamespace(prompt=list(parent.keys[: n_tok // self.bs]), output=None)
         c = SimReq(_CHUNK_ID_BASE + self.n, wr, rk, parent.arrival)
-        c.pace = cid
+        c.pace = id(parent)
         c.rep = parent.rep
         return c
