@@ -104,6 +104,9 @@ def _check_policy(cfg: GatewayConfig) -> None:
         raise _err("policy.name", "must not be empty")
     if p.name not in POLICY_NAMES:
         raise _err("policy.name", f"unknown policy {p.name!r} (known: {', '.join(sorted(POLICY_NAMES))})")
+    if "copy_in_background" in p.params:  # needs a warm the gateway does not send: no copy would ever be made
+        raise _err("policy.params.copy_in_background", "is a virtual-time design probe (loadtests/vtime_pacing.py); "
+                   "the gateway does not warm replicas")
     for k, v in p.params.items():
         if isinstance(v, bool) or not isinstance(v, (int, float, str)):
             raise _err(f"policy.params.{k}", f"must be a number or string, got {v!r}")

@@ -81,6 +81,7 @@ class SimParams:
     model: str = "vtime-model"  # root of the key chain
     request_timeout_s: float | None = None  # client's total timeout: abort and count unfinished (None: wait forever)
     cache_answers: bool = True  # quoted answers (multi-turn) cached at finish; False = the wall-clock sim (filler output)
+    long_prefill_token_threshold: int = 0  # vLLM's: at most this many prefill tokens per request per step (0: the budget)
 
     @classmethod
     def wallclock(cls, **kw) -> "SimParams":
@@ -215,6 +216,7 @@ class SimResult:
     misses_copy: int = 0
     misses_evicted: int = 0
     paced_ttft_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per finished paced request (pacing probe)
+    warms: int = 0  # background warms of new holders (cache_plan copy_in_background probe)
 
     def summary(self) -> dict:
         t = self.ttft_s
@@ -248,6 +250,7 @@ class SimResult:
             "misses_copy": self.misses_copy,
             "misses_evicted": self.misses_evicted,
             "paced": len(self.paced_ttft_s),
+            "warms": self.warms,
             "paced_ttft_p50_s": float(np.percentile(self.paced_ttft_s, 50)) if len(self.paced_ttft_s) else None,
             "collapsed": self.collapsed,
             "wall_s": self.wall_s,
@@ -315,7 +318,7 @@ def simulate(
     router = SimRouter(n_replicas, p, policy, random.Random(seed), clock)
     reps = [ReplicaModel(i, p, p.cache_answers) for i in range(n_replicas)]
 
-    chains = PaceChains(pacing, p.block_size) if pacing is not None else None
+    chains = PaceChains(pacing, p.block_size)  # paced requests (pacing) and background warms (cache_plan)
     heap: list = []  # (time, seq, kind, payload)
     seq = 0
     STEP, REPORT, EVENTS, ARRIVE, TIMEOUT = 0, 1, 2, 3, 4
@@ -427,10 +430,15 @@ def simulate(
                     held_elsewhere.add(payload)
             rep = reps[ri]
             rep.n_requests += 1
-            if chains is None or r.warmup:
+            if r.warmup:
                 rep.waiting.append(r)
             else:
                 rep.waiting.extend(chains.admit(r, ri))
+                if router.warm is not None:
+                    wi, prefix = router.warm
+                    reps[wi].waiting.append(chains.warm(prefix, wi, t, router.warm_dispatched(wi, prefix)))
+                    if not reps[wi].stepping:
+                        kick(wi, t)
             if timeout is not None and not r.warmup:
                 push(t + timeout, TIMEOUT, r)
             if not rep.stepping:
@@ -518,5 +526,6 @@ def simulate(
         per_replica_prefill_tokens=[rep.prefill_tokens for rep in reps],
         misses_copy=misses[1],
         misses_evicted=misses[0],
-        paced_ttft_s=np.array([r.first_s - r.arrival for r in chains.paced if r.first_s >= 0.0] if chains else [], dtype=float),
+        paced_ttft_s=np.array([r.first_s - r.arrival for r in chains.paced if r.first_s >= 0.0], dtype=float),
+        warms=chains.warms,
     )

@@ -39,6 +39,8 @@ no_sharing: within 5% of least_loaded.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import sys
 import time
@@ -171,9 +173,12 @@ def build_case(regime: str, case_name: str, seed: int, n_requests: int | None = 
     return CaseRun(w, warm, keys, rate, rate * per_req_s / reg.replicas, inf, bel)
 
 
-def run_regime(regime: str, seeds, cases=None, policies=None, progress=None, pacing=None) -> list[dict]:
+def run_regime(regime: str, seeds, cases=None, policies=None, progress=None, pacing=None,
+               plan_params: dict | None = None, engine: dict | None = None) -> list[dict]:
+    """`plan_params`: extra cache_plan parameters (design probes such as copy_in_background);
+    `engine`: SimParams fields that replace the regime's (e.g. long_prefill_token_threshold)."""
     reg = REGIMES[regime]
-    p = reg.params
+    p = dataclasses.replace(reg.params, **engine) if engine else reg.params
     rows = []
     for case_name in cases or list(reg.cases):
         case = reg.cases[case_name]
@@ -183,8 +188,9 @@ def run_regime(regime: str, seeds, cases=None, policies=None, progress=None, pac
             for pol in policies or reg.policies:
                 if pol == "static_plan" and not case.warm:
                     continue  # documents only
-                res = simulate(w, _policy(pol, w, keys, reg.replicas), reg.replicas, p, seed=seed, keys=keys, warmup=warm or None,
-                               pacing=pacing)
+                pp = plan_params if pol == "cache_plan" and plan_params else None
+                res = simulate(w, _policy(pol, w, keys, reg.replicas), reg.replicas, p, policy_params=pp, seed=seed, keys=keys,
+                               warmup=warm or None, pacing=pacing)
                 s = res.summary()
                 s.update(case=case_name, seed=seed, rate_rps=rate, offered_util=util, oracle_hit_ratio=bel.hit_ratio,
                          oracle_inf_hit_ratio=inf.hit_ratio, per_replica_requests=res.per_replica_requests, policy=pol)
@@ -268,7 +274,8 @@ def regime_markdown(regime: str, rows: list[dict], command: str) -> str:
     return "\n".join(lines)
 
 
-def regime_main(regime: str, seeds, cases, policies, command: str, md: str | None, js: str | None, pacing=None) -> int:
+def regime_main(regime: str, seeds, cases, policies, command: str, md: str | None, js: str | None, pacing=None,
+                plan_params: dict | None = None, engine: dict | None = None) -> int:
     if regime not in REGIMES:
         raise SystemExit(f"unknown regime {regime!r}; choose one of {', '.join(REGIMES)}")
     t0 = time.perf_counter()
@@ -276,9 +283,10 @@ def regime_main(regime: str, seeds, cases, policies, command: str, md: str | Non
     def progress(s):
         print(f"  {s['case']:>16} s{s['seed']} {s['policy']:>18}: p50 {s['ttft_p50_s']:.3f} p99 {s['ttft_p99_s']:.3f} hit {s['hit_ratio']:.3f} "
               f"unfinished {s['unfinished']}"
-              + (f" paced {s['paced']} (their TTFT p50 {s['paced_ttft_p50_s']:.2f})" if s.get("paced") else "") + f" ({s['wall_s']:.1f}s)", file=sys.stderr, flush=True)
+              + (f" paced {s['paced']} (their TTFT p50 {s['paced_ttft_p50_s']:.2f})" if s.get("paced") else "")
+              + (f" warms {s['warms']}" if s.get("warms") else "") + f" ({s['wall_s']:.1f}s)", file=sys.stderr, flush=True)
 
-    rows = run_regime(regime, seeds, cases or None, policies or None, progress, pacing)
+    rows = run_regime(regime, seeds, cases or None, policies or None, progress, pacing, plan_params, engine)
     text = regime_markdown(regime, rows, command) + f"\n\n(total wall time {time.perf_counter() - t0:.0f} s)\n"
     print(text, end="")
     if md:

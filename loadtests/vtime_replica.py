@@ -267,6 +267,9 @@ class ReplicaModel:
         step = self.step_no + 1
         sched: dict = {}  # request -> tokens scheduled in this step (prefills)
         self.budget = p.max_batched_tokens - self.n_decoding
+        # vLLM's long_prefill_token_threshold: one request's prefill takes at most this much of a
+        # step, so waiting requests are admitted beside a long prefill (0: no cap)
+        cap = p.long_prefill_token_threshold or p.max_batched_tokens
         preempted_before = self.n_preemptions
         # 1. decoders that cross into a new block in this step (the others need nothing)
         bh = self.block_heap
@@ -290,7 +293,7 @@ class ReplicaModel:
                 continue
             if self.budget <= 0:
                 break
-            n = min(r.total - r.computed, self.budget)
+            n = min(r.total - r.computed, self.budget, cap)
             need = -(-(r.computed + n) // bs) - r.nblocks
             if need > 0:
                 if not self._need_blocks(r, need, sched):
@@ -318,7 +321,7 @@ class ReplicaModel:
                         free_hits += 1
                     m += 1
                 hit = m * bs
-                n = min(r.total - hit, self.budget)
+                n = min(r.total - hit, self.budget, cap)
                 need = -(-(hit + n) // bs) - m
                 if need + free_hits > self.n_free:
                     if not self.running and self.fresh + len(self.freeq) == p.num_blocks:

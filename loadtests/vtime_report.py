@@ -196,19 +196,30 @@ def main(argv: list[str] | None = None) -> int:
                          "requests predicted to miss at least TOKENS are prefilled in chunks first (default 0: off)")
     ap.add_argument("--pace-chunk", type=int, default=512, metavar="TOKENS", help="tokens per chunk of --pace-min (default 512)")
     ap.add_argument("--pace-no-follow", action="store_true", help="with --pace-min: same-prefix requests do not wait for a chain")
+    ap.add_argument("--copy-in-background", action="store_true",
+                    help="with --regime: cache_plan's copy_in_background probe (loadtests/vtime_pacing.py; the gateway does not warm): "
+                         "a new holder is warmed beside the traffic, in --pace-chunk pieces (a chunk as long as the document: whole)")
+    ap.add_argument("--long-prefill-threshold", type=int, default=0, metavar="TOKENS",
+                    help="with --regime: the engines cap one request's prefill at TOKENS per step (vLLM's "
+                         "--long-prefill-token-threshold; default 0: the regime's engines, no cap)")
     ap.add_argument("--md", default=None, metavar="FILE", help="also write the markdown (with the total wall time) to FILE")
     args = ap.parse_args(argv)
     if args.pace_min < 0 or args.pace_chunk < 1:
         ap.error("--pace-min takes tokens >= 0 (0: off) and --pace-chunk tokens >= 1")
-    if args.pace_min and not args.regime:
-        ap.error("--pace-min goes with --regime (the probe runs on the named regimes)")
+    if args.long_prefill_threshold < 0:
+        ap.error("--long-prefill-threshold takes tokens >= 0 (0: no cap)")
+    if (args.pace_min or args.copy_in_background or args.long_prefill_threshold) and not args.regime:
+        ap.error("--pace-min, --copy-in-background and --long-prefill-threshold go with --regime (the probes run on the named regimes)")
     if args.regime:
         from loadtests.vtime_regimes import regime_main
 
         command = "python -m loadtests.vtime_report " + " ".join(argv if argv is not None else sys.argv[1:])
         return regime_main(args.regime, [int(x) for x in args.seeds.split(",") if x.strip()], args.workload, args.policy,
                            command.strip(), args.md, args.json,
-                           Pacing(args.pace_min, args.pace_chunk, not args.pace_no_follow) if args.pace_min > 0 else None)
+                           Pacing(args.pace_min or None, args.pace_chunk, not args.pace_no_follow)
+                           if args.pace_min > 0 or args.copy_in_background else None,
+                           {"copy_in_background": True} if args.copy_in_background else None,
+                           {"long_prefill_token_threshold": args.long_prefill_threshold} if args.long_prefill_threshold else None)
     bad = [x for x in args.policy if x not in POLICY_NAMES]
     if bad:
         ap.error(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICY_NAMES)}")

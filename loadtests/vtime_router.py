@@ -58,6 +58,7 @@ class SimRouter:
             Calibrator(prior_prefill_s_per_token=p.prior_prefill_s_per_token, prior_decode_step_s=p.prior_decode_step_s),
             speculative_ttl_s=p.spec_ttl_s, clock=clock)
         self.flights: dict = {}  # request index -> (Flight, Outcome without its measured parts)
+        self.warm: tuple | None = None  # the last route()'s background warm: (replica index, prefix keys)
 
     @property
     def cal(self) -> Calibrator:
@@ -91,7 +92,18 @@ class SimRouter:
         self.flights[id(r)] = (flight, Outcome(cand.replica_id, None, predicted, uncached, queued_prefill_tokens(view),
                                                view.running_reqs if view is not None else 0, None, None))
         r.pred_uncached = uncached
+        self.warm = None
+        for c in routing.decision.ranked[1:]:
+            n = int(c.terms.get("warm_blocks", 0.0))
+            if n > 0:  # cache_plan(copy_in_background): warm this prefix there (loadtests/vtime_pacing.py)
+                self.warm = (int(c.replica_id[1:]), tuple(r.keys[:n]))
+                break
         return int(cand.replica_id[1:])
+
+    def warm_dispatched(self, ri: int, prefix: tuple):
+        """A background warm of `prefix` goes to replica `ri`: its prefill counts there in flight
+        (no speculative entries: the replica is a holder once its events say so); the Flight."""
+        return self.routing.dispatched(self.rids[ri], (), len(prefix) * self.p.block_size, 1)
 
     def first_token(self, r) -> None:
         self.flights[id(r)][0].first_token()

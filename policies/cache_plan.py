@@ -97,11 +97,17 @@ cooldown_reqs    planned requests between two new holders of a root (shorter whe
 min_reqs         planned requests measured before anything spreads; >= 0 (default 30)
 queue_slack_s    holders within this much predicted TTFT of the best are chosen by the plan;
                  seconds, >= 0 (default 0.1; 0: by queue alone)
+copy_in_background  a design probe, virtual time only (loadtests/vtime_pacing.py): the request
+                 that makes a new holder c goes to a holder as if none were made, and c's
+                 candidate carries warm_blocks (the prefix to warm there, in blocks; the
+                 simulator warms it beside the traffic). The gateway does not warm: leave it off
+                 there (default False)
 Defaults tuned with `python -m loadtests.vtime_report --regime busy` (loadtests/results/vtime_busy.md).
 
 Candidates' terms: plan (1 planned, 0 unplanned: then cache_aware's terms), holder (0/1),
 predicted_ttft_s, matched_blocks, group_work, group_holders, load_share, peak_share,
-spread (1 on the replica chosen to build a new copy), score (= -position: the chosen replica, the
+spread (1 on the replica chosen to build a new copy), warm_blocks (copy_in_background: the
+prefix to warm on that replica, 0 elsewhere), score (= -position: the chosen replica, the
 other holders by predicted TTFT, then the rest in cache_aware's order).
 State: the measures above, updated in rank() for the replica it ranks first (the gateway sends the
 request there). One instance sees only its own process's requests (with several gateway workers
@@ -192,6 +198,7 @@ class CachePlanPolicy(PolicyBase):
         cooldown_reqs: int = 50,
         min_reqs: int = 30,
         queue_slack_s: float = 0.1,
+        copy_in_background: bool = False,
         **cache_aware_params,
     ) -> None:
         for label, val in (("match_min_frac", match_min_frac), ("holder_frac", holder_frac), ("kv_room_frac", kv_room_frac)):
@@ -214,6 +221,7 @@ class CachePlanPolicy(PolicyBase):
         self.cooldown_reqs = int(cooldown_reqs)
         self.min_reqs = int(min_reqs)
         self.queue_slack_s = float(queue_slack_s)
+        self.copy_in_background = bool(copy_in_background)
         self._keep = 1.0 - 1.0 / self.window_reqs
         self._now = 0  # planned requests so far: the clock of every measure
         self._load: dict[str, _Mean] = {}
@@ -225,7 +233,7 @@ class CachePlanPolicy(PolicyBase):
             "match_min_frac": self.match_min_frac, "holder_frac": self.holder_frac, "window_reqs": self.window_reqs,
             "spread_rel": self.spread_rel, "spread_gain": self.spread_gain, "hot_min": self.hot_min,
             "kv_room_frac": self.kv_room_frac, "cooldown_reqs": self.cooldown_reqs, "min_reqs": self.min_reqs,
-            "queue_slack_s": self.queue_slack_s,
+            "queue_slack_s": self.queue_slack_s, "copy_in_background": float(self.copy_in_background),
         }
 
     # -- measures --------------------------------------------------------------------------------
@@ -351,10 +359,13 @@ class CachePlanPolicy(PolicyBase):
                 if peak_h - peak_c >= self.spread_gain * mean:
                     spread_to, peak_new = c, peak_c
                 break  # the least-loaded replica with room is the only candidate
-        if spread_to is not None:
+        if spread_to is not None and not self.copy_in_background:
             winner = spread_to
             g.last_spread = now
             g.holders = g.holders | {spread_to}
+        elif spread_to is not None:  # the request goes to a holder; spread_to is warmed beside it
+            winner = self._dispatch(holders, ttft, loads, gw, g_total, by_id)
+            g.last_spread = now
         elif child:
             winner = min(holders, key=lambda r: (ttft[r], load_reqs(by_id[r]), r))
         else:
@@ -376,6 +387,7 @@ class CachePlanPolicy(PolicyBase):
                 "load_share": loads.get(rid, 0.0) / (mean * len(loads)) if mean > 0 else 0.0,
                 "peak_share": (peak_new if rid == spread_to else peak_h) / mean if mean > 0 else 0.0,
                 "spread": 1.0 if rid == spread_to else 0.0,
+                "warm_blocks": float(best) if rid == spread_to and rid != winner else 0.0,
                 "score": float(-i),
             }
             cands.append(Candidate(rid, float(-i), t))

@@ -110,6 +110,16 @@ def test_config_names_the_policy_parameter_field():
     assert e.value.env_var is None and "environment" not in str(e.value)
 
 
+def test_config_refuses_the_virtual_time_copy_probe():
+    """cache_plan's copy_in_background leaves every copy to a warm only the simulator sends: in a
+    gateway the hot document would never get a second holder, so the config names it."""
+    for value in (True, "true", 1):
+        with pytest.raises(ConfigError) as e:
+            config_from_dict({"auth": {"enabled": False},
+                              "policy": {"name": "cache_plan", "params": {"copy_in_background": value}}}, {})
+        assert str(e.value).startswith("policy.params.copy_in_background: is a virtual-time design probe")
+
+
 # -- environment variables ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("var, value, starts", [

@@ -116,6 +116,31 @@ def test_a_hot_document_gets_one_new_holder_on_the_least_loaded_replica():
     assert counts["r0"] > 0 and counts[new] > 0 and counts["r0"] + counts[new] == sum(counts.values())
 
 
+def test_copy_in_background_keeps_the_request_on_a_holder_and_names_the_replica_to_warm():
+    """The same hot document with copy_in_background: the request that makes the copy goes to the
+    holder it would have gone to without one, and the new holder's candidate (ranked below)
+    carries the prefix to warm there; once the world warms it, doc 0 is shared as before."""
+    w = World(24, _placement(24))
+    pol, rng = CachePlanPolicy(copy_in_background=True), random.Random(0)
+    warms, counts = [], {r: 0 for r in w.ids}
+    others = [d for d in range(1, 24)]
+    for i in range(2000):
+        doc = 0 if i % 5 == 0 else others[(i - i // 5 - 1) % 23]
+        d = pol.rank(w.request(doc), w.views(doc), rng)
+        winner = d.ranked[0]
+        assert winner.terms.get("warm_blocks", 0.0) == 0.0 and winner.replica_id in w.holders[doc]  # never a non-holder
+        for c in d.ranked[1:]:
+            if c.terms.get("warm_blocks"):
+                assert c.terms["spread"] == 1.0 and c.replica_id not in w.holders[doc]
+                warms.append((i, c.replica_id, doc, c.terms["warm_blocks"]))
+                w.holders[doc].add(c.replica_id)  # the warm completes before the next request
+        if doc == 0 and i >= 1000:
+            counts[winner.replica_id] += 1
+    assert [(x[2], x[3]) for x in warms] == [(0, float(DOC_BLOCKS))]  # one copy, of the hot document, whole
+    assert warms[0][1] != "r0" and warms[0][0] < 200
+    assert counts["r0"] > 0 and counts[warms[0][1]] > 0 and counts["r0"] + counts[warms[0][1]] == sum(counts.values())
+
+
 def test_no_copy_where_the_kv_has_no_room():
     """The same hot document, but every other replica's planned prefixes already fill its KV.
     While the plan is still learning who holds what (uniform traffic first), a typical document

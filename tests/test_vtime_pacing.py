@@ -1,6 +1,7 @@
 """loadtests/vtime_pacing.py: the paced-prefill probe cuts a long miss into block-aligned chunk
 requests, queues same-prefix followers behind the chain, and so stops one cold prefill from
-holding every request queued behind it on its replica."""
+holding every request queued behind it on its replica; a background warm (cache_plan's
+copy_in_background) sends a new holder its prefix the same way, with nobody waiting for it."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -48,6 +49,50 @@ def test_chain_sends_chunks_one_at_a_time_then_the_request_and_its_followers():
     assert chains.chains == {}
 
 
+def test_a_background_warm_sends_the_prefix_in_chunks_waits_for_nobody_and_ends_its_flight():
+    class Flight:
+        done = 0
+
+        def finish(self):
+            self.done += 1
+
+    chains = PaceChains(Pacing(min_uncached=None, chunk=1024), 16)
+    prefix = tuple(range(500, 500 + 150))  # 2,400 tokens
+    flight = Flight()
+    first = chains.warm(prefix, 2, 1.5, flight)
+    assert first.prompt == 1024 and first.keys == list(prefix[:64]) and first.max_out == 1 and first.rep == 2
+    assert first.arrival == 1.5
+    long = _req(1, 4096, 4096, keys=list(prefix) + list(range(9000, 9106)))
+    long.rep = 2
+    assert chains.admit(long, 2) == [long]  # no request is paced (min_uncached None) nor waits for a warm
+    nxt = chains.chunk_done(first)
+    assert [c.prompt for c in nxt] == [2048]
+    nxt = chains.chunk_done(nxt[0])
+    assert [c.prompt for c in nxt] == [2400]  # the last chunk ends with the prefix
+    assert flight.done == 0
+    assert chains.chunk_done(nxt[0]) == [] and flight.done == 1 and chains.chains == {}
+    whole = PaceChains(Pacing(min_uncached=None, chunk=4096), 16).warm(prefix, 0, 0.0)
+    assert whole.prompt == 2400  # a chunk as long as the prefix: one warm request
+
+
+def test_background_copies_in_virtual_time_remove_the_copy_misses():
+    """busy_kv1.5's Zipf case, seed 1: the copies cache_plan makes are long misses sent whole
+    (the stream waits for them); warmed in the background, no request misses, and the tail drops."""
+    from loadtests.vtime_regimes import REGIMES, build_case
+
+    reg = REGIMES["busy_kv1.5"]
+    c = build_case("busy_kv1.5", "shared_docs_zipf", 1)
+
+    def run(**kw):
+        return simulate(c.workload, "cache_plan", reg.replicas, reg.params, seed=1, keys=c.keys, warmup=c.warmup, **kw)
+
+    plain = run()
+    bg = run(policy_params={"copy_in_background": True}, pacing=Pacing(min_uncached=None, chunk=1024))
+    assert plain.misses_copy >= 1 and plain.warms == 0
+    assert bg.warms >= 1 and bg.misses_copy == 0 and bg.completed == plain.completed
+    assert bg.summary()["ttft_p99_s"] < plain.summary()["ttft_p99_s"]
+
+
 def test_a_paced_miss_no_longer_holds_the_replica_for_its_whole_prefill():
     doc = Segment("doc", "user", 3000, "document")
     reqs = [WorkloadRequest("cold", 0.0, "t", "", (doc,), 4, prompt_tokens=3000)]
@@ -71,18 +116,43 @@ def test_a_paced_miss_no_longer_holds_the_replica_for_its_whole_prefill():
     assert paced[-1] >= plain[-1] * 0.9
 
 
+def test_the_engines_prefill_cap_admits_short_requests_beside_a_long_prefill():
+    """vLLM's long_prefill_token_threshold in the replica model: with a 256-token cap the short
+    requests are admitted beside the document's prefill instead of after it, and the document
+    itself takes twice the steps (shorter ones: 4.4 s against 3.5 s)."""
+    doc = Segment("doc", "user", 3000, "document")
+    reqs = [WorkloadRequest("cold", 0.0, "t", "", (doc,), 4, prompt_tokens=3000)]
+    for i in range(20):
+        seg = Segment(f"s{i}", "user", 64, "question")
+        reqs.append(WorkloadRequest(f"s{i}", 0.05 + 0.1 * i, "t", "", (seg,), 4, prompt_tokens=64))
+    w = Workload("cap", tuple(reqs), rate_rps=10.0, concurrency=None)
+
+    def run(cap):
+        p = SimParams.wallclock(num_blocks=1000, max_num_seqs=64, max_batched_tokens=512, long_prefill_token_threshold=cap)
+        res = simulate(w, "round_robin", 1, p)
+        assert res.completed == len(reqs)
+        return sorted(res.ttft_s)
+
+    plain, capped = run(0), run(256)
+    assert plain[-2] > 2.0 and capped[-2] < 1.5  # short requests: behind the document, then beside it
+    assert capped[-1] > 1.15 * plain[-1]  # the document: 256 tokens a step instead of ~500 (shorter steps)
+
+
 def test_pacing_rejects_empty_chunks():
     with pytest.raises(ValueError):
         Pacing(min_uncached=0)
     with pytest.raises(ValueError):
         Pacing(chunk=0)
+    Pacing(min_uncached=None)  # warms only
 
 
-def test_report_refuses_pacing_outside_a_regime(capsys):
+def test_report_refuses_the_probes_outside_a_regime(capsys):
     from loadtests.vtime_report import main
 
-    for argv in (["--pace-min", "1024"], ["--regime", "busy", "--pace-min", "-1"], ["--regime", "busy", "--pace-chunk", "0"]):
+    for argv in (["--pace-min", "1024"], ["--copy-in-background"], ["--regime", "busy", "--pace-min", "-1"],
+                 ["--long-prefill-threshold", "256"], ["--regime", "busy", "--pace-chunk", "0"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
-        assert "--pace-" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "--pace-" in err or "--long-prefill-threshold" in err
