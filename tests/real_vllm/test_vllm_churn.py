@@ -214,7 +214,7 @@ def test_index_true_after_concurrent_churn_and_preemption(vllm_replicas, e2e_sys
     must hold: no request fails, the engines preempted, and once the storm is over the index is
     true again: a sequential pass over every document agrees on every request, and every replica is
     trusted again. During the storm a few predictions under-state the engine (0-3 of 40 in six runs
-    on 2026-12-02; README "Not guaranteed"): those where the replica's feed was silent at the
+    on 2026-12-02, three of them with a flow-control variant not kept; README "Not guaranteed"): those where the replica's feed was silent at the
     decision or a store of the request's blocks reached the index after it are the feed's lag, the
     rest (the engine found a whole document the index did not list there) are not explained yet,
     and are bounded here at 15% of the storm so that a systematically stale index still fails."""
