@@ -246,9 +246,9 @@ def test_index_true_after_concurrent_churn_and_preemption(vllm_replicas, e2e_sys
     on 2026-12-02, three of them with a flow-control variant not kept; README "Not guaranteed"):
     where the replica's feed was silent at the decision or a store of the request's blocks reached
     the index after it, the feed's lag; where the replica stored the request's blocks after its
-    decision, its own prefill (the index was right when it routed; in the one such case examined,
-    all 75 blocks were stored 60 ms after the decision and the request took 17 s, so it was
-    preempted and found its own blocks cached when re-admitted). Anything else is bounded at 15% of
+    decision, its own prefill (the index was right when it routed; in the three such cases
+    examined the blocks were stored 60-930 ms after the decision and the request took 13-17 s: it
+    was preempted and found its own blocks cached when re-admitted). Anything else is bounded at 15% of
     the storm, so that a systematically stale index still fails."""
     # 800-token outputs: each running request grows by 25 blocks after admission, so the running
     # set outgrows the free blocks and the engines must preempt (300-token outputs did only 0-2 times).
