@@ -258,19 +258,23 @@ def test_index_true_after_concurrent_churn_and_preemption(vllm_replicas, e2e_sys
     time.sleep(3.0)  # speculative entries lapse, the feed settles
     # After the storm, one request at a time until the index check trusts every replica again
     # (a replica distrusted during the storm is routed by load only; its predictions keep being
-    # checked on the requests it still gets, and a replica that gets none with a cached prefix is
-    # trusted again after RETRY_AFTER_S): every prediction exact, trust back within that time.
+    # checked on the requests it still gets): every prediction exact for 8 passes or until every
+    # replica is trusted again, and trust back at the latest after RETRY_AFTER_S.
     health = e2e_system.gateway.routing.health
     trust = lambda: e2e_system.call(lambda: {rid: health.trusted(rid) for rid in e2e_system.by_id})  # noqa: E731
     distrusted = e2e_system.call(health.distrusted_counts)
     rows = []
-    deadline = time.monotonic() + RETRY_AFTER_S + 30.0
-    while True:
+    for _ in range(8):
         after = _run(e2e_system, vllm_replicas, n_requests=N_DOCS, concurrency=1, max_tokens=8, tag="after the storm")
         rows += after["rows"]
         assert len(after["exact"]) + len(after["late"]) == len(after["rows"]), f"{len(after['exact'])}/{len(after['rows'])}"
-        if all(trust().values()) or time.monotonic() > deadline:
+        if all(trust().values()):
             break
+    # a replica distrusted late in the storm may get no request with a cached prefix in 8 passes
+    # (no evidence either way): the index check trusts it again after RETRY_AFTER_S without more
+    deadline = time.monotonic() + RETRY_AFTER_S + 5.0
+    while not all(trust().values()) and time.monotonic() < deadline:
+        time.sleep(1.0)
     print(f"distrusted during the storm: {distrusted}, at the end {e2e_system.call(health.distrusted_counts)}; trusted again "
           f"after {len(rows)} requests, all exact but those routed before the feed delivered an eviction")
     assert all(trust().values()), trust()
