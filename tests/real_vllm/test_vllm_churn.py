@@ -136,7 +136,7 @@ def _run(system, vllm_replicas, *, n_requests: int, concurrency: int, max_tokens
             late += "; the replica's feed was not current at the decision (routed by load)"
         if r in out["under_own"]:
             late += (f"; its own blocks: a store of its keys there published {r['own_store'][0] * 1e3:+.0f} ms from the "
-                     "decision (computed by the request, which found them cached when re-admitted)")
+                     "decision (computed by the request itself)")
         if r in out["under_index"]:
             late += f"; its keys in the index there (applied/published from the decision): {seen.history(r['res'].request_id)}"
         print(f"  differs: request {r['n']} doc {r['doc']} on {r['replica']}: predicted {r['pred']} engine {r['cached']} "
@@ -183,8 +183,8 @@ class _FeedWatch:
 
     def own_store(self, request_id: str | None) -> tuple[float, float] | None:
         """A store of the request's keys on its replica published after its decision: with no
-        other request of its document in flight, the request computed them itself (then, by the
-        engine's report, it was preempted and found its own blocks cached when re-admitted)."""
+        other request of its document in flight, the request computed them itself (and, by the
+        engine's report, found them cached: likely when re-admitted after a preemption)."""
         return self._applied_after(request_id, self.stores, 0.0, float("inf"))
 
     def late_store(self, request_id: str | None) -> tuple[float, float] | None:
@@ -247,8 +247,8 @@ def test_index_true_after_concurrent_churn_and_preemption(vllm_replicas, e2e_sys
     where the replica's feed was silent at the decision or a store of the request's blocks reached
     the index after it, the feed's lag; where the replica stored the request's blocks after its
     decision, its own prefill (the index was right when it routed; in the three such cases
-    examined the blocks were stored 60-930 ms after the decision and the request took 13-17 s: it
-    was preempted and found its own blocks cached when re-admitted). Anything else is bounded at 15% of
+    examined the blocks were stored 60-930 ms after the decision and the request took 13-17 s:
+    likely preempted, it found its own blocks cached when re-admitted; not confirmed in vLLM's code). Anything else is bounded at 15% of
     the storm, so that a systematically stale index still fails."""
     # 800-token outputs: each running request grows by 25 blocks after admission, so the running
     # set outgrows the free blocks and the engines must preempt (300-token outputs did only 0-2 times).
