@@ -22,8 +22,9 @@ Copies in the background (`cache_plan(copy_in_background=True)`, `vtime_report
 --copy-in-background`): when the plan gives a prefix a new holder, the request that triggered it
 goes to an existing holder, and the new holder gets the prefix as a warm chain (`warm()`): the
 same one-token requests, `chunk` tokens each with pacing and the whole prefix in one without,
-which no client waits for (a chunk as long as the prefix: one warm request). The new holder joins the holders once the index shows the prefix
-there (the warm inserts no speculative entries), so no request waits for a copy's prefill.
+which no client waits for (a chunk as long as the prefix: one warm request). The new holder joins
+the holders once the index shows the prefix there (the warm inserts no speculative entries), so no
+request waits for a copy's prefill.
 """
 from __future__ import annotations
 
@@ -70,11 +71,12 @@ class PaceChains:
         self.n = 0  # chunks sent
         self.paced: list = []  # every request a chain was started for
         self.warms = 0  # background warms started
+        self.paces_requests = pacing is not None and pacing.min_uncached is not None
 
     def cuts(self, r: SimReq) -> list[int]:
         """Prefix lengths (tokens) to warm before `r`, from what its replica is predicted to hold."""
         pc = self.pacing
-        if pc is None or pc.min_uncached is None or r.pred_uncached < pc.min_uncached:
+        if not self.paces_requests or r.pred_uncached < pc.min_uncached:
             return []
         step = max(self.bs, pc.chunk // self.bs * self.bs)
         start = (r.prompt - r.pred_uncached) // self.bs * self.bs
@@ -91,7 +93,7 @@ class PaceChains:
             chain = self.chains[id(r)] = _Chain(r, cuts, tuple(r.keys), ri, r.arrival)
             self.paced.append(r)
             return [self._next(id(r), chain)]
-        if self.pacing is not None and self.pacing.min_uncached is not None and self.pacing.follow and r.keys:
+        if self.paces_requests and self.pacing.follow and r.keys:
             need = r.keys[min(len(r.keys) - 1, self.pacing.min_uncached // self.bs)]
             for chain in self.chains.values():
                 if chain.parent is not None and chain.replica == ri and need in chain.prefix:

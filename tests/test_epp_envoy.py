@@ -133,6 +133,13 @@ class Stack:
                   if self.picker is not None else "no picker")
         return f"{picker}\nenvoy stats {stats}\nenvoy log:\n{self.envoy.log_tail(12000)}"
 
+    async def chat_or_explain(self, what: str, content: str) -> tuple[str, dict | None]:
+        """`stream_chat` through this stack; a failure names `what` and shows what Envoy saw."""
+        try:
+            return await stream_chat(self.client(), content)
+        except openai.APIError as exc:
+            pytest.fail(f"{what}: {exc!r}\n{self.explain()}")
+
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
@@ -228,10 +235,7 @@ async def test_refused_primary_is_retried_on_the_fallback_without_client_error(s
     try:
         picker = StaticPickerDouble([dead.endpoint, sims[0].endpoint])
         async with Stack(picker, [dead, *sims], transport=transport, log_level="debug") as stack:
-            try:
-                assert (await stream_chat(stack.client(), "warm the connection pool"))[0]
-            except openai.APIError as exc:
-                pytest.fail(f"the warm-up request: {exc!r}\n{stack.explain()}")
+            assert (await stack.chat_or_explain("the warm-up request", "warm the connection pool"))[0]
             async with httpx.AsyncClient() as c:
                 r = await c.post(f"{dead.url}/sim/fault", json={"kind": "crash", "refuse": True})
                 assert r.status_code == 200
@@ -239,11 +243,8 @@ async def test_refused_primary_is_retried_on_the_fallback_without_client_error(s
             with pytest.raises(httpx.ConnectError):
                 async with httpx.AsyncClient() as c:
                     await c.get(f"{dead.url}/health")
-            for i in range(3):
-                try:
-                    text, usage = await stream_chat(stack.client(), f"after the crash {uuid.uuid4().hex}")
-                except openai.APIError as exc:  # once in CI: a 30 s timeout, not reproduced since
-                    pytest.fail(f"request {i} after the crash: {exc!r}\n{stack.explain()}")
+            for i in range(3):  # once in CI: a 30 s timeout, not reproduced since
+                text, usage = await stack.chat_or_explain(f"request {i} after the crash", f"after the crash {uuid.uuid4().hex}")
                 assert text and usage["prompt_tokens"] > 0
             await wait_outcomes(picker, 4)
             stats = stack.envoy.stats()
