@@ -137,7 +137,7 @@ def _run(system, vllm_replicas, *, n_requests: int, concurrency: int, max_tokens
         if r in out["under_own"]:
             late += (f"; its own blocks: a store of its keys there published {r['own_store'][0] * 1e3:+.0f} ms from the "
                      "decision (computed by the request itself)")
-        if r in out["under_index"]:
+        if r in out["under_index"] or (r["pred"] > r["cached"] and r["late"] is None):
             late += f"; its keys in the index there (applied/published from the decision): {seen.history(r['res'].request_id)}"
         print(f"  differs: request {r['n']} doc {r['doc']} on {r['replica']}: predicted {r['pred']} engine {r['cached']} "
               f"({r['elapsed_s']:.2f} s){late}")
@@ -169,7 +169,7 @@ class _FeedWatch:
     def history(self, request_id: str | None, n: int = 8) -> str:
         """The index's stores and removals of the request's keys on its replica around its
         decision: kind, applied and published time from the decision (s), keys of its prompt
-        touched (diagnosis of an under-prediction nothing explains)."""
+        touched (diagnosis of a difference nothing explains)."""
         d = self.decisions.get(request_id or "")
         if d is None:
             return "no decision recorded"
