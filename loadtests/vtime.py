@@ -57,6 +57,7 @@ from gateway.config import FeedConfig
 from hashing.keys import block_extras, chain_keys, root_key
 from loadtests.vtime_replica import ReplicaModel, SimReq
 from loadtests.workloads import Workload, WorkloadRequest, _ROLE_IDS, segment_token_ids
+from loadtests.vtime_keepalive import KEEPALIVE, KeepAlive, Retainer
 from loadtests.vtime_pacing import PaceChains, Pacing
 from loadtests.vtime_router import SimRouter, VClock
 from policies.registry import get_policy
@@ -217,6 +218,7 @@ class SimResult:
     misses_evicted: int = 0
     paced_ttft_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per finished paced request (pacing probe)
     warms: int = 0  # background warms of new holders (cache_plan copy_in_background probe)
+    refreshes: int = 0  # keep-alive refreshes sent (keep-alive probe)
 
     def summary(self) -> dict:
         t = self.ttft_s
@@ -251,6 +253,7 @@ class SimResult:
             "misses_evicted": self.misses_evicted,
             "paced": len(self.paced_ttft_s),
             "warms": self.warms,
+            "refreshes": self.refreshes,
             "paced_ttft_p50_s": float(np.percentile(self.paced_ttft_s, 50)) if len(self.paced_ttft_s) else None,
             "collapsed": self.collapsed,
             "wall_s": self.wall_s,
@@ -271,6 +274,7 @@ def simulate(
     collapse_ttft_s: float | None = None,
     warmup: list[WorkloadRequest] | None = None,
     pacing: Pacing | None = None,
+    keep_alive: KeepAlive | None = None,
 ) -> SimResult:
     """Run `workload` through `policy_name` on `n_replicas` modelled replicas (module header).
 
@@ -283,6 +287,7 @@ def simulate(
     `warmup`: requests sent one at a time before the stream (module header); the stream's arrival
     times then count from the end of the warm-up.
     `pacing`: the paced-prefill design probe (loadtests/vtime_pacing.py), measured requests only.
+    `keep_alive`: the keep-alive design probe (loadtests/vtime_keepalive.py).
     """
     if n_replicas < 1:
         raise ValueError("n_replicas must be >= 1")
@@ -319,6 +324,11 @@ def simulate(
     reps = [ReplicaModel(i, p, p.cache_answers) for i in range(n_replicas)]
 
     chains = PaceChains(pacing, p.block_size)  # paced requests (pacing) and background warms (cache_plan)
+    retainer = Retainer(keep_alive, n_replicas, p.num_blocks, p.block_size) if keep_alive is not None else None
+
+    def held_blocks(ri: int, prefix: tuple) -> int:
+        m = router.routing.index.match(prefix).get(router.rids[ri])
+        return m.gpu_blocks if m is not None else 0
     heap: list = []  # (time, seq, kind, payload)
     seq = 0
     STEP, REPORT, EVENTS, ARRIVE, TIMEOUT = 0, 1, 2, 3, 4
@@ -430,6 +440,8 @@ def simulate(
                     held_elsewhere.add(payload)
             rep = reps[ri]
             rep.n_requests += 1
+            if retainer is not None:
+                retainer.used(ri, r.keys, router.root_blocks, t)
             if r.warmup:
                 rep.waiting.append(r)
             else:
@@ -454,6 +466,8 @@ def simulate(
                 if r.pace is None:
                     router.first_token(r)
             for r in fin:
+                if r.pace is KEEPALIVE:
+                    continue
                 if r.pace is not None:  # a paced request's chunk: the chain's next part joins the queue
                     rep.waiting.extend(chains.chunk_done(r))
                     continue
@@ -489,6 +503,11 @@ def simulate(
                     collapsed = True
                     break
             router.report(reps, t)
+            if retainer is not None:
+                for ka in retainer.due(t, held_blocks):
+                    reps[ka.rep].waiting.append(ka)
+                    if not reps[ka.rep].stepping:
+                        kick(ka.rep, t)
             if n_done + n_unfinished < n_total:
                 push(t + p.report_interval_s, REPORT, None)
         if n_done + n_unfinished >= n_total and kind in (STEP, TIMEOUT):
@@ -528,4 +547,5 @@ def simulate(
         misses_evicted=misses[0],
         paced_ttft_s=np.array([r.first_s - r.arrival for r in chains.paced if r.first_s >= 0.0], dtype=float),
         warms=chains.warms,
+        refreshes=retainer.sent if retainer is not None else 0,
     )

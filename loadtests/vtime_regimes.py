@@ -174,9 +174,10 @@ def build_case(regime: str, case_name: str, seed: int, n_requests: int | None = 
 
 
 def run_regime(regime: str, seeds, cases=None, policies=None, progress=None, pacing=None,
-               plan_params: dict | None = None, engine: dict | None = None) -> list[dict]:
+               plan_params: dict | None = None, engine: dict | None = None, keep_alive=None) -> list[dict]:
     """`plan_params`: extra cache_plan parameters (design probes such as copy_in_background);
-    `engine`: SimParams fields that replace the regime's (e.g. long_prefill_token_threshold)."""
+    `engine`: SimParams fields that replace the regime's (e.g. long_prefill_token_threshold);
+    `keep_alive`: the keep-alive probe's parameters (loadtests/vtime_keepalive.py), every policy."""
     reg = REGIMES[regime]
     p = dataclasses.replace(reg.params, **engine) if engine else reg.params
     rows = []
@@ -190,7 +191,7 @@ def run_regime(regime: str, seeds, cases=None, policies=None, progress=None, pac
                     continue  # documents only
                 pp = plan_params if pol == "cache_plan" and plan_params else None
                 res = simulate(w, _policy(pol, w, keys, reg.replicas), reg.replicas, p, policy_params=pp, seed=seed, keys=keys,
-                               warmup=warm or None, pacing=pacing)
+                               warmup=warm or None, pacing=pacing, keep_alive=keep_alive)
                 s = res.summary()
                 s.update(case=case_name, seed=seed, rate_rps=rate, offered_util=util, oracle_hit_ratio=bel.hit_ratio,
                          oracle_inf_hit_ratio=inf.hit_ratio, per_replica_requests=res.per_replica_requests, policy=pol)
@@ -275,7 +276,7 @@ def regime_markdown(regime: str, rows: list[dict], command: str) -> str:
 
 
 def regime_main(regime: str, seeds, cases, policies, command: str, md: str | None, js: str | None, pacing=None,
-                plan_params: dict | None = None, engine: dict | None = None) -> int:
+                plan_params: dict | None = None, engine: dict | None = None, keep_alive=None) -> int:
     if regime not in REGIMES:
         raise SystemExit(f"unknown regime {regime!r}; choose one of {', '.join(REGIMES)}")
     t0 = time.perf_counter()
@@ -284,9 +285,10 @@ def regime_main(regime: str, seeds, cases, policies, command: str, md: str | Non
         print(f"  {s['case']:>16} s{s['seed']} {s['policy']:>18}: p50 {s['ttft_p50_s']:.3f} p99 {s['ttft_p99_s']:.3f} hit {s['hit_ratio']:.3f} "
               f"unfinished {s['unfinished']}"
               + (f" paced {s['paced']} (their TTFT p50 {s['paced_ttft_p50_s']:.2f})" if s.get("paced") else "")
-              + (f" warms {s['warms']}" if s.get("warms") else "") + f" ({s['wall_s']:.1f}s)", file=sys.stderr, flush=True)
+              + (f" warms {s['warms']}" if s.get("warms") else "") + (f" refreshes {s['refreshes']}" if s.get("refreshes") else "")
+              + f" misses {s['misses_copy']}/{s['misses_evicted']} ({s['wall_s']:.1f}s)", file=sys.stderr, flush=True)
 
-    rows = run_regime(regime, seeds, cases or None, policies or None, progress, pacing, plan_params, engine)
+    rows = run_regime(regime, seeds, cases or None, policies or None, progress, pacing, plan_params, engine, keep_alive)
     text = regime_markdown(regime, rows, command) + f"\n\n(total wall time {time.perf_counter() - t0:.0f} s)\n"
     print(text, end="")
     if md:

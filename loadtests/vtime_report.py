@@ -45,6 +45,7 @@ import time
 
 from loadtests.oracle import infinite_bound, pooled_belady_bound
 from loadtests.vtime import SimParams, prepare_keys, simulate
+from loadtests.vtime_keepalive import KeepAlive
 from loadtests.vtime_pacing import Pacing
 from loadtests.workloads import Workload, build_workload
 from policies.registry import POLICY_NAMES
@@ -202,14 +203,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-prefill-threshold", type=int, default=0, metavar="TOKENS",
                     help="with --regime: the engines cap one request's prefill at TOKENS per step (vLLM's "
                          "--long-prefill-token-threshold; default 0: the regime's engines, no cap)")
+    ap.add_argument("--keep-alive", type=float, default=0.0, metavar="IDLE_S",
+                    help="with --regime: the keep-alive design probe (loadtests/vtime_keepalive.py; the gateway does not "
+                         "refresh): a long prefix not used on its replica for IDLE_S seconds is refreshed there (default 0: off)")
+    ap.add_argument("--keep-alive-kv-frac", type=float, default=0.9, metavar="F",
+                    help="with --keep-alive: a replica's kept prefixes stay under this share of its KV (default 0.9)")
     ap.add_argument("--md", default=None, metavar="FILE", help="also write the markdown (with the total wall time) to FILE")
     args = ap.parse_args(argv)
     if args.pace_min < 0 or args.pace_chunk < 1:
         ap.error("--pace-min takes tokens >= 0 (0: off) and --pace-chunk tokens >= 1")
     if args.long_prefill_threshold < 0:
         ap.error("--long-prefill-threshold takes tokens >= 0 (0: no cap)")
-    if (args.pace_min or args.copy_in_background or args.long_prefill_threshold) and not args.regime:
-        ap.error("--pace-min, --copy-in-background and --long-prefill-threshold go with --regime (the probes run on the named regimes)")
+    if args.keep_alive < 0 or not 0 < args.keep_alive_kv_frac <= 1:
+        ap.error("--keep-alive takes seconds >= 0 (0: off) and --keep-alive-kv-frac a share in (0, 1]")
+    if (args.pace_min or args.copy_in_background or args.long_prefill_threshold or args.keep_alive) and not args.regime:
+        ap.error("--pace-min, --copy-in-background, --long-prefill-threshold and --keep-alive go with --regime "
+                 "(the probes run on the named regimes)")
     if args.regime:
         from loadtests.vtime_regimes import regime_main
 
@@ -219,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                            Pacing(args.pace_min or None, args.pace_chunk, not args.pace_no_follow)
                            if args.pace_min > 0 or args.copy_in_background else None,
                            {"copy_in_background": True} if args.copy_in_background else None,
-                           {"long_prefill_token_threshold": args.long_prefill_threshold} if args.long_prefill_threshold else None)
+                           {"long_prefill_token_threshold": args.long_prefill_threshold} if args.long_prefill_threshold else None,
+                           KeepAlive(idle_s=args.keep_alive, kv_frac=args.keep_alive_kv_frac) if args.keep_alive else None)
     bad = [x for x in args.policy if x not in POLICY_NAMES]
     if bad:
         ap.error(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICY_NAMES)}")

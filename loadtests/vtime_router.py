@@ -59,6 +59,7 @@ class SimRouter:
             speculative_ttl_s=p.spec_ttl_s, clock=clock)
         self.flights: dict = {}  # request index -> (Flight, Outcome without its measured parts)
         self.warm: tuple | None = None  # the last route()'s background warm: (replica index, prefix keys)
+        self.root_blocks = 0  # the last route()'s planned root, in blocks (0: unplanned)
 
     @property
     def cal(self) -> Calibrator:
@@ -92,6 +93,7 @@ class SimRouter:
         self.flights[id(r)] = (flight, Outcome(cand.replica_id, None, predicted, uncached, queued_prefill_tokens(view),
                                                view.running_reqs if view is not None else 0, None, None))
         r.pred_uncached = uncached
+        self.root_blocks = int(cand.terms.get("root_blocks", 0.0)) if cand.terms.get("plan") else 0
         self.warm = None
         for c in routing.decision.ranked[1:]:
             n = int(c.terms.get("warm_blocks", 0.0))

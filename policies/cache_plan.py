@@ -105,7 +105,8 @@ copy_in_background  a design probe, virtual time only (loadtests/vtime_pacing.py
 Defaults tuned with `python -m loadtests.vtime_report --regime busy` (loadtests/results/vtime_busy.md).
 
 Candidates' terms: plan (1 planned, 0 unplanned: then cache_aware's terms), holder (0/1),
-predicted_ttft_s, matched_blocks, group_work, group_holders, load_share, peak_share,
+predicted_ttft_s, matched_blocks, group_work, group_holders, root_blocks (the request's root, in
+blocks: the prefix its holders keep), load_share, peak_share,
 spread (1 on the replica chosen to build a new copy), warm_blocks (copy_in_background: the
 prefix to warm on that replica, 0 elsewhere), score (= -position: the chosen replica, the
 other holders by predicted TTFT, then the rest in cache_aware's order).
@@ -384,6 +385,7 @@ class CachePlanPolicy(PolicyBase):
                 "matched_blocks": float(runs.get(rid, 0)),
                 "group_work": g_total,
                 "group_holders": float(len(g.holders)),
+                "root_blocks": float(g.blocks),
                 "load_share": loads.get(rid, 0.0) / (mean * len(loads)) if mean > 0 else 0.0,
                 "peak_share": (peak_new if rid == spread_to else peak_h) / mean if mean > 0 else 0.0,
                 "spread": 1.0 if rid == spread_to else 0.0,
