@@ -15,6 +15,11 @@ constructor), and how they report trouble.
   new file is invalid).
 - `discover_model` / `run_model_discovery`: the model name and context length from the replicas'
   `/v1/models` when config does not give them.
+- `run_keep_alive`: every quarter of `keep_alive.idle_s` (at most 1 s), sends the refreshes the
+  retainer says are due (gateway.keepalive) to replicas that are up, each its own task bounded by
+  `timeout_s` (at most MAX_REFRESHES_IN_FLIGHT at once; beyond, the rest wait for the next check);
+  a replica that left is forgotten. A refresh is not a client's request: no flow control, no
+  in-flight count, no retry.
 A failing dependency is logged once when it fails, then at most once a minute with the count, and
 once when it recovers (replica_agent.feed.FailureLog): a Redis outage is a few lines, not one per
 second.
@@ -24,20 +29,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
+
 import aiohttp
 
 from gateway.auth import ApiKeyStore, Authenticator, load_api_keys_file, parse_key_entry
-from gateway.config import AuthConfig
+from gateway.config import AuthConfig, KeepAliveConfig
+from gateway.index import KVIndex
 from gateway.index_sync import IndexSync
+from gateway.keepalive import Retainer, refresh_body
 from gateway.load import LoadTracker
 from gateway.membership import Membership
 from gateway.model import ModelInfo
 from replica_agent.feed import FailureLog, InflightBoard
 
 __all__ = ["trouble", "run_index_sync", "run_inflight_exchange", "run_keys_reload", "discover_model",
-           "run_model_discovery", "file_mtime"]
+           "run_model_discovery", "file_mtime", "run_keep_alive", "MAX_REFRESHES_IN_FLIGHT"]
 
 log = logging.getLogger("warmroute.gateway")
+
+MAX_REFRESHES_IN_FLIGHT = 64
 
 
 def trouble(what: str) -> FailureLog:
@@ -170,3 +181,55 @@ def file_mtime(path: str | None) -> float:
         return os.stat(path).st_mtime if path else 0.0
     except OSError:
         return 0.0
+
+
+async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: aiohttp.ClientSession,
+                         membership: Membership, index: KVIndex, model: ModelInfo, metrics, health: FailureLog) -> None:
+    period = min(1.0, cfg.idle_s / 4)
+    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+    bs = model.block_size
+    pending: set = set()
+
+    def held(rid, keys) -> int:
+        m = index.match(keys).get(rid)
+        return m.gpu_blocks if m is not None else 0
+
+    def capacity(rid) -> int:
+        rep = index.last_load(rid)
+        return rep.num_gpu_blocks if rep is not None else 0
+
+    async def refresh(rid: str, url: str, body: dict) -> None:
+        try:
+            async with session.post(url + "/v1/completions", json=body, timeout=timeout) as r:
+                await r.read()
+                ok = r.status == 200
+            if not ok:
+                raise RuntimeError(f"replica {rid} answered a refresh with HTTP {r.status}")
+            metrics.child(metrics.refreshes, rid, "ok").inc()
+            health.ok()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed refresh is counted and logged, nothing else
+            metrics.child(metrics.refreshes, rid, "error").inc()
+            health.failed(exc)
+
+    try:
+        while True:
+            await asyncio.sleep(period)
+            for rid in [rid for rid in retainer.kept if membership.get(rid) is None]:
+                retainer.forget(rid)
+            if not model.name or len(pending) >= MAX_REFRESHES_IN_FLIGHT:
+                continue
+            now = membership.clock()
+            for rf in retainer.due(time.monotonic(), held, capacity):
+                st = membership.get(rf.replica)
+                if st is None or not st.available(now) or len(pending) >= MAX_REFRESHES_IN_FLIGHT:
+                    continue
+                ids, salt = rf.payload
+                body = refresh_body(model.name, ids, len(rf.keys), bs, salt)
+                task = asyncio.create_task(refresh(st.replica_id, st.url, body))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+    finally:
+        for task in list(pending):
+            task.cancel()

@@ -177,6 +177,17 @@ class FlowConfig:
 
 
 @dataclass
+class KeepAliveConfig:
+    enabled: bool = False  # refresh the plan's long shared prefixes on their replicas before the engines' LRU evicts them
+    idle_s: float = 2.0  # refresh a kept prefix its replica has not used for this long (a hit of its blocks, max_tokens 1)
+    min_tokens: int = 1024  # only prefixes at least this long are kept (a shorter miss costs less than a refresh's slot)
+    forget_s: float = 30.0  # a prefix no request used for this long is no longer kept
+    kv_frac: float = 0.9  # a replica's kept prefixes stay under this share of its KV (its agent's report)
+    max_per_replica: int = 256  # kept prefixes per replica at most (the least busy go first)
+    timeout_s: float = 10.0  # a refresh not answered within this long is abandoned
+
+
+@dataclass
 class GatewayConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -188,6 +199,7 @@ class GatewayConfig:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
+    keep_alive: KeepAliveConfig = field(default_factory=KeepAliveConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

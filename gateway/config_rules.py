@@ -33,7 +33,7 @@ def _err(path: str, msg: str) -> ConfigError:
 def validate(cfg: GatewayConfig) -> None:
     """Checks that types alone do not catch. Raises ConfigError naming the field."""
     for check in (_check_server, _check_model, _check_membership, _check_feed, _check_policy, _check_auth,
-                  _check_proxy_and_telemetry, _check_flow):
+                  _check_proxy_and_telemetry, _check_flow, _check_keep_alive):
         check(cfg)
 
 
@@ -192,6 +192,19 @@ def _check_flow(cfg: GatewayConfig) -> None:
         for path, p in names:
             if p not in f.priorities:
                 raise _err(path, f"unknown class {p!r} {known}")
+
+
+def _check_keep_alive(cfg: GatewayConfig) -> None:
+    k = cfg.keep_alive
+    for name in ("idle_s", "forget_s", "timeout_s"):
+        if not (getattr(k, name) > 0 and math.isfinite(getattr(k, name))):
+            raise _err(f"keep_alive.{name}", f"must be a finite number > 0, got {getattr(k, name)}")
+    if k.min_tokens < cfg.model.block_size:
+        raise _err("keep_alive.min_tokens", f"must be at least one block (model.block_size {cfg.model.block_size}), got {k.min_tokens}")
+    if not 0 < k.kv_frac <= 1:
+        raise _err("keep_alive.kv_frac", f"must be in (0, 1], got {k.kv_frac}")
+    if k.max_per_replica < 1:
+        raise _err("keep_alive.max_per_replica", f"must be >= 1, got {k.max_per_replica}")
 
 
 def check_files(cfg: GatewayConfig) -> None:

@@ -37,6 +37,7 @@ from gateway.encode import tokenize
 from gateway.errors import ApiError, sse_error_event
 from gateway.flow import FlowControl
 from gateway.http_front import FrontRequest, FrontResponse, send_error
+from gateway.keepalive import Retainer
 from gateway.learn import learn
 from gateway.membership import Membership
 from gateway.model import ModelInfo
@@ -64,7 +65,8 @@ class Pipeline:
 
     def __init__(self, cfg: GatewayConfig, *, auth: Authenticator, limiter: TenantLimiter, salter: SaltDeriver,
                  model: ModelInfo, tokenizer: TokenizerService, routing: RoutingState, membership: Membership,
-                 policy: Policy, dispatcher: Dispatcher, metrics: Metrics, tracing: Tracing, flow: FlowControl) -> None:
+                 policy: Policy, dispatcher: Dispatcher, metrics: Metrics, tracing: Tracing, flow: FlowControl,
+                 retainer: Retainer | None = None) -> None:
         self.cfg = cfg
         self.auth = auth
         self.limiter = limiter
@@ -79,6 +81,7 @@ class Pipeline:
         self.metrics = metrics
         self.tracing = tracing
         self.flow = flow
+        self.retainer = retainer  # keep-alive of the plan's long roots (gateway.keepalive); None: off
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(4).hex()
 
@@ -203,6 +206,19 @@ class Pipeline:
         if lesson.cached_tokens is not None:  # the index check (gateway.index_health)
             self.routing.checked(lesson.replica_id, lesson.predicted_cached_tokens, lesson.cached_tokens, lesson.queued_s)
         ctx.span.outcome(lesson, agreement)
+        if self.retainer is not None:
+            self._keep(ctx, lesson.replica_id)
+
+    def _keep(self, ctx: RequestContext, replica_id: str) -> None:
+        """The served replica keeps the request's planned root (gateway.keepalive), with the token
+        ids and salt a refresh needs (copied only when the root is new there)."""
+        cand = next((c for c in ctx.routing.decision.ranked if c.replica_id == replica_id), None)
+        if cand is None or not cand.terms.get("plan"):
+            return
+        root = int(cand.terms.get("root_blocks", 0.0))
+        ids, salt, n = ctx.prompt.first_ids, ctx.salt, root * self.model.block_size
+        if 0 < n < len(ids):
+            self.retainer.used(replica_id, ctx.keys, root, time.monotonic(), lambda: (tuple(ids[: n + 1]), salt))
 
     def finish(self, ctx: RequestContext) -> None:
         """Release the tenant's slot; count, trace and log the request (whatever happened)."""

@@ -26,7 +26,7 @@ from aiohttp import web
 from gateway.admin import build_admin_app
 from gateway.assemble import build_authenticator, build_policy, build_salter
 from gateway.auth import TenantLimiter
-from gateway.background import (discover_model, flush_inflight, run_index_sync, run_inflight_exchange,
+from gateway.background import (discover_model, flush_inflight, run_index_sync, run_inflight_exchange, run_keep_alive,
                                 run_keys_reload, run_model_discovery, trouble)
 from gateway.config import GatewayConfig, check_files
 from gateway.dispatch import Dispatcher
@@ -35,6 +35,7 @@ from gateway.flow import FlowControl, run_share_exchange
 from gateway.http_front import FrontRequest, FrontResponse, FrontServer, send_error, start_front
 from gateway.index import KVIndex
 from gateway.index_sync import IndexSync
+from gateway.keepalive import KeepAlive, Retainer
 from gateway.load import ROUTED_TAU_S, LoadTracker
 from gateway.membership import Membership, MembershipRunner
 from gateway.model import ModelInfo
@@ -93,6 +94,13 @@ class Gateway:
         self.feed_health = trouble("feed (index sync)")
         self.board_health = trouble("feed (shared in-flight counters)")
         self.index_sync: IndexSync | None = None
+        k = cfg.keep_alive
+        self.retainer = Retainer(KeepAlive(idle_s=k.idle_s, min_blocks=max(1, k.min_tokens // cfg.model.block_size),
+                                           forget_s=k.forget_s, kv_frac=k.kv_frac, max_per_replica=k.max_per_replica)
+                                 ) if k.enabled else None  # keep-alive of the plan's long roots (gateway.keepalive)
+        if k.enabled and cfg.policy.name != "cache_plan":  # not an error: flags may set the policy after the file
+            log.warning("keep_alive is enabled but only cache_plan plans roots to keep; with policy %s nothing is kept",
+                        cfg.policy.name)
         self.session: aiohttp.ClientSession | None = None  # probes and model discovery
         self.pool: UpstreamPool | None = None  # proxied requests (the hot path)
         self.pipeline: Pipeline | None = None  # the request path, once everything it needs exists
@@ -144,7 +152,11 @@ class Gateway:
             cfg, auth=self.auth, limiter=self.limiter, salter=self.salter, model=self.model, tokenizer=self.tokenizer,
             routing=self.routing, membership=self.membership, policy=self.policy,
             dispatcher=Dispatcher(self.pool, self.membership, self.routing, self.metrics, cfg.proxy),
-            metrics=self.metrics, tracing=self.tracing, flow=self.flow)
+            metrics=self.metrics, tracing=self.tracing, flow=self.flow, retainer=self.retainer)
+        if self.retainer is not None:
+            self._spawn(run_keep_alive(self.retainer, cfg.keep_alive, session=self.session, membership=self.membership,
+                                       index=self.index, model=self.model, metrics=self.metrics,
+                                       health=trouble("replicas (keep-alive refreshes)")), "keep-alive")
         if cfg.flow.enabled:
             self._spawn(self.flow.run(), "flow")
         if self.api_port:

@@ -87,6 +87,9 @@ class Metrics(LabelCache):
         self.upstream_errors = Counter("warmroute_gateway_upstream_errors", "Upstream failures",
                                        ["replica", "phase", "reason"], registry=r)
         self.ejections = Counter("warmroute_gateway_ejections", "Passive ejections of a replica", ["replica"], registry=r)
+        self.refreshes = Counter("warmroute_gateway_keepalive_refreshes",
+                                 "Keep-alive refreshes of kept prefixes sent to a replica, by outcome (ok, error)",
+                                 ["replica", "outcome"], registry=r)
         self.output_tokens = Counter("warmroute_gateway_output_tokens", "Completion tokens (engine usage)", ["replica"], registry=r)
         self._acc: dict[str, float] = {}
 

@@ -57,7 +57,7 @@ from gateway.config import FeedConfig
 from hashing.keys import block_extras, chain_keys, root_key
 from loadtests.vtime_replica import ReplicaModel, SimReq
 from loadtests.workloads import Workload, WorkloadRequest, _ROLE_IDS, segment_token_ids
-from loadtests.vtime_keepalive import KEEPALIVE, KeepAlive, Retainer
+from loadtests.vtime_keepalive import KEEPALIVE, KeepAlive, Retainer, refresh_request
 from loadtests.vtime_pacing import PaceChains, Pacing
 from loadtests.vtime_router import SimRouter, VClock
 from policies.registry import get_policy
@@ -324,7 +324,7 @@ def simulate(
     reps = [ReplicaModel(i, p, p.cache_answers) for i in range(n_replicas)]
 
     chains = PaceChains(pacing, p.block_size)  # paced requests (pacing) and background warms (cache_plan)
-    retainer = Retainer(keep_alive, n_replicas, p.num_blocks, p.block_size) if keep_alive is not None else None
+    retainer = Retainer(keep_alive) if keep_alive is not None else None
 
     def held_blocks(ri: int, prefix: tuple) -> int:
         m = router.routing.index.match(prefix).get(router.rids[ri])
@@ -504,7 +504,9 @@ def simulate(
                     break
             router.report(reps, t)
             if retainer is not None:
-                for ka in retainer.due(t, held_blocks):
+                due = retainer.due(t, held_blocks, lambda ri: p.num_blocks)
+                for j, rf in enumerate(due, retainer.sent - len(due) + 1):
+                    ka = refresh_request(rf, j, p.block_size, t)
                     reps[ka.rep].waiting.append(ka)
                     if not reps[ka.rep].stepping:
                         kick(ka.rep, t)

@@ -1,0 +1,135 @@
+"""Keep-alive of long shared prefixes on the replicas that hold them: which to keep, when one is
+due for a refresh, and the refresh request. Pure (no I/O, no clock): the gateway's loop
+(gateway.background.run_keep_alive) and the virtual-time simulator (loadtests/vtime.py) drive it.
+
+Why: on busy replicas with more shared documents than one replica's cache holds, the engines'
+LRU evicts a cold document between two of its requests: every finished request's question and
+answer blocks enter the LRU as its most recent entries, so a document unused for a few seconds is
+the oldest. Its next request then prefills the whole document and stalls its replica for seconds.
+A request of the document's blocks plus one token, max_tokens 1, is a cache hit of every block
+(one token of prefill, one decode step) and puts the document back at the LRU's tail when it
+finishes, so what is evicted instead is finished requests' blocks, which nothing reuses.
+
+Rules:
+- what is kept is the plan's: a request the policy planned (cache_plan's `root_blocks` candidate
+  term) keeps its root (a document; a chat's system prompt) on the replica that served it, when
+  the root is at least `min_blocks` long (a shorter miss costs too little prefill to be worth a
+  refresh's slot in the engine's queue). A conversation's history is never a root, so never kept:
+  each turn extends it and nothing else reuses it;
+- each check, a replica's kept prefixes, busiest first (requests per second, decayed over
+  `forget_s`), are taken while their blocks fit in `kv_frac` of its KV (unknown KV: no bound); one
+  not used for `idle_s` (by a request or a refresh) is due, cut to what the index still shows
+  there (a prefix partly evicted is refreshed as far as it is held; one under `min_blocks` is
+  dropped); one no request used for `forget_s` is dropped; at most `max_per_replica` are kept per
+  replica (the least busy go first), so memory is bounded whatever tenants send;
+- a refresh carries the root's own token ids and cache salt (the tenant's, from the request that
+  made it), so its blocks are exactly the root's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+__all__ = ["KeepAlive", "Refresh", "Retainer", "refresh_body"]
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAlive:
+    idle_s: float = 2.0  # refresh a kept prefix not used for this long
+    min_blocks: int = 64  # only prefixes at least this long are kept (1,024 tokens at 16 per block)
+    forget_s: float = 30.0  # a prefix no request used for this long is not kept
+    kv_frac: float = 0.9  # a replica's kept blocks stay under this share of its KV
+    max_per_replica: int = 256  # kept prefixes per replica at most
+
+    def __post_init__(self) -> None:
+        if (self.idle_s <= 0 or self.min_blocks < 1 or self.forget_s <= 0 or not 0 < self.kv_frac <= 1
+                or self.max_per_replica < 1):
+            raise ValueError("keep-alive needs idle_s > 0, min_blocks >= 1, forget_s > 0, 0 < kv_frac <= 1 "
+                             "and max_per_replica >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Refresh:
+    replica: Hashable
+    keys: tuple  # the block keys refreshed (the kept prefix, cut to what the index holds)
+    payload: Any  # what the prefix was kept with (the gateway: its token ids and salt)
+
+
+@dataclass(slots=True)
+class _Kept:
+    keys: tuple  # block keys, in order
+    payload: Any
+    used: float  # last request or refresh
+    requested: float  # last request
+    rate: float  # requests per second, decayed over forget_s, as of `requested`
+
+    def busy(self, t: float, forget_s: float) -> float:
+        return self.rate * math.exp(-(t - self.requested) / forget_s)
+
+
+class Retainer:
+    """The kept prefixes of every replica, and which are due for a refresh (module rules)."""
+
+    def __init__(self, ka: KeepAlive) -> None:
+        self.ka = ka
+        self.kept: dict = {}  # replica -> {last key: _Kept}
+        self.sent = 0  # refreshes handed out by due()
+
+    def used(self, replica: Hashable, keys, root_blocks: int, t: float,
+             payload: Callable[[], Any] | None = None) -> None:
+        """A request with block `keys` was served by `replica`, its planned root `root_blocks`
+        long (0: none); `payload()` (called only for a new prefix) is what a refresh will need."""
+        if root_blocks < self.ka.min_blocks or root_blocks > len(keys):
+            return
+        kept = self.kept.setdefault(replica, {})
+        k = keys[root_blocks - 1]
+        e = kept.get(k)
+        if e is None:
+            if len(kept) >= self.ka.max_per_replica:
+                del kept[min(kept, key=lambda x: kept[x].busy(t, self.ka.forget_s))]
+            kept[k] = e = _Kept(tuple(keys[:root_blocks]), payload() if payload is not None else None, t, t, 0.0)
+        e.rate = e.busy(t, self.ka.forget_s) + 1.0 / self.ka.forget_s
+        e.requested = e.used = t
+
+    def forget(self, replica: Hashable) -> None:
+        """The replica left (or restarted empty): nothing is kept there."""
+        self.kept.pop(replica, None)
+
+    def due(self, t: float, held_blocks: Callable[[Hashable, tuple], int],
+            capacity_blocks: Callable[[Hashable], int]) -> list[Refresh]:
+        """The refreshes to send now. `held_blocks(replica, keys)`: the index's leading match there;
+        `capacity_blocks(replica)`: its KV in blocks (0: unknown)."""
+        ka, out = self.ka, []
+        for replica, kept in self.kept.items():
+            for k in [k for k, e in kept.items() if t - e.requested > ka.forget_s]:
+                del kept[k]
+            cap = capacity_blocks(replica)
+            room = ka.kv_frac * cap if cap > 0 else math.inf
+            for k, e in sorted(kept.items(), key=lambda kv: -kv[1].busy(t, ka.forget_s)):
+                if len(e.keys) > room:
+                    continue
+                room -= len(e.keys)
+                if t - e.used < ka.idle_s:
+                    continue
+                n = held_blocks(replica, e.keys)
+                if n < ka.min_blocks:
+                    del kept[k]
+                    continue
+                e.used = t
+                self.sent += 1
+                out.append(Refresh(replica, e.keys[:n], e.payload))
+        return out
+
+
+def refresh_body(model: str, token_ids, blocks: int, block_size: int, salt: str) -> dict:
+    """The completion that refreshes `blocks` blocks of `token_ids`: those tokens plus the next one
+    (a partial block, so every full block is a hit and one token is computed), max_tokens 1, with
+    the tenant's cache salt; `token_ids` must hold at least blocks x block_size + 1 tokens."""
+    n = blocks * block_size
+    if len(token_ids) <= n:
+        raise ValueError("a refresh needs the token after its blocks")
+    body = {"model": model, "prompt": list(token_ids[: n + 1]), "max_tokens": 1, "stream": False}
+    if salt:
+        body["cache_salt"] = salt
+    return body

@@ -1,0 +1,213 @@
+"""Keep-alive of the plan's long roots (gateway/keepalive.py): which prefixes are kept, when one is
+due, the refresh request; in virtual time (loadtests/vtime_keepalive.py) it stops the busy
+regime's engines evicting cold documents; through a real gateway, agent and simulated replica a
+kept document gets refreshes that are cache hits of its blocks under the tenant's salt."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from gateway.config import ConfigError, config_from_dict
+from gateway.keepalive import KeepAlive, Retainer, refresh_body
+from loadtests.vtime import simulate
+
+BS = 16
+
+
+def _doc(n, blocks=100, tail=6):
+    """A request's keys: a document's `blocks` then its own question's `tail`."""
+    return list(range(n * 10_000, n * 10_000 + blocks)) + list(range(n * 10_000 + 5_000, n * 10_000 + 5_000 + tail))
+
+
+def _held(replica, keys):
+    return len(keys)
+
+
+def _cap(replica):
+    return 1000
+
+
+def test_an_idle_root_is_due_with_its_payload():
+    ret = Retainer(KeepAlive(idle_s=2.0, min_blocks=64))
+    keys = _doc(1)
+    ret.used("b", keys, 100, t=0.0, payload=lambda: ("ids", "salt"))
+    assert ret.due(1.5, _held, _cap) == []  # used 1.5 s ago: not idle yet
+    (rf,) = ret.due(2.5, _held, _cap)
+    assert rf.replica == "b" and rf.keys == tuple(keys[:100]) and rf.payload == ("ids", "salt")
+    assert ret.due(3.0, _held, _cap) == []  # the refresh counts as a use
+    ret.used("b", keys, 100, t=4.0, payload=lambda: pytest.fail("the payload is made once, for a new prefix"))
+    assert ret.due(5.9, _held, _cap) == [] and len(ret.due(6.1, _held, _cap)) == 1
+    assert ret.sent == 2
+
+
+def test_short_roots_and_unplanned_requests_are_not_kept():
+    ret = Retainer(KeepAlive(idle_s=1.0, min_blocks=64))
+    ret.used("a", _doc(1, blocks=43), 43, t=0.0)  # a 700-token system prompt
+    ret.used("a", _doc(2), 0, t=0.0)  # unplanned (no root)
+    assert ret.due(5.0, _held, _cap) == []
+
+
+def test_a_refresh_is_cut_to_what_the_index_still_holds_and_a_lost_root_is_dropped():
+    ret = Retainer(KeepAlive(idle_s=1.0, min_blocks=64))
+    keys = _doc(1)
+    ret.used("a", keys, 100, t=0.0)
+    (rf,) = ret.due(2.0, lambda r, k: 80, _cap)  # the LRU took its last 20 blocks (a request's tail goes first)
+    assert rf.keys == tuple(keys[:80])
+    assert ret.due(4.0, lambda r, k: 10, _cap) == []  # under min_blocks: nothing worth keeping is left
+    assert ret.kept["a"] == {}
+
+
+def test_the_budget_keeps_the_busiest_roots_and_forgets_unused_ones():
+    ret = Retainer(KeepAlive(idle_s=1.0, min_blocks=64, forget_s=30.0, kv_frac=0.5))
+    hot, cold, third = _doc(1), _doc(2), _doc(3)
+    for t in (0.0, 0.5, 1.0):
+        ret.used("a", hot, 100, t)
+    ret.used("a", cold, 100, 1.0)
+    ret.used("a", third, 100, 1.0)
+    out = ret.due(3.0, _held, lambda r: 400)  # room for two of the three (200 of 400 blocks)
+    assert [rf.keys[0] for rf in out] == [hot[0], cold[0]]  # the busiest, then the first of two equals
+    assert len(Retainer(KeepAlive(idle_s=1.0, min_blocks=64)).due(3.0, _held, lambda r: 0)) == 0
+    assert ret.due(40.0, _held, _cap) == [] and ret.kept["a"] == {}  # 30 s unused: forgotten
+
+
+def test_unknown_kv_is_no_bound_and_the_count_per_replica_is():
+    ret = Retainer(KeepAlive(idle_s=1.0, min_blocks=64, max_per_replica=2))
+    for n, t in ((1, 0.0), (1, 0.1), (2, 0.2), (3, 0.3)):  # the third document pushes out the least busy (2)
+        ret.used("a", _doc(n), 100, t)
+    assert sorted(rf.keys[0] for rf in ret.due(2.0, _held, lambda r: 0)) == [_doc(1)[0], _doc(3)[0]]
+    ret.forget("a")
+    assert ret.due(9.0, _held, _cap) == []
+
+
+def test_refresh_body_is_the_blocks_plus_one_token_with_the_salt():
+    ids = list(range(1000, 1000 + 100 * BS + 7))
+    body = refresh_body("m", ids, 80, BS, "salt-1")
+    assert body == {"model": "m", "prompt": ids[: 80 * BS + 1], "max_tokens": 1, "stream": False, "cache_salt": "salt-1"}
+    assert "cache_salt" not in refresh_body("m", ids, 80, BS, "")
+    with pytest.raises(ValueError):
+        refresh_body("m", ids[: 80 * BS], 80, BS, "s")  # no token after the blocks
+
+
+def test_keep_alive_rejects_bad_parameters():
+    for kw in ({"idle_s": 0}, {"min_blocks": 0}, {"forget_s": 0}, {"kv_frac": 0}, {"kv_frac": 1.5}, {"max_per_replica": 0}):
+        with pytest.raises(ValueError):
+            KeepAlive(**kw)
+
+
+def test_config_refuses_bad_keep_alive_values():
+    config_from_dict({"keep_alive": {"enabled": True}, "policy": {"name": "cache_plan"}}, env={})
+    for field, value in (("idle_s", 0), ("min_tokens", 8), ("kv_frac", 2), ("max_per_replica", 0), ("timeout_s", -1)):
+        with pytest.raises(ConfigError, match=f"keep_alive.{field}"):
+            config_from_dict({"keep_alive": {field: value}}, env={})
+
+
+def test_keep_alive_stops_the_busy_regime_evicting_cold_documents():
+    """busy's Zipf case, seed 0: without refreshes the engines' LRU evicts cold documents between
+    their requests (long misses no replica could serve warm); with them nearly none is."""
+    from loadtests.vtime_regimes import REGIMES, _policy, build_case
+
+    reg = REGIMES["busy"]
+    c = build_case("busy", "shared_docs_zipf", 0)
+
+    def run(ka):
+        return simulate(c.workload, _policy("cache_plan", c.workload, c.keys, reg.replicas), reg.replicas, reg.params,
+                        seed=0, keys=c.keys, warmup=c.warmup, keep_alive=ka)
+
+    plain, kept = run(None), run(KeepAlive(idle_s=2.0))
+    assert plain.refreshes == 0 and kept.refreshes > 0
+    assert plain.misses_evicted >= 5
+    assert kept.misses_evicted <= plain.misses_evicted // 3
+    assert kept.completed == plain.completed and kept.unfinished == 0
+    assert kept.summary()["hit_ratio"] > plain.summary()["hit_ratio"]
+
+
+def test_report_takes_keep_alive_only_with_a_regime(capsys):
+    from loadtests.vtime_report import main
+
+    for argv in (["--keep-alive", "2"], ["--regime", "busy", "--keep-alive", "-1"],
+                 ["--regime", "busy", "--keep-alive", "2", "--keep-alive-kv-frac", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert "--keep-alive" in capsys.readouterr().err
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name) and not line.startswith("#"))
+
+
+@pytest.mark.asyncio
+async def test_a_gateway_refreshes_a_kept_document_as_a_cache_hit_under_the_tenants_salt(tok, tmp_path, monkeypatch):
+    """A real gateway (cache_plan, keep-alive every 0.3 s), an embedded agent and a simulated
+    replica: after a document's second request (planned: its root is the document) the replica
+    gets refreshes, and each is a hit of the root's blocks, which it can only be if the refresh
+    carries the same token ids and the tenant's salt the requests had; a replica that is down gets none."""
+    from gateway.server import start_gateway
+    from loadtests.sim.server import SimConfig, start_sim_server
+    from replica_agent.agent import AgentConfig, start_agent
+    from replica_agent.feed import open_feed
+    from tests.conftest import free_port
+
+    monkeypatch.setenv("WARMROUTE_SALT_SECRET", "keepalive-test-secret")
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("tenant-a: [key-a]\n")
+    feed = open_feed("memory://keepalive")
+    port = free_port()
+    sim = await start_sim_server(SimConfig(model="warmroute-sim", kv_events_endpoint=f"tcp://*:{port}"))
+    agent = await start_agent(AgentConfig(replica_id="r0", kv_events_endpoint=f"tcp://127.0.0.1:{port}",
+                                          engine_url=sim.url, load_interval_s=0.2), feed)
+    cfg = config_from_dict({
+        "server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
+        "membership": {"replicas": [f"r0={sim.url}"], "health_interval_s": 0.2, "eject_base_s": 30.0},
+        "auth": {"enabled": True, "api_keys_file": str(keys)},
+        "policy": {"name": "cache_plan"},
+        "keep_alive": {"enabled": True, "idle_s": 0.3, "min_tokens": 64},
+    }, env={})
+    g = await start_gateway(cfg, feed=feed, tokenizer=tok)
+    doc = " ".join(f"paragraph {i} of the kept document about routing." for i in range(60))
+    body = {"model": "warmroute-sim", "messages": [{"role": "user", "content": doc}], "max_tokens": 2}
+    try:
+        for _ in range(100):
+            if g.gateway.index.is_live("r0"):
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer key-a"}) as s:
+            async def chat():
+                async with s.post(g.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    return (await r.json())["usage"]
+
+            async def metrics(url):
+                async with s.get(url + "/metrics") as r:
+                    return await r.text()
+
+            u = await chat()
+            for _ in range(100):  # the engine's BlockStored events reach the index
+                if g.gateway.index.stats().entries_by_replica.get("r0", 0) >= u["prompt_tokens"] // 16:
+                    break
+                await asyncio.sleep(0.05)
+            u2 = await chat()
+            root_tokens = (u["prompt_tokens"] - 1) // 16 * 16
+            assert u2["prompt_tokens_details"]["cached_tokens"] == root_tokens  # planned, its root is the document
+            hits0 = _metric(await metrics(sim.url), "vllm:prefix_cache_hits_total")
+            await asyncio.sleep(1.5)
+            hits1 = _metric(await metrics(sim.url), "vllm:prefix_cache_hits_total")
+            text = await metrics(g.admin_url)
+            ok = _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="ok",replica="r0"}')
+            assert ok >= 2, text[-2000:]
+            assert _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="error"') == 0
+            # every refresh since hits0 hit the whole root (refreshes sent before hits0 may be counted in ok too)
+            assert hits1 - hits0 >= 2 * root_tokens and (hits1 - hits0) % root_tokens == 0
+            g.gateway.membership.report_failure("r0", "test: down")  # ejected for 30 s: no refresh goes there
+            await asyncio.sleep(0.3)  # one sent just before may still be answered
+            before = _metric(await metrics(g.admin_url), "warmroute_gateway_keepalive_refreshes_total")
+            hits2 = _metric(await metrics(sim.url), "vllm:prefix_cache_hits_total")
+            await asyncio.sleep(1.0)
+            assert _metric(await metrics(g.admin_url), "warmroute_gateway_keepalive_refreshes_total") == before
+            assert _metric(await metrics(sim.url), "vllm:prefix_cache_hits_total") == hits2
+    finally:
+        await g.close()
+        await agent.close()
+        await sim.close()
