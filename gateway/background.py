@@ -190,10 +190,6 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
     bs = model.block_size
     pending: set = set()
 
-    def held(rid, keys) -> int:
-        m = index.match(keys).get(rid)
-        return m.gpu_blocks if m is not None else 0
-
     def capacity(rid) -> int:
         rep = index.last_load(rid)
         return rep.num_gpu_blocks if rep is not None else 0
@@ -221,7 +217,7 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
             if not model.name or len(pending) >= MAX_REFRESHES_IN_FLIGHT:
                 continue
             now = membership.clock()
-            for rf in retainer.due(time.monotonic(), held, capacity):
+            for rf in retainer.due(time.monotonic(), index.gpu_run, capacity):
                 st = membership.get(rf.replica)
                 if st is None or not st.available(now) or len(pending) >= MAX_REFRESHES_IN_FLIGHT:
                     continue

@@ -439,6 +439,11 @@ class KVIndex:
                 out[replica_of[slot]] = Match(gpu_run.get(slot, 0), run)
         return out
 
+    def gpu_run(self, replica_id: str, keys: Sequence[int]) -> int:
+        """One replica's leading run of `keys` on GPU (or speculative); 0 when it holds none."""
+        m = self.match(keys).get(replica_id)
+        return m.gpu_blocks if m is not None else 0
+
     # ---------------------------------------------------------------- read side
     def last_load(self, replica_id: str) -> LoadReport | None:
         return self._loads.get(replica_id)

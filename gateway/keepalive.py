@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
-__all__ = ["KeepAlive", "Refresh", "Retainer", "refresh_body"]
+__all__ = ["KeepAlive", "Refresh", "Retainer", "planned_root", "refresh_body"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +120,12 @@ class Retainer:
                 self.sent += 1
                 out.append(Refresh(replica, e.keys[:n], e.payload))
         return out
+
+
+def planned_root(terms: dict) -> int:
+    """The root to keep for a request a policy ranked with these candidate terms, in blocks: the
+    candidate's `root_blocks` when the request was planned, else 0."""
+    return int(terms.get("root_blocks", 0.0)) if terms.get("plan") else 0
 
 
 def refresh_body(model: str, token_ids, blocks: int, block_size: int, salt: str) -> dict:

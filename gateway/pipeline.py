@@ -37,7 +37,7 @@ from gateway.encode import tokenize
 from gateway.errors import ApiError, sse_error_event
 from gateway.flow import FlowControl
 from gateway.http_front import FrontRequest, FrontResponse, send_error
-from gateway.keepalive import Retainer
+from gateway.keepalive import Retainer, planned_root
 from gateway.learn import learn
 from gateway.membership import Membership
 from gateway.model import ModelInfo
@@ -213,9 +213,9 @@ class Pipeline:
         """The served replica keeps the request's planned root (gateway.keepalive), with the token
         ids and salt a refresh needs (copied only when the root is new there)."""
         cand = next((c for c in ctx.routing.decision.ranked if c.replica_id == replica_id), None)
-        if cand is None or not cand.terms.get("plan"):
+        if cand is None:
             return
-        root = int(cand.terms.get("root_blocks", 0.0))
+        root = planned_root(cand.terms)
         ids, salt, n = ctx.prompt.first_ids, ctx.salt, root * self.model.block_size
         if 0 < n < len(ids):
             self.retainer.used(replica_id, ctx.keys, root, time.monotonic(), lambda: (tuple(ids[: n + 1]), salt))

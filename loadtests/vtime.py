@@ -56,8 +56,8 @@ import numpy as np
 from gateway.config import FeedConfig
 from hashing.keys import block_extras, chain_keys, root_key
 from loadtests.vtime_replica import ReplicaModel, SimReq
-from loadtests.workloads import Workload, WorkloadRequest, _ROLE_IDS, segment_token_ids
 from loadtests.vtime_keepalive import KEEPALIVE, KeepAlive, Retainer, refresh_request
+from loadtests.workloads import Workload, WorkloadRequest, _ROLE_IDS, segment_token_ids
 from loadtests.vtime_pacing import PaceChains, Pacing
 from loadtests.vtime_router import SimRouter, VClock
 from policies.registry import get_policy
@@ -327,8 +327,7 @@ def simulate(
     retainer = Retainer(keep_alive) if keep_alive is not None else None
 
     def held_blocks(ri: int, prefix: tuple) -> int:
-        m = router.routing.index.match(prefix).get(router.rids[ri])
-        return m.gpu_blocks if m is not None else 0
+        return router.routing.index.gpu_run(router.rids[ri], prefix)
     heap: list = []  # (time, seq, kind, payload)
     seq = 0
     STEP, REPORT, EVENTS, ARRIVE, TIMEOUT = 0, 1, 2, 3, 4

@@ -19,6 +19,7 @@ import random
 
 from gateway.context import Outcome
 from gateway.index import KVIndex
+from gateway.keepalive import planned_root
 from gateway.learn import learn
 from gateway.load import ROUTED_TAU_S, LoadTracker
 from gateway.routing import RoutingState, predicted_matched_tokens, queued_prefill_tokens
@@ -93,7 +94,7 @@ class SimRouter:
         self.flights[id(r)] = (flight, Outcome(cand.replica_id, None, predicted, uncached, queued_prefill_tokens(view),
                                                view.running_reqs if view is not None else 0, None, None))
         r.pred_uncached = uncached
-        self.root_blocks = int(cand.terms.get("root_blocks", 0.0)) if cand.terms.get("plan") else 0
+        self.root_blocks = planned_root(cand.terms)
         self.warm = None
         for c in routing.decision.ranked[1:]:
             n = int(c.terms.get("warm_blocks", 0.0))
