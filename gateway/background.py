@@ -37,7 +37,7 @@ from gateway.auth import ApiKeyStore, Authenticator, load_api_keys_file, parse_k
 from gateway.config import AuthConfig, KeepAliveConfig
 from gateway.index import KVIndex
 from gateway.index_sync import IndexSync
-from gateway.keepalive import Retainer, refresh_body
+from gateway.keepalive import Retainer, refresh_body, refresh_computed_tokens
 from gateway.load import LoadTracker
 from gateway.membership import Membership
 from gateway.model import ModelInfo
@@ -197,11 +197,15 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
     async def refresh(rid: str, url: str, body: dict) -> None:
         try:
             async with session.post(url + "/v1/completions", json=body, timeout=timeout) as r:
-                await r.read()
+                raw = await r.read()
                 ok = r.status == 200
             if not ok:
                 raise RuntimeError(f"replica {rid} answered a refresh with HTTP {r.status}")
-            metrics.child(metrics.refreshes, rid, "ok").inc()
+            computed = refresh_computed_tokens(raw, len(body["prompt"]))
+            metrics.child(metrics.refresh_computed, rid).inc(computed)
+            metrics.child(metrics.refreshes, rid, "partial" if computed > bs else "ok").inc()
+            if computed > bs:
+                log.debug("keep-alive refresh on %s computed %d of %d prompt tokens", rid, computed, len(body["prompt"]))
             health.ok()
         except asyncio.CancelledError:
             raise

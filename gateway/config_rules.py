@@ -170,6 +170,8 @@ def _check_flow(cfg: GatewayConfig) -> None:
     for name in ("max_queue_penalty_s", "max_queue_wait_s", "release_interval_s", "share_interval_s", "default_weight"):
         if not (getattr(f, name) > 0 and math.isfinite(getattr(f, name))):
             raise _err(f"flow.{name}", f"must be a finite number > 0, got {getattr(f, name)}")
+    if not (f.light_spill_s >= 0 and math.isfinite(f.light_spill_s)):
+        raise _err("flow.light_spill_s", f"must be a finite number >= 0, got {f.light_spill_s}")
     if not f.priorities:
         raise _err("flow.priorities", "must name at least one class")
     for i, p in enumerate(f.priorities):

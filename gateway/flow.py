@@ -17,6 +17,12 @@ Rules:
   slot instead of waiting for the next one to free (the wait is the pool's time between
   completions, however fair the order); no slot is held back when every active tenant is at or
   over its share, or none other is active.
+- Light spill (`light_spill_s`, off at 0): a light tenant's request that goes straight on while
+  another tenant is over its share, and whose first choice has no free sequence slot (room to
+  wait in the engine only), goes to the best-ranked replica with a free slot where the prefill it
+  loses (its first choice's cached blocks it would recompute there) costs at most `light_spill_s`
+  seconds. Its own earlier requests may hold the headroom on the replica that has its prefix; a
+  short miss elsewhere is cheaper than waiting there for the next finish.
 - Otherwise it is held in the fair queue (gateway.fairness: weighted shares between tenants,
   priority classes within a tenant, FIFO within a class). Held requests are released while a
   replica has room, checked when a request of this gateway gets its first token or finishes and
@@ -180,7 +186,7 @@ class FlowControl:
         self._weights[fc.tenant] = fc.weight
         self._arrived(fc.tenant, t.t_arrival)
         direct = not len(self.queue) or (self._light(fc.tenant) and not self.queue.tenant_len(fc.tenant))
-        if direct and self._grant(ctx, t, self._reserve_for(fc.tenant)):
+        if direct and self._grant(ctx, t, self._reserve_for(fc.tenant), spill_s=self._spill_for(fc.tenant)):
             t.path = "direct"
             self.metrics.child(self.metrics.admissions, fc.tenant, fc.priority_name, "direct").inc()
             return
@@ -283,7 +289,20 @@ class FlowControl:
             return 0
         return h if any(u != tenant and light(u) for u in self._recently_arrived(now)) else 0
 
-    def _room(self, v, reserve: int = 0) -> bool:
+    def _spill_for(self, tenant: str) -> float:
+        """Seconds of lost prefill a grant for `tenant` may spend for a free slot (module rules: light
+        spill): light_spill_s while `tenant` is light and another tenant granted here is not, else 0."""
+        spill = self.cfg.light_spill_s
+        if spill <= 0.0 or len(self._granted) < 1 or (len(self._granted) == 1 and tenant in self._granted):
+            return 0.0
+        light = self._fair_slots(tenant, self.clock())
+        if not light(tenant):
+            return 0.0
+        return spill if any(u != tenant and not light(u) for u in self._granted) else 0.0
+
+    def _room(self, v, reserve: int = 0, *, free_slot: bool = False) -> bool:
+        """Room for one more request on `v` (gateway.admission); `free_slot`: a sequence slot free
+        now, nothing to wait for in the engine."""
         rid = v.replica_id
         ld = self.routing.load.get(rid)
         rep = self.routing.index.last_load(rid)
@@ -295,7 +314,7 @@ class FlowControl:
         occ = occupancy_reqs(rep, delta, own_active=ld.active_reqs,
                              own_inflight=ld.inflight_reqs + self._pending.get(rid, 0), others_inflight=ld.others_reqs)
         f = self.cfg
-        if reserve:  # headroom for light tenants: fewer slots, none waiting in the engine
+        if reserve or free_slot:  # headroom for light tenants: fewer slots, none waiting in the engine
             return has_room(v, occ, slots=self.slots - reserve, engine_queue_reqs=0, max_queue_penalty_s=f.max_queue_penalty_s)
         return has_room(v, occ, slots=self.slots, engine_queue_reqs=f.engine_queue_reqs,
                         max_queue_penalty_s=f.max_queue_penalty_s)
@@ -305,7 +324,7 @@ class FlowControl:
         t.replica = rid
         self._granted[t.cls.tenant] = self._granted.get(t.cls.tenant, 0) + 1
 
-    def _grant(self, ctx: RequestContext, t: Ticket, reserve: int = 0) -> bool:
+    def _grant(self, ctx: RequestContext, t: Ticket, reserve: int = 0, *, spill_s: float = 0.0) -> bool:
         """If a ranked replica has room: count the grant on the policy's first choice, or on the
         best-ranked replica with room that holds at least as much of the request's prefix.
 
@@ -316,7 +335,8 @@ class FlowControl:
         the moves feed the queues that cause more of them (on the busy regime it collapsed every
         run). A replica with room that holds as much loses nothing: the request goes there (with
         two gateways, each seeing the other's finishes late, that keeps slots from idling).
-        `reserve`: slots per replica the grant must leave free (headroom)."""
+        `reserve`: slots per replica the grant must leave free (headroom); `spill_s`: lost prefill,
+        in seconds, the request may pay to take a free slot instead of waiting (light spill)."""
         routing = ctx.routing
         ranked = routing.decision.ranked
         if not ranked:
@@ -324,16 +344,21 @@ class FlowControl:
         views = {v.replica_id: v for v in routing.views}
         first = views.get(ranked[0].replica_id)
         rid = ranked[0].replica_id
+        moved: list = []
         if first is None or not self._room(first, reserve):
             roomy = [c for c in ranked[1:] if c.replica_id in views and self._room(views[c.replica_id], reserve)]
             if not roomy:
                 return False
-            same = [c for c in roomy if _matched(views[c.replica_id]) >= _matched(first)]
-            if same:
-                ids = {c.replica_id for c in same}
-                rest = [c for c in ranked if c.replica_id not in ids]
-                ctx.routing = dataclasses.replace(routing, decision=Decision(routing.decision.policy, tuple(same + rest)))
-                rid = same[0].replica_id
+            moved = [c for c in roomy if _matched(views[c.replica_id]) >= _matched(first)]
+        if not moved and spill_s > 0.0 and first is not None and not self._room(first, reserve, free_slot=True):
+            bs = routing.request.block_size
+            moved = [c for c in ranked[1:] if c.replica_id in views and self._room(views[c.replica_id], reserve, free_slot=True)
+                     and (_matched(first) - _matched(views[c.replica_id])) * bs * views[c.replica_id].prefill_s_per_token <= spill_s]
+        if moved:
+            ids = {c.replica_id for c in moved}
+            rest = [c for c in ranked if c.replica_id not in ids]
+            ctx.routing = dataclasses.replace(routing, decision=Decision(routing.decision.policy, tuple(moved + rest)))
+            rid = moved[0].replica_id
         self._count_grant(t, rid)
         return True
 

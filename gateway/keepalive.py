@@ -27,11 +27,12 @@ Rules:
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
-__all__ = ["KeepAlive", "Refresh", "Retainer", "planned_root", "refresh_body"]
+__all__ = ["KeepAlive", "Refresh", "Retainer", "planned_root", "refresh_body", "refresh_computed_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,3 +140,16 @@ def refresh_body(model: str, token_ids, blocks: int, block_size: int, salt: str)
     if salt:
         body["cache_salt"] = salt
     return body
+
+
+def refresh_computed_tokens(raw: bytes, prompt_tokens: int) -> int:
+    """Prompt tokens a refresh made the engine compute, from its completion's `usage` (prompt tokens
+    minus cached ones); the whole prompt when the answer does not say (no usage, no cached count:
+    an engine without prefix-cache reporting is assumed to have computed it all)."""
+    try:
+        usage = json.loads(raw).get("usage") or {}
+        prompt = int(usage.get("prompt_tokens", prompt_tokens))
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0)
+    except (ValueError, TypeError, AttributeError):
+        return prompt_tokens
+    return max(0, prompt - cached)

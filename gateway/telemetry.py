@@ -88,8 +88,12 @@ class Metrics(LabelCache):
                                        ["replica", "phase", "reason"], registry=r)
         self.ejections = Counter("warmroute_gateway_ejections", "Passive ejections of a replica", ["replica"], registry=r)
         self.refreshes = Counter("warmroute_gateway_keepalive_refreshes",
-                                 "Keep-alive refreshes of kept prefixes sent to a replica, by outcome (ok, error)",
+                                 "Keep-alive refreshes of kept prefixes sent to a replica, by outcome (ok: every block "
+                                 "a hit; partial: the engine computed more than one block of it; error)",
                                  ["replica", "outcome"], registry=r)
+        self.refresh_computed = Counter("warmroute_gateway_keepalive_computed_tokens",
+                                        "Prompt tokens keep-alive refreshes made the engine compute (prompt - cached, "
+                                        "engine usage): the refreshes' prefill cost", ["replica"], registry=r)
         self.output_tokens = Counter("warmroute_gateway_output_tokens", "Completion tokens (engine usage)", ["replica"], registry=r)
         self._acc: dict[str, float] = {}
 

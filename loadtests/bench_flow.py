@@ -8,7 +8,8 @@ time model, small `--max-num-seqs`, each with its agent publishing to a private 
               half, C/4), paced (one request every so often, as a client sending "one a second")
   noisy       the same quiet stream plus a noisy tenant at 5x its share (5C/2, Poisson arrivals)
 each with flow control off and on, on once per `--headroom-reqs` value (flow.headroom_reqs: the
-slots heavy tenants leave to light ones; default 1 and 0, side by side), and each through one
+slots heavy tenants leave to light ones; default 1 and 0, side by side) and `--light-spill-s`
+value (flow.light_spill_s: prefill seconds a light tenant may lose for a free slot; default 0), and each through one
 gateway process and through two (each tenant's requests alternate between them; fair shares and
 bounds shared over Redis). Tenants have equal weights. Every scenario starts from cold caches and fresh gateway processes.
 
@@ -109,7 +110,7 @@ def _slowdown(before: list[dict], after: list[dict]) -> float:
 
 # --------------------------------------------------------------------------- gateways
 def _gateway_config(path: Path, redis_url: str, sims: list[str], ports: tuple[int, int], *, flow: bool,
-                    args: argparse.Namespace, headroom: int) -> None:
+                    args: argparse.Namespace, headroom: int, light_spill_s: float = 0.0) -> None:
     import yaml
 
     from loadtests.sim.scheduler import TimeModel
@@ -128,7 +129,7 @@ def _gateway_config(path: Path, redis_url: str, sims: list[str], ports: tuple[in
         "salt": {"secret_file": str(path.parent / "salt")},
         "flow": {"enabled": flow, "max_queue_wait_s": args.max_queue_wait_s,
                  "max_queue_reqs_per_tenant": args.max_queue_reqs, "engine_queue_reqs": args.engine_queue_reqs,
-                 "headroom_reqs": headroom},
+                 "headroom_reqs": headroom, "light_spill_s": light_spill_s},
     }
     path.write_text(yaml.safe_dump(cfg))
 
@@ -136,7 +137,8 @@ def _gateway_config(path: Path, redis_url: str, sims: list[str], ports: tuple[in
 class Gateways:
     """`n` gateway processes on one config shape; `urls` are their API bases."""
 
-    def __init__(self, n: int, redis_url: str, sims: list[str], *, flow: bool, args, workdir: Path, headroom: int = 1) -> None:
+    def __init__(self, n: int, redis_url: str, sims: list[str], *, flow: bool, args, workdir: Path, headroom: int = 1,
+                 light_spill_s: float = 0.0) -> None:
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.admin: list[str] = []
@@ -144,7 +146,8 @@ class Gateways:
             ports = (_free_port(), _free_port())
             d = workdir / f"gw{i}-{'on' if flow else 'off'}-{time.monotonic_ns()}"
             d.mkdir()
-            _gateway_config(d / "gateway.yaml", redis_url, sims, ports, flow=flow, args=args, headroom=headroom)
+            _gateway_config(d / "gateway.yaml", redis_url, sims, ports, flow=flow, args=args, headroom=headroom,
+                            light_spill_s=light_spill_s)
             log = open(d / "gateway.log", "w")
             self.procs.append(subprocess.Popen([sys.executable, "-m", "gateway.cli", "gateway", "--config", str(d / "gateway.yaml")],
                                                stdout=log, stderr=subprocess.STDOUT))
@@ -264,9 +267,10 @@ async def _calibrate(urls: list[str], args) -> float:
     return sum(1 for t in done if half <= t <= args.calibrate_s) / half
 
 
-def _scenario(name: str, n_gw: int, flow: bool, reqs, ctx, args, headroom: int = 1) -> dict:
+def _scenario(name: str, n_gw: int, flow: bool, reqs, ctx, args, *, headroom: int = 1, light_spill_s: float = 0.0) -> dict:
     _reset_caches(ctx["sims"])
-    gws = Gateways(n_gw, ctx["redis"], ctx["sims"], flow=flow, args=args, workdir=ctx["workdir"], headroom=headroom)
+    gws = Gateways(n_gw, ctx["redis"], ctx["sims"], flow=flow, args=args, workdir=ctx["workdir"], headroom=headroom,
+                   light_spill_s=light_spill_s)
     try:
         import uvloop
 
@@ -276,10 +280,11 @@ def _scenario(name: str, n_gw: int, flow: bool, reqs, ctx, args, headroom: int =
     finally:
         gws.close()
     row = {"scenario": name, "gateways": n_gw, "flow": "on" if flow else "off", "headroom": headroom if flow else None,
+           "light_spill_s": light_spill_s if flow else None,
            "wall_s": round(wall, 1),
            "sim_slowdown": slowdown, **_summary(samples, args.seconds, args.warmup_s)}
-    label = f"on, headroom {headroom}" if flow else "off"
-    print(f"{n_gw} gw  flow {label:13s}  {name:5s}  quiet TTFT p50 {row['quiet_ttft_ms']['p50']:8.1f} p99 "
+    label = (f"on, headroom {headroom}" + (f", spill {light_spill_s:g}" if light_spill_s else "")) if flow else "off"
+    print(f"{n_gw} gw  flow {label:22s}  {name:5s}  quiet TTFT p50 {row['quiet_ttft_ms']['p50']:8.1f} p99 "
           f"{row['quiet_ttft_ms']['p99']:8.1f} ms (after warm-up p50 {row['quiet_ttft_ms_warm']['p50']:.1f} p99 "
           f"{row['quiet_ttft_ms_warm']['p99']:.1f}; errors {row['quiet_errors']})  noisy ok {row['noisy_ok']:4d} 429 "
           f"{row['noisy_429']:4d}  {row['throughput_rps']:6.2f} req/s  hit {row['hit_ratio']:.3f}  sim x{slowdown}  "
@@ -329,15 +334,16 @@ def hot_path_us(n: int = 20_000, replicas: int = 4) -> dict[str, float]:
 
 def _verdicts(rows: list[dict]) -> list[dict]:
     out = []
-    for n_gw, headroom in sorted({(r["gateways"], r["headroom"]) for r in rows if r["flow"] == "on"}):
-        get = {(r["flow"], r["headroom"], r["scenario"]): r for r in rows if r["gateways"] == n_gw}
-        alone, on, off = get[("on", headroom, "alone")], get[("on", headroom, "noisy")], get[("off", None, "noisy")]
+    for n_gw, headroom, spill in sorted({(r["gateways"], r["headroom"], r.get("light_spill_s") or 0.0)
+                                         for r in rows if r["flow"] == "on"}):
+        get = {(r["flow"], r["headroom"], r.get("light_spill_s") or 0.0, r["scenario"]): r for r in rows if r["gateways"] == n_gw}
+        alone, on, off = get[("on", headroom, spill, "alone")], get[("on", headroom, spill, "noisy")], get[("off", None, 0.0, "noisy")]
         ratio = on["quiet_ttft_ms"]["p99"] / alone["quiet_ttft_ms"]["p99"]
         ratio_warm = on["quiet_ttft_ms_warm"]["p99"] / alone["quiet_ttft_ms_warm"]["p99"]
         tput = on["throughput_rps"] / off["throughput_rps"] if off["throughput_rps"] else float("nan")
-        out.append({"gateways": n_gw, "headroom_reqs": headroom, "quiet_p99_vs_alone": round(ratio, 2),
+        out.append({"gateways": n_gw, "headroom_reqs": headroom, "light_spill_s": spill, "quiet_p99_vs_alone": round(ratio, 2),
                     "quiet_p99_vs_alone_after_warmup": round(ratio_warm, 2),
-                    "quiet_p99_vs_alone_flow_off": round(off["quiet_ttft_ms"]["p99"] / get[("off", None, "alone")]["quiet_ttft_ms"]["p99"], 1),
+                    "quiet_p99_vs_alone_flow_off": round(off["quiet_ttft_ms"]["p99"] / get[("off", None, 0.0, "alone")]["quiet_ttft_ms"]["p99"], 1),
                     "throughput_vs_off": round(tput, 3), "hit_ratio_on": on["hit_ratio"], "hit_ratio_off": off["hit_ratio"],
                     "goals": {"quiet_p99_within_1.25x": ratio <= 1.25, "throughput_within_3pct": tput >= 0.97,
                               "hit_ratio_not_lower": on["hit_ratio"] >= off["hit_ratio"] - 0.005}})
@@ -364,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                          "when the pool's capacity dips: its queue is then critically loaded)")
     ap.add_argument("--engine-queue-reqs", type=int, default=1, help="flow.engine_queue_reqs of the runs")
     ap.add_argument("--headroom-reqs", default="1,0", help="flow.headroom_reqs values to run flow control with, side by side")
+    ap.add_argument("--light-spill-s", default="0", help="flow.light_spill_s values to run flow control with, side by side "
+                    "(each with every --headroom-reqs value)")
     ap.add_argument("--noisy-multiple", type=float, default=5.0, help="the noisy tenant's rate, in fair shares")
     ap.add_argument("--max-queue-wait-s", type=float, default=5.0, help="flow.max_queue_wait_s of the runs")
     ap.add_argument("--max-queue-reqs", type=int, default=200, help="flow.max_queue_reqs_per_tenant of the runs")
@@ -420,11 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         report["capacity_rps"] = round(cap, 3)
         quiet = _requests("quiet", _paced(args.quiet_share * share, args.seconds), args, seed=1)
         noisy = _requests("noisy", _poisson(args.noisy_multiple * share, args.seconds, seed=2), args, seed=3)
-        runs = [(True, int(h)) for h in args.headroom_reqs.split(",") if h] + [(False, 0)]
+        runs = [(True, int(h), float(ls)) for h in args.headroom_reqs.split(",") if h
+                for ls in args.light_spill_s.split(",") if ls] + [(False, 0, 0.0)]
         for n_gw in [int(x) for x in args.gateways.split(",") if x]:
-            for flow, headroom in runs:
+            for flow, headroom, spill in runs:
                 for name, reqs in (("alone", quiet), ("noisy", quiet + noisy)):
-                    report["rows"].append(_scenario(name, n_gw, flow, reqs, ctx, args, headroom))
+                    report["rows"].append(_scenario(name, n_gw, flow, reqs, ctx, args, headroom=headroom, light_spill_s=spill))
         report["verdicts"] = _verdicts(report["rows"])
         for v in report["verdicts"]:
             print(json.dumps(v), flush=True)

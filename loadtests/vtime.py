@@ -219,6 +219,7 @@ class SimResult:
     paced_ttft_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per finished paced request (pacing probe)
     warms: int = 0  # background warms of new holders (cache_plan copy_in_background probe)
     refreshes: int = 0  # keep-alive refreshes sent (keep-alive probe)
+    refresh_computed_tokens: int = 0  # prompt tokens the refreshes made the replicas compute (uncached)
 
     def summary(self) -> dict:
         t = self.ttft_s
@@ -254,6 +255,7 @@ class SimResult:
             "paced": len(self.paced_ttft_s),
             "warms": self.warms,
             "refreshes": self.refreshes,
+            "refresh_computed_tokens": self.refresh_computed_tokens,
             "paced_ttft_p50_s": float(np.percentile(self.paced_ttft_s, 50)) if len(self.paced_ttft_s) else None,
             "collapsed": self.collapsed,
             "wall_s": self.wall_s,
@@ -378,6 +380,7 @@ def simulate(
     step_start = [0.0] * n_replicas
     held_elsewhere: set = set()  # measured requests routed away from a replica holding their prompt's middle block
     misses = [0, 0]  # long misses of the measured stream: prefix evicted everywhere, copies (SimResult)
+    refresh_computed = 0  # prompt tokens the keep-alive refreshes computed (not cached)
     done: list = []
     n_done = 0
     n_unfinished = 0
@@ -466,6 +469,7 @@ def simulate(
                     router.first_token(r)
             for r in fin:
                 if r.pace is KEEPALIVE:
+                    refresh_computed += r.prompt - r.cached
                     continue
                 if r.pace is not None:  # a paced request's chunk: the chain's next part joins the queue
                     rep.waiting.extend(chains.chunk_done(r))
@@ -549,4 +553,5 @@ def simulate(
         paced_ttft_s=np.array([r.first_s - r.arrival for r in chains.paced if r.first_s >= 0.0], dtype=float),
         warms=chains.warms,
         refreshes=retainer.sent if retainer is not None else 0,
+        refresh_computed_tokens=refresh_computed,
     )

@@ -285,7 +285,7 @@ def regime_main(regime: str, seeds, cases, policies, command: str, md: str | Non
         print(f"  {s['case']:>16} s{s['seed']} {s['policy']:>18}: p50 {s['ttft_p50_s']:.3f} p99 {s['ttft_p99_s']:.3f} hit {s['hit_ratio']:.3f} "
               f"unfinished {s['unfinished']}"
               + (f" paced {s['paced']} (their TTFT p50 {s['paced_ttft_p50_s']:.2f})" if s.get("paced") else "")
-              + (f" warms {s['warms']}" if s.get("warms") else "") + (f" refreshes {s['refreshes']}" if s.get("refreshes") else "")
+              + (f" warms {s['warms']}" if s.get("warms") else "") + (f" refreshes {s['refreshes']} (computed {s['refresh_computed_tokens']} tokens)" if s.get("refreshes") else "")
               + f" misses {s['misses_copy']}/{s['misses_evicted']} ({s['wall_s']:.1f}s)", file=sys.stderr, flush=True)
 
     rows = run_regime(regime, seeds, cases or None, policies or None, progress, pacing, plan_params, engine, keep_alive)

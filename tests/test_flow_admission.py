@@ -163,17 +163,24 @@ def test_flow_config_defaults_and_errors_name_the_field():
     assert isinstance(config_from_dict({"flow": {"tenants": {"t": {"weight": 2}}}}, env={}).flow.tenants["t"], FlowTenantConfig)
 
 
-def _grant_on(first_room: bool, others: dict, first_matched: int = 40):
+def _grant_on(first_room: bool, others: dict, first_matched: int = 40, *, free: frozenset = frozenset(),
+              spill_s: float = 0.0):
     """FlowControl._grant on a ranking r0 (the policy's first choice), then `others` in order:
-    replica -> (has room, matched blocks); r0 has `first_matched` blocks and room or not."""
+    replica -> (has room, matched blocks); r0 has `first_matched` blocks and room or not; `free`:
+    the replicas with a free sequence slot (prefill 1 ms per token everywhere)."""
     room = {"r0": first_room, **{r: ok for r, (ok, _) in others.items()}}
     matched = {"r0": first_matched, **{r: m for r, (_, m) in others.items()}}
-    views = tuple(ReplicaView(r, matched_blocks_gpu=matched[r], matched_blocks_cpu=matched[r]) for r in room)
+    views = tuple(ReplicaView(r, matched_blocks_gpu=matched[r], matched_blocks_cpu=matched[r], prefill_s_per_token=1e-3)
+                  for r in room)
     ranked = tuple(Candidate(r, -i, {}) for i, r in enumerate(room))
     ctx = SimpleNamespace(routing=Routing(RequestView(prompt_tokens=0, block_size=16), views, Decision("p", ranked), 0.0))
-    fake = SimpleNamespace(_room=lambda v, reserve=0: room[v.replica_id], _count_grant=lambda t, rid: setattr(t, "replica", rid))
+
+    def _room(v, reserve=0, *, free_slot=False):
+        return v.replica_id in free if free_slot else room[v.replica_id]
+
+    fake = SimpleNamespace(_room=_room, _count_grant=lambda t, rid: setattr(t, "replica", rid))
     t = Ticket(None, 0.0)
-    ok = FlowControl._grant(fake, ctx, t)
+    ok = FlowControl._grant(fake, ctx, t, spill_s=spill_s)
     return ok, t.replica, [c.replica_id for c in ctx.routing.decision.ranked]
 
 
@@ -187,3 +194,55 @@ def test_a_grant_keeps_the_policys_choice_unless_a_free_replica_loses_nothing():
     assert _grant_on(False, {"r1": (True, 0), "r2": (True, 40)}) == (True, "r2", ["r2", "r0", "r1"])
     # nothing free: held
     assert _grant_on(False, {"r1": (False, 40)})[0] is False
+
+
+def test_light_spill_takes_a_free_slot_elsewhere_only_for_a_short_loss():
+    """flow.light_spill_s: a light tenant's request whose first choice has room only to wait in the
+    engine (no free slot) goes to the best-ranked replica with a free slot if the prefill it loses
+    there costs at most spill_s (blocks x 16 tokens x 1 ms here); off (0) it waits on r0."""
+    # r0 holds 40 blocks, has room but no free slot; r1 is free and holds 10: 30 x 16 x 1 ms = 0.48 s lost
+    assert _grant_on(True, {"r1": (True, 10)}, free=frozenset({"r1"}))[1] == "r0"  # off
+    assert _grant_on(True, {"r1": (True, 10)}, free=frozenset({"r1"}), spill_s=0.5) == (True, "r1", ["r1", "r0"])
+    assert _grant_on(True, {"r1": (True, 10)}, free=frozenset({"r1"}), spill_s=0.4)[1] == "r0"  # loss too long
+    # the first choice has a free slot itself: it keeps the request
+    assert _grant_on(True, {"r1": (True, 40)}, free=frozenset({"r0", "r1"}), spill_s=0.5)[1] == "r0"
+    # the best-ranked free replica within the bound, not the one holding most
+    got = _grant_on(True, {"r1": (True, 0), "r2": (True, 20), "r3": (True, 39)}, free=frozenset({"r2", "r3"}), spill_s=0.5)
+    assert got == (True, "r2", ["r2", "r3", "r0", "r1"])
+    # no replica with room at all: still held
+    assert _grant_on(False, {"r1": (False, 40)}, spill_s=0.5)[0] is False
+
+
+def test_light_spill_only_for_a_light_tenant_beside_a_heavy_one():
+    """_spill_for: light_spill_s while the requester is under its share and another tenant granted
+    here is over it; 0 when it is alone, when it is itself heavy, or when nobody else is heavy."""
+    from prometheus_client import CollectorRegistry
+
+    from gateway.auth import TenantLimiter
+    from gateway.index import KVIndex
+    from gateway.load import LoadTracker
+    from gateway.membership import Membership
+    from gateway.routing import RoutingState
+    from policies.calibration import Calibrator
+
+    mem = Membership()
+    mem.set_members({"r0": "http://r0", "r1": "http://r1"})
+    rs = RoutingState(KVIndex(max_entries=100, stale_after_s=10.0), LoadTracker(), Calibrator(), speculative_ttl_s=2.0)
+    assert config_from_dict({}, env={}).flow.light_spill_s == 0.5  # on by default
+    fc = FlowControl(config_from_dict({"flow": {"light_spill_s": 0.5}}, env={}), routing=rs, membership=mem,
+                     limiter=TenantLimiter({}), slots=4, registry=CollectorRegistry(), clock=lambda: 100.0)
+    # 2 replicas x 4 slots = 8, two tenants of weight 1: a fair share of 4 slots each
+    fc._granted = {"quiet": 1, "noisy": 6}
+    assert fc._spill_for("quiet") == 0.5
+    assert fc._spill_for("noisy") == 0.0  # over its share
+    fc._granted = {"quiet": 1, "noisy": 3}
+    assert fc._spill_for("quiet") == 0.0  # nobody over its share
+    fc._granted = {"quiet": 1}
+    assert fc._spill_for("quiet") == 0.0  # alone
+    off = FlowControl(config_from_dict({"flow": {"light_spill_s": 0}}, env={}), routing=rs, membership=mem, limiter=TenantLimiter({}), slots=4,
+                      registry=CollectorRegistry(), clock=lambda: 100.0)
+    off._granted = {"quiet": 1, "noisy": 6}
+    assert off._spill_for("quiet") == 0.0  # switched off
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"flow": {"light_spill_s": -1}}, env={})
+    assert str(e.value).startswith("flow.light_spill_s:")

@@ -5,12 +5,13 @@ kept document gets refreshes that are cache hits of its blocks under the tenant'
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
 
 from gateway.config import ConfigError, config_from_dict
-from gateway.keepalive import KeepAlive, Retainer, refresh_body
+from gateway.keepalive import KeepAlive, Retainer, refresh_body, refresh_computed_tokens
 from loadtests.vtime import simulate
 
 BS = 16
@@ -88,6 +89,17 @@ def test_refresh_body_is_the_blocks_plus_one_token_with_the_salt():
     assert "cache_salt" not in refresh_body("m", ids, 80, BS, "")
     with pytest.raises(ValueError):
         refresh_body("m", ids[: 80 * BS], 80, BS, "s")  # no token after the blocks
+
+
+def test_a_refreshs_cost_is_read_from_the_engines_usage():
+    usage = {"prompt_tokens": 1281, "prompt_tokens_details": {"cached_tokens": 1280}}
+    assert refresh_computed_tokens(json.dumps({"usage": usage}).encode(), 1281) == 1
+    usage = {"prompt_tokens": 1281, "prompt_tokens_details": {"cached_tokens": 960}}
+    assert refresh_computed_tokens(json.dumps({"usage": usage}).encode(), 1281) == 321  # its tail was evicted
+    # an answer that does not say what was cached: counted as computed in full
+    assert refresh_computed_tokens(json.dumps({"usage": {"prompt_tokens": 1281}}).encode(), 1281) == 1281
+    assert refresh_computed_tokens(b"not json", 1281) == 1281
+    assert refresh_computed_tokens(b"[]", 1281) == 1281
 
 
 def test_keep_alive_rejects_bad_parameters():
@@ -198,6 +210,9 @@ async def test_a_gateway_refreshes_a_kept_document_as_a_cache_hit_under_the_tena
             ok = _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="ok",replica="r0"}')
             assert ok >= 2, text[-2000:]
             assert _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="error"') == 0
+            assert _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="partial"') == 0
+            # each computed its one token past the blocks (engine usage), nothing more
+            assert _metric(text, 'warmroute_gateway_keepalive_computed_tokens_total{replica="r0"}') == ok
             # every refresh since hits0 hit the whole root (refreshes sent before hits0 may be counted in ok too)
             assert hits1 - hits0 >= 2 * root_tokens and (hits1 - hits0) % root_tokens == 0
             g.gateway.membership.report_failure("r0", "test: down")  # ejected for 30 s: no refresh goes there
