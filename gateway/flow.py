@@ -293,8 +293,8 @@ class FlowControl:
         """Seconds of lost prefill a grant for `tenant` may spend for a free slot (module rules: light
         spill): light_spill_s while `tenant` is light and another tenant granted here is not, else 0."""
         spill = self.cfg.light_spill_s
-        if spill <= 0.0 or len(self._granted) < 1 or (len(self._granted) == 1 and tenant in self._granted):
-            return 0.0
+        if spill <= 0.0 or all(u == tenant for u in self._granted):
+            return 0.0  # off, or no other tenant granted here: O(1) for a tenant alone
         light = self._fair_slots(tenant, self.clock())
         if not light(tenant):
             return 0.0
@@ -314,7 +314,7 @@ class FlowControl:
         occ = occupancy_reqs(rep, delta, own_active=ld.active_reqs,
                              own_inflight=ld.inflight_reqs + self._pending.get(rid, 0), others_inflight=ld.others_reqs)
         f = self.cfg
-        if reserve or free_slot:  # headroom for light tenants: fewer slots, none waiting in the engine
+        if reserve or free_slot:  # headroom for light tenants, or a free slot: none waiting in the engine
             return has_room(v, occ, slots=self.slots - reserve, engine_queue_reqs=0, max_queue_penalty_s=f.max_queue_penalty_s)
         return has_room(v, occ, slots=self.slots, engine_queue_reqs=f.engine_queue_reqs,
                         max_queue_penalty_s=f.max_queue_penalty_s)

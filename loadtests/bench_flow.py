@@ -9,7 +9,7 @@ time model, small `--max-num-seqs`, each with its agent publishing to a private 
   noisy       the same quiet stream plus a noisy tenant at 5x its share (5C/2, Poisson arrivals)
 each with flow control off and on, on once per `--headroom-reqs` value (flow.headroom_reqs: the
 slots heavy tenants leave to light ones; default 1 and 0, side by side) and `--light-spill-s`
-value (flow.light_spill_s: prefill seconds a light tenant may lose for a free slot; default 0), and each through one
+value (flow.light_spill_s: prefill seconds a light tenant may lose for a free slot; default 0.5, the gateway's), and each through one
 gateway process and through two (each tenant's requests alternate between them; fair shares and
 bounds shared over Redis). Tenants have equal weights. Every scenario starts from cold caches and fresh gateway processes.
 
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                          "when the pool's capacity dips: its queue is then critically loaded)")
     ap.add_argument("--engine-queue-reqs", type=int, default=1, help="flow.engine_queue_reqs of the runs")
     ap.add_argument("--headroom-reqs", default="1,0", help="flow.headroom_reqs values to run flow control with, side by side")
-    ap.add_argument("--light-spill-s", default="0", help="flow.light_spill_s values to run flow control with, side by side "
+    ap.add_argument("--light-spill-s", default="0.5", help="flow.light_spill_s values to run flow control with, side by side "
                     "(each with every --headroom-reqs value)")
     ap.add_argument("--noisy-multiple", type=float, default=5.0, help="the noisy tenant's rate, in fair shares")
     ap.add_argument("--max-queue-wait-s", type=float, default=5.0, help="flow.max_queue_wait_s of the runs")
