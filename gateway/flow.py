@@ -185,8 +185,10 @@ class FlowControl:
         t = ctx.flow = Ticket(fc, self.clock())
         self._weights[fc.tenant] = fc.weight
         self._arrived(fc.tenant, t.t_arrival)
-        direct = not len(self.queue) or (self._light(fc.tenant) and not self.queue.tenant_len(fc.tenant))
-        if direct and self._grant(ctx, t, self._reserve_for(fc.tenant), spill_s=self._spill_for(fc.tenant)):
+        light = (self._fairness(fc.tenant, t.t_arrival)  # not for a tenant alone: its questions are O(1)
+                 if len(self.queue) or len(self._recent) > 1 or len(self._granted) > 1 else None)
+        direct = not len(self.queue) or (light(fc.tenant) and not self.queue.tenant_len(fc.tenant))
+        if direct and self._grant(ctx, t, self._reserve_for(fc.tenant, light), spill_s=self._spill_for(fc.tenant, light)):
             t.path = "direct"
             self.metrics.child(self.metrics.admissions, fc.tenant, fc.priority_name, "direct").inc()
             return
@@ -273,29 +275,38 @@ class FlowControl:
             w.get(u, 1.0) for u in active)
         return lambda u: self._granted.get(u, 0) < per_weight * w.get(u, 1.0)
 
-    def _light(self, tenant: str) -> bool:
-        return self._fair_slots(tenant, self.clock())(tenant)
+    def _fairness(self, tenant: str, now: float) -> Callable[[str], bool]:
+        """`_fair_slots(tenant, now)`, built on its first call only: one request's admission asks
+        it up to three times (straight on? headroom? spill?) and often not at all."""
+        built: list[Callable[[str], bool]] = []
 
-    def _reserve_for(self, tenant: str) -> int:
-        """Slots per replica a grant for `tenant` must leave free (module rules: headroom)."""
+        def light(u: str) -> bool:
+            if not built:
+                built.append(self._fair_slots(tenant, now))
+            return built[0](u)
+        return light
+
+    def _reserve_for(self, tenant: str, light: Callable[[str], bool] | None = None) -> int:
+        """Slots per replica a grant for `tenant` must leave free (module rules: headroom);
+        `light`: `_fairness(tenant, now)` when the caller has it."""
         h = min(self.cfg.headroom_reqs, self.slots - 1)
         if h <= 0:
             return 0
         if len(self._recent) < 2:
             return 0  # nobody else arrived lately (pruned at each arrival): nothing to keep free, O(1)
         now = self.clock()
-        light = self._fair_slots(tenant, now)
+        light = light or self._fairness(tenant, now)
         if light(tenant):
             return 0
         return h if any(u != tenant and light(u) for u in self._recently_arrived(now)) else 0
 
-    def _spill_for(self, tenant: str) -> float:
+    def _spill_for(self, tenant: str, light: Callable[[str], bool] | None = None) -> float:
         """Seconds of lost prefill a grant for `tenant` may spend for a free slot (module rules: light
         spill): light_spill_s while `tenant` is light and another tenant granted here is not, else 0."""
         spill = self.cfg.light_spill_s
         if spill <= 0.0 or all(u == tenant for u in self._granted):
             return 0.0  # off, or no other tenant granted here: O(1) for a tenant alone
-        light = self._fair_slots(tenant, self.clock())
+        light = light or self._fairness(tenant, self.clock())
         if not light(tenant):
             return 0.0
         return spill if any(u != tenant and not light(u) for u in self._granted) else 0.0

@@ -246,3 +246,35 @@ def test_light_spill_only_for_a_light_tenant_beside_a_heavy_one():
     with pytest.raises(ConfigError) as e:
         config_from_dict({"flow": {"light_spill_s": -1}}, env={})
     assert str(e.value).startswith("flow.light_spill_s:")
+
+
+def test_one_admission_builds_the_fair_share_predicate_once():
+    """_fairness: the three questions of one admission (straight on, headroom, spill) share one
+    `_fair_slots` predicate, built on first use, with the same answers as a fresh one."""
+    from prometheus_client import CollectorRegistry
+
+    from gateway.auth import TenantLimiter
+    from gateway.index import KVIndex
+    from gateway.load import LoadTracker
+    from gateway.membership import Membership
+    from gateway.routing import RoutingState
+    from policies.calibration import Calibrator
+
+    mem = Membership()
+    mem.set_members({"r0": "http://r0", "r1": "http://r1"})
+    rs = RoutingState(KVIndex(max_entries=100, stale_after_s=10.0), LoadTracker(), Calibrator(), speculative_ttl_s=2.0)
+    fc = FlowControl(config_from_dict({"flow": {"light_spill_s": 0.5, "headroom_reqs": 1}}, env={}), routing=rs,
+                     membership=mem, limiter=TenantLimiter({}), slots=4, registry=CollectorRegistry(), clock=lambda: 100.0)
+    fc._granted = {"quiet": 1, "noisy": 6}
+    fc._arrived("noisy", 100.0)
+    fc._arrived("quiet", 100.0)
+    built = []
+    real = fc._fair_slots
+    fc._fair_slots = lambda tenant, now: built.append(tenant) or real(tenant, now)
+    light = fc._fairness("noisy", 100.0)
+    assert built == []  # nothing asked yet: nothing built
+    assert fc._reserve_for("noisy", light) == 1  # heavy, beside a light tenant: keep one slot free
+    assert fc._spill_for("noisy", light) == 0.0
+    assert light("noisy") is False and light("quiet") is True
+    assert built == ["noisy"]
+    assert fc._reserve_for("noisy") == 1 and built == ["noisy", "noisy"]  # without one: its own
