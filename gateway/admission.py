@@ -6,7 +6,9 @@ Room, per replica r, from the signals the cache_aware policy prices (policies/ca
                      gateway's own grants (+1) since the report's time and finishes (-1) since
                      REPORT_SLACK_S before it (`SlotLedger`s), and never below what the gateways
                      know is there (this gateway's active and in-flight requests, the other
-                     gateways' in-flight ones);
+                     gateways' open ones: sent and not finished, from the shared counters; with
+                     several gateways this floor is what shows the others' grants since the
+                     report);
                      without a usable report (load-only, an agent not heard from, a report older
                      than the ledger's horizon): that floor alone
     backlog_s      = gateway.routing.queued_prefill_tokens (max(waiting x mean uncached prefill
@@ -214,9 +216,9 @@ class SlotLedger:
         self._base.pop(rid, None)
 
 
-def occupancy_reqs(report, ledger_delta: int, *, own_active: int, own_inflight: int, others_inflight: int) -> int:
+def occupancy_reqs(report, ledger_delta: int, *, own_active: int, own_inflight: int, others_open: int) -> int:
     """Requests an engine holds now, as best known (module header); `report`: a LoadReport or None."""
-    floor = own_active + own_inflight + others_inflight
+    floor = own_active + own_inflight + others_open
     if report is None:
         return floor
     return max(report.running_reqs + report.waiting_reqs + ledger_delta, floor)

@@ -85,7 +85,7 @@ async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health:
             except BaseException:
                 load.restore_pending(pending)  # not applied (as far as we know): sent again next time
                 raise
-            shared = {rid: (v.reqs, v.prefill_tokens) for rid, v in got.items()}
+            shared = {rid: (v.reqs, v.prefill_tokens, v.open_reqs) for rid, v in got.items()}
             if load.lost_by_feed(shared):
                 # the feed had none of ours before this exchange: it holds `pending` of ours now
                 log.warning("the feed lost this gateway's in-flight counters: publishing them again")
@@ -105,8 +105,8 @@ async def flush_inflight(board: InflightBoard, load: LoadTracker) -> dict:
     pending = load.take_pending()
     left = dict(pending)
     try:
-        for rid, (r, t) in pending.items():
-            await board.incr_inflight(rid, r, t)
+        for rid, change in pending.items():
+            await board.incr_inflight(rid, *change)
             del left[rid]
     except BaseException:
         load.restore_pending(left)

@@ -323,7 +323,7 @@ class FlowControl:
         if rep is not None:
             delta = self.grants.since(rid, rep.ts) + self.finishes.since(rid, rep.ts - REPORT_SLACK_S)
         occ = occupancy_reqs(rep, delta, own_active=ld.active_reqs,
-                             own_inflight=ld.inflight_reqs + self._pending.get(rid, 0), others_inflight=ld.others_reqs)
+                             own_inflight=ld.inflight_reqs + self._pending.get(rid, 0), others_open=ld.others_open)
         f = self.cfg
         if reserve or free_slot:  # headroom for light tenants, or a free slot: none waiting in the engine
             return has_room(v, occ, slots=self.slots - reserve, engine_queue_reqs=0, max_queue_penalty_s=f.max_queue_penalty_s)

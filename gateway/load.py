@@ -4,7 +4,10 @@ Rule: a request counts as *in flight* on a replica from dispatch until its first
 failure), with its uncached prompt tokens (prompt tokens minus the predicted cached ones); from
 the first token until the end it counts as *active* (this gateway only: a running request the
 agent's next scrape will show). Other gateways' in-flight work comes from the feed's shared
-counters, which include this gateway's own increments. Our changes are batched (`take_pending`,
+counters, which include this gateway's own increments; so does their *open* count (requests sent
+and not finished, in flight or active): the sequence slots they hold, which flow control needs
+between two engine reports (a report is up to a scrape period old, and with several gateways the
+others' grants since it would otherwise be invisible). Our changes are batched (`take_pending`,
 flushed by the server's poll loop every `inflight_poll_s`, so no feed call sits on the request
 path); `others = shared - own_flushed`, and the view is `others + own_now`: always fresh for our
 own work and at most one poll stale for theirs.
@@ -39,6 +42,7 @@ class ReplicaLoad:
     mean_output_tokens: float = -1.0  # moving mean of max_tokens (requests that set it); -1 until one
     routed_rps: float = 0.0  # EWMA of requests this gateway routed here per second (at routed_t)
     routed_t: float = 0.0  # clock reading routed_rps was last decayed to
+    others_open: int = 0  # other gateways' requests sent here and not finished (last poll)
 
 
 class Flight:
@@ -70,59 +74,63 @@ class LoadTracker:
             raise ValueError(f"routed_tau_s must be > 0, got {routed_tau_s!r}")
         self.routed_tau_s = routed_tau_s  # time constant of routed_rps (seconds)
         self._loads: dict[str, ReplicaLoad] = {}
-        self._pending: dict[str, list[int]] = {}  # replica -> [reqs, tokens] not yet flushed to the feed
-        self._flushed: dict[str, list[int]] = {}  # replica -> [reqs, tokens] flushed so far (net)
+        # replica -> [reqs, tokens, open] (the feed's three counters, module header)
+        self._pending: dict[str, list[int]] = {}  # not yet flushed to the feed
+        self._flushed: dict[str, list[int]] = {}  # flushed so far (net)
 
-    def _shared_delta(self, rid: str, reqs: int, tokens: int) -> None:
+    def _shared_delta(self, rid: str, reqs: int, tokens: int, opened: int) -> None:
         p = self._pending.get(rid)
         if p is None:
-            self._pending[rid] = [reqs, tokens]
+            self._pending[rid] = [reqs, tokens, opened]
         else:
             p[0] += reqs
             p[1] += tokens
+            p[2] += opened
 
-    def take_pending(self) -> dict[str, tuple[int, int]]:
-        """Net changes since the last call (to add to the feed's shared counters); marks them flushed."""
+    def take_pending(self) -> dict[str, tuple[int, int, int]]:
+        """Net (reqs, tokens, open) changes since the last call (to add to the feed's shared
+        counters); marks them flushed."""
         out = {}
-        for rid, (r, t) in self._pending.items():
-            if r or t:
-                out[rid] = (r, t)
-                f = self._flushed.setdefault(rid, [0, 0])
-                f[0] += r
-                f[1] += t
+        for rid, c in self._pending.items():
+            if any(c):
+                out[rid] = tuple(c)
+                f = self._flushed.setdefault(rid, [0, 0, 0])
+                for i, n in enumerate(c):
+                    f[i] += n
         self._pending = {}
         return out
 
-    def restore_pending(self, deltas: Mapping[str, tuple[int, int]]) -> None:
+    def restore_pending(self, deltas: Mapping[str, tuple[int, int, int]]) -> None:
         """A flush failed: `deltas` (from take_pending) did not reach the feed; flush them again later."""
-        for rid, (r, t) in deltas.items():
-            f = self._flushed.setdefault(rid, [0, 0])
-            f[0] -= r
-            f[1] -= t
-            self._shared_delta(rid, r, t)
+        for rid, c in deltas.items():
+            f = self._flushed.setdefault(rid, [0, 0, 0])
+            for i, n in enumerate(c):
+                f[i] -= n
+            self._shared_delta(rid, *c)
 
-    def lost_by_feed(self, shared: Mapping[str, tuple[int, int]]) -> bool:
+    def lost_by_feed(self, shared: Mapping[str, tuple[int, int, int]]) -> bool:
         """The feed's counters (all gateways) hold less than this gateway flushed: ours were lost
         (Redis restarted empty, or our key expired while the feed was unreachable). Every gateway's
         own counts are >= 0, so the sum can only be below ours if some of ours are gone."""
-        for rid, (r, t) in self._flushed.items():
-            got_r, got_t = shared.get(rid, (0, 0))
-            if got_r < r or got_t < t:
+        for rid, f in self._flushed.items():
+            got = shared.get(rid, (0, 0, 0))
+            if any(g < n for g, n in zip(got, f)):
                 return True
         return False
 
-    def rebase(self, held: Mapping[str, tuple[int, int]] | None = None) -> None:
+    def rebase(self, held: Mapping[str, tuple[int, int, int]] | None = None) -> None:
         """After `lost_by_feed`: the feed now holds `held` of ours (what the exchange that found
         the loss just added to an empty counter; none by default); the next flush makes it this
-        gateway's current in-flight work, whole."""
+        gateway's current work, whole."""
         held = held or {}
-        self._flushed = {rid: [r, t] for rid, (r, t) in held.items()}
+        self._flushed = {rid: list(c) for rid, c in held.items()}
         self._pending = {}
         for rid in set(self._loads) | set(held):
             ld = self._loads.get(rid) or ReplicaLoad()
-            h = held.get(rid, (0, 0))
-            if ld.inflight_reqs - h[0] or ld.inflight_tokens - h[1]:
-                self._pending[rid] = [ld.inflight_reqs - h[0], ld.inflight_tokens - h[1]]
+            h = held.get(rid, (0, 0, 0))
+            c = [ld.inflight_reqs - h[0], ld.inflight_tokens - h[1], ld.inflight_reqs + ld.active_reqs - h[2]]
+            if any(c):
+                self._pending[rid] = c
 
     def _get(self, rid: str) -> ReplicaLoad:
         ld = self._loads.get(rid)
@@ -143,7 +151,7 @@ class LoadTracker:
         if max_tokens > 0:
             o = ld.mean_output_tokens
             ld.mean_output_tokens = float(max_tokens) if o < 0 else o + _EWMA_ALPHA * (max_tokens - o)
-        self._shared_delta(replica_id, 1, uncached_tokens)
+        self._shared_delta(replica_id, 1, uncached_tokens, 1)
         return Flight(self, replica_id, uncached_tokens)
 
     def _move_to_active(self, f: Flight) -> None:
@@ -151,31 +159,34 @@ class LoadTracker:
         ld.inflight_reqs = max(0, ld.inflight_reqs - 1)
         ld.inflight_tokens = max(0, ld.inflight_tokens - f.tokens)
         ld.active_reqs += 1
-        self._shared_delta(f.replica_id, -1, -f.tokens)
+        self._shared_delta(f.replica_id, -1, -f.tokens, 0)
 
     def _finish(self, f: Flight) -> None:
         ld = self._get(f.replica_id)
         if f.pending:
             ld.inflight_reqs = max(0, ld.inflight_reqs - 1)
             ld.inflight_tokens = max(0, ld.inflight_tokens - f.tokens)
-            self._shared_delta(f.replica_id, -1, -f.tokens)
+            self._shared_delta(f.replica_id, -1, -f.tokens, -1)
         else:
             ld.active_reqs = max(0, ld.active_reqs - 1)
+            self._shared_delta(f.replica_id, 0, 0, -1)
 
-    def set_shared(self, shared: Mapping[str, tuple[int, int]]) -> None:
-        """The feed's counters (replica -> (reqs, tokens), all gateways including this one)."""
+    def set_shared(self, shared: Mapping[str, tuple[int, int, int]]) -> None:
+        """The feed's counters (replica -> (reqs, tokens, open), all gateways including this one)."""
         for rid, ld in self._loads.items():
             if rid not in shared:
-                ld.others_reqs = ld.others_tokens = 0
-        for rid, (reqs, tokens) in shared.items():
+                ld.others_reqs = ld.others_tokens = ld.others_open = 0
+        for rid, (reqs, tokens, opened) in shared.items():
             ld = self._get(rid)
-            mine = self._flushed.get(rid, (0, 0))
+            mine = self._flushed.get(rid, (0, 0, 0))
             ld.others_reqs = max(0, int(reqs) - mine[0])
             ld.others_tokens = max(0, int(tokens) - mine[1])
+            # a gateway of the version before the open counter adds none: its in-flight ones at least
+            ld.others_open = max(ld.others_reqs, int(opened) - mine[2])
 
     def others_active(self) -> bool:
         """Another gateway had requests in flight at the last exchange."""
-        return any(ld.others_reqs or ld.others_tokens for ld in self._loads.values())
+        return any(ld.others_reqs or ld.others_tokens or ld.others_open for ld in self._loads.values())
 
     def routed_rps(self, replica_id: str, now: float) -> float:
         """Requests routed here per second, an EWMA with time constant routed_tau_s, decayed to `now`

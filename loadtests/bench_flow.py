@@ -277,12 +277,13 @@ def _scenario(name: str, n_gw: int, flow: bool, reqs, ctx, args, *, headroom: in
         before = _sim_stats(ctx["sims"])
         samples, wall = uvloop.run(_send(gws.urls, reqs, timeout_s=args.client_timeout_s))
         slowdown = _slowdown(before, _sim_stats(ctx["sims"]))
+        held = _quiet_held(gws.admin) if flow else None
     finally:
         gws.close()
     row = {"scenario": name, "gateways": n_gw, "flow": "on" if flow else "off", "headroom": headroom if flow else None,
            "light_spill_s": light_spill_s if flow else None,
            "wall_s": round(wall, 1),
-           "sim_slowdown": slowdown, **_summary(samples, args.seconds, args.warmup_s)}
+           "sim_slowdown": slowdown, **_summary(samples, args.seconds, args.warmup_s), "quiet_flow": held}
     label = (f"on, headroom {headroom}" + (f", spill {light_spill_s:g}" if light_spill_s else "")) if flow else "off"
     print(f"{n_gw} gw  flow {label:22s}  {name:5s}  quiet TTFT p50 {row['quiet_ttft_ms']['p50']:8.1f} p99 "
           f"{row['quiet_ttft_ms']['p99']:8.1f} ms (after warm-up p50 {row['quiet_ttft_ms_warm']['p50']:.1f} p99 "
@@ -290,7 +291,41 @@ def _scenario(name: str, n_gw: int, flow: bool, reqs, ctx, args, *, headroom: in
           f"{row['noisy_429']:4d}  {row['throughput_rps']:6.2f} req/s  hit {row['hit_ratio']:.3f}  sim x{slowdown}  "
           f"({row['wall_s']} s){'  ' + str(row['error_examples']) if row['error_examples'] else ''}",
           flush=True)
+    if held and held["admitted"]:
+        print(f"      quiet in the gateways: {held['released']} of {held['admitted']} held, mean wait of those "
+              f"{held['mean_wait_ms']:.0f} ms, {held['waited_over_100ms']} over 100 ms", flush=True)
     return row
+
+
+def _quiet_held(admin_urls: list[str]) -> dict:
+    """The quiet tenant's passage through the gateways' flow control, from their /metrics: requests
+    let on straight away or after being held, and the held ones' wait. What the gateway held is
+    the part of the quiet tenant's TTFT spent before its request reached an engine."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gateway.auth import tenant_hash
+
+    th = tenant_hash("quiet")
+    out = {"admitted": 0, "released": 0, "wait_s_sum": 0.0, "waited_over_100ms": 0}
+    for a in admin_urls:
+        with urllib.request.urlopen(a + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                if smp.labels.get("tenant_hash") != th:
+                    continue
+                if smp.name == "warmroute_gateway_flow_admissions_total":
+                    out["admitted"] += int(smp.value)
+                    if smp.labels.get("path") == "released":
+                        out["released"] += int(smp.value)
+                elif smp.name == "warmroute_gateway_flow_queue_wait_seconds_sum":
+                    out["wait_s_sum"] += smp.value
+                elif smp.name == "warmroute_gateway_flow_queue_wait_seconds_count":
+                    out["waited_over_100ms"] += int(smp.value)
+                elif smp.name == "warmroute_gateway_flow_queue_wait_seconds_bucket" and smp.labels.get("le") == "0.1":
+                    out["waited_over_100ms"] -= int(smp.value)
+    out["mean_wait_ms"] = round(1000 * out["wait_s_sum"] / out["released"], 1) if out["released"] else 0.0
+    return out
 
 
 def hot_path_us(n: int = 20_000, replicas: int = 4) -> dict[str, float]:

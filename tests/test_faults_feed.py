@@ -333,14 +333,16 @@ def test_load_tracker_notices_lost_counters_and_restores_failed_flushes():
 
     lt = LoadTracker()
     flights = [lt.dispatch("r", 100) for _ in range(4)]
-    assert lt.take_pending() == {"r": (4, 400)}
-    assert not lt.lost_by_feed({"r": (6, 700)})  # ours (4, 400) plus another gateway's
+    assert lt.take_pending() == {"r": (4, 400, 4)}
+    assert not lt.lost_by_feed({"r": (6, 700, 9)})  # ours (4, 400, 4) plus another gateway's
+    assert lt.lost_by_feed({"r": (6, 700, 3)})  # fewer open than ours: some of ours are gone
     flights[0].finish()
     flights[1].finish()
+    flights[3].first_token()  # in flight no more, still open
     assert lt.lost_by_feed({})  # the feed restarted empty
     lt.rebase()
-    assert lt.take_pending() == {"r": (2, 200)}  # what is in flight now, whole
+    assert lt.take_pending() == {"r": (1, 100, 2)}  # what is in flight and open now, whole
     flights[2].finish()
     pending = lt.take_pending()
     lt.restore_pending(pending)  # that flush failed
-    assert lt.take_pending() == {"r": (-1, -100)}
+    assert lt.take_pending() == {"r": (-1, -100, -1)}

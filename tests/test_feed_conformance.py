@@ -133,6 +133,11 @@ async def test_inflight_counters_are_shared(make_feed):
     seen = await g1.exchange_inflight({"r": (4, 40), "q": (0, 0)})
     assert (seen["r"].reqs, seen["r"].prefill_tokens) == (5, 540) and seen["q"].reqs == 1
     assert (await g2.exchange_inflight({}))["r"].reqs == 5
+    # the open counter (sent, not finished: slots held), beside the other two
+    await g2.incr_inflight("r", 0, 0, 3)
+    seen = await g1.exchange_inflight({"r": (-1, -10, 2)})
+    assert (seen["r"].reqs, seen["r"].prefill_tokens, seen["r"].open_reqs) == (4, 530, 5)
+    assert seen["q"].open_reqs == 0
     await g1.close()
     await g2.close()
 

@@ -43,10 +43,10 @@ def test_ledger_brings_a_report_up_to_date_and_forgets_what_it_covers():
 
 def test_occupancy_is_the_report_plus_our_changes_never_below_what_we_know():
     rep = _report(running=6, waiting=2, ts=0.0)
-    assert occupancy_reqs(rep, -3, own_active=1, own_inflight=0, others_inflight=0) == 5  # 3 finished since
-    assert occupancy_reqs(rep, +2, own_active=0, own_inflight=0, others_inflight=0) == 10
-    assert occupancy_reqs(rep, -8, own_active=2, own_inflight=1, others_inflight=1) == 4  # the floor
-    assert occupancy_reqs(None, 5, own_active=2, own_inflight=1, others_inflight=3) == 6  # no report: the floor
+    assert occupancy_reqs(rep, -3, own_active=1, own_inflight=0, others_open=0) == 5  # 3 finished since
+    assert occupancy_reqs(rep, +2, own_active=0, own_inflight=0, others_open=0) == 10
+    assert occupancy_reqs(rep, -8, own_active=2, own_inflight=1, others_open=1) == 4  # the floor
+    assert occupancy_reqs(None, 5, own_active=2, own_inflight=1, others_open=3) == 6  # no report: the floor
 
 
 def test_room_needs_health_a_free_slot_and_little_prefill_ahead():
@@ -278,3 +278,31 @@ def test_one_admission_builds_the_fair_share_predicate_once():
     assert light("noisy") is False and light("quiet") is True
     assert built == ["noisy"]
     assert fc._reserve_for("noisy") == 1 and built == ["noisy", "noisy"]  # without one: its own
+
+
+def test_room_counts_the_slots_other_gateways_hold_not_only_their_requests_in_flight():
+    """With several gateways, the others' requests past their first token still hold sequence
+    slots: the shared open counter keeps them in the occupancy floor between engine reports."""
+    from prometheus_client import CollectorRegistry
+
+    from gateway.auth import TenantLimiter
+    from gateway.index import KVIndex
+    from gateway.load import LoadTracker
+    from gateway.membership import Membership
+    from gateway.routing import RoutingState
+    from policies.calibration import Calibrator
+
+    mem = Membership()
+    mem.set_members({"r0": "http://r0"})
+    rs = RoutingState(KVIndex(max_entries=100, stale_after_s=10.0), LoadTracker(), Calibrator(), speculative_ttl_s=2.0)
+    fc = FlowControl(config_from_dict({"flow": {"engine_queue_reqs": 0}}, env={}), routing=rs, membership=mem,
+                     limiter=TenantLimiter({}), slots=4, registry=CollectorRegistry(), clock=lambda: 100.0)
+    v = ReplicaView("r0", healthy=True)
+    assert fc._room(v)  # no report, nothing known there
+    rs.load.dispatch("r0", 10)  # one of ours,
+    rs.load.take_pending()  # flushed to the shared counters
+    rs.load.set_shared({"r0": (2, 20, 4)})  # ours (1, 10, 1) and another gateway's: 1 in flight, 2 decoding
+    assert rs.load.get("r0").others_reqs == 1
+    assert not fc._room(v)  # 1 + 3 = 4 slots held
+    rs.load.set_shared({"r0": (2, 20, 3)})  # one of theirs finished
+    assert fc._room(v)

@@ -114,14 +114,18 @@ def test_load_tracker_inflight_and_shared():
     f1.first_token()  # idempotent
     assert (lt.get("r").inflight_reqs, lt.get("r").inflight_tokens, lt.get("r").active_reqs) == (1, 50, 1)
     pending = lt.take_pending()
-    assert pending == {"r": (1, 50)}  # +2/+150 then -1/-100
-    # The feed's shared counters include ours (1, 50) plus another gateway's (3, 300).
-    lt.set_shared({"r": (4, 350)})
-    assert (lt.get("r").others_reqs, lt.get("r").others_tokens) == (3, 300)
+    assert pending == {"r": (1, 50, 2)}  # +2/+150 then -1/-100; both still open (one in flight, one active)
+    # The feed's shared counters include ours (1, 50, 2) plus another gateway's (3, 300, 4): one
+    # of its requests is past its first token, still holding a slot.
+    lt.set_shared({"r": (4, 350, 6)})
+    assert (lt.get("r").others_reqs, lt.get("r").others_tokens, lt.get("r").others_open) == (3, 300, 4)
+    # a gateway of the version before the open counter adds none: its in-flight ones are open at least
+    lt.set_shared({"r": (4, 350, 2)})
+    assert lt.get("r").others_open == 3
     f2.finish()
     f1.finish()
     assert (lt.get("r").inflight_reqs, lt.get("r").active_reqs) == (0, 0)
-    assert lt.take_pending() == {"r": (-1, -50)}
+    assert lt.take_pending() == {"r": (-1, -50, -2)}  # the in-flight one's three counts, the active one's open
 
 
 def _ev(obj) -> bytes:

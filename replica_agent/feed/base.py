@@ -74,13 +74,13 @@ class FeedReader(Protocol):
 class InflightBoard(Protocol):
     """Counters of requests sent to each replica and not yet started, shared by every gateway."""
 
-    async def incr_inflight(self, replica_id: str, reqs: int, tokens: int) -> None: ...
+    async def incr_inflight(self, replica_id: str, reqs: int, tokens: int, open_reqs: int = 0) -> None: ...
 
     async def inflight(self) -> dict[str, Inflight]: ...
 
-    async def exchange_inflight(self, changes: Mapping[str, tuple[int, int]]) -> dict[str, Inflight]:
-        """`incr_inflight` for every replica -> (reqs, tokens) change, this process's counters kept
-        alive, then `inflight()`: what a gateway does every poll, in one round trip."""
+    async def exchange_inflight(self, changes: Mapping[str, tuple[int, ...]]) -> dict[str, Inflight]:
+        """`incr_inflight` for every replica -> (reqs, tokens[, open_reqs]) change, this process's
+        counters kept alive, then `inflight()`: what a gateway does every poll, in one round trip."""
         ...
 
     async def close(self) -> None: ...

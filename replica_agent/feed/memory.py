@@ -139,20 +139,21 @@ class MemoryFeed:
         with self._hub.lock:
             return {r: load for r, (until, load) in self._hub.live.items() if until > now}
 
-    async def incr_inflight(self, replica_id: str, reqs: int, tokens: int) -> None:
+    async def incr_inflight(self, replica_id: str, reqs: int, tokens: int, open_reqs: int = 0) -> None:
         with self._hub.lock:
-            c = self._hub.inflight.setdefault(replica_id, [0, 0])
+            c = self._hub.inflight.setdefault(replica_id, [0, 0, 0])
             c[0] += reqs
             c[1] += tokens
+            c[2] += open_reqs
 
-    async def exchange_inflight(self, changes: Mapping[str, tuple[int, int]]) -> dict[str, Inflight]:
-        for rid, (reqs, tokens) in changes.items():
-            await self.incr_inflight(rid, reqs, tokens)
+    async def exchange_inflight(self, changes: Mapping[str, tuple[int, ...]]) -> dict[str, Inflight]:
+        for rid, change in changes.items():
+            await self.incr_inflight(rid, *change)
         return await self.inflight()
 
     async def inflight(self) -> dict[str, Inflight]:
         with self._hub.lock:
-            return {r: Inflight(c[0], c[1]) for r, c in self._hub.inflight.items()}
+            return {r: Inflight(c[0], c[1], c[2]) for r, c in self._hub.inflight.items()}
 
     async def close(self) -> None:
         return None

@@ -100,8 +100,9 @@ class Snapshot:
 class Inflight:
     """Work that gateways have sent a replica and not yet seen finish (shared across gateways)."""
 
-    reqs: int  # requests in flight
+    reqs: int  # requests in flight (sent, no first token yet)
     prefill_tokens: int  # their uncached prompt tokens
+    open_reqs: int = 0  # requests sent and not finished (in flight or decoding): sequence slots they hold
 
 
 def fresh_stream_base() -> int:

@@ -6,7 +6,7 @@ Keys (prefix "wr:" by default):
                               trimmed to ~maxlen entries (MAXLEN ~)
   {p}{rid}:snapshot           STRING, records.encode_snapshot bytes
   {p}{rid}:live               HASH (load report fields), EXPIRE ttl_s: liveness + last load
-  {p}inflight:{owner}         HASH "<rid>\\x00reqs" / "<rid>\\x00tokens" -> int, one per feed instance
+  {p}inflight:{owner}         HASH "<rid>\\x00reqs" / "<rid>\\x00tokens" / "<rid>\\x00open" -> int, one per feed instance
                               (each gateway), EXPIRE inflight_ttl_s refreshed on every change, so a
                               gateway that dies stops counting instead of leaking in-flight work
 Rule: offsets are assigned here, per replica: the next after the stream's last id (read once, then
@@ -117,15 +117,23 @@ def _field(fields, name: bytes):
     return None
 
 
+def _incr_cmds(key: str, rid: str, reqs: int, tokens: int, open_reqs: int = 0) -> list[tuple]:
+    return [("HINCRBY", key, f"{rid}\x00{what}", n) for what, n in (("reqs", reqs), ("tokens", tokens), ("open", open_reqs)) if n]
+
+
 def _sum_inflight(hashes) -> dict[str, Inflight]:
     """Every gateway's in-flight hashes (flat [field, value, ...] lists) summed per replica."""
     acc: dict[str, list[int]] = {}
     for flat in hashes or ():
         for f, v in zip(flat[::2], flat[1::2]):
             rid, _, what = f.decode().rpartition("\x00")
-            c = acc.setdefault(rid, [0, 0])
-            c[0 if what == "reqs" else 1] += int(v)
-    return {rid: Inflight(max(0, c[0]), max(0, c[1])) for rid, c in acc.items()}
+            i = _INFLIGHT_FIELDS.get(what)
+            if i is not None:  # a field of a later version: not ours to sum
+                acc.setdefault(rid, [0, 0, 0])[i] += int(v)
+    return {rid: Inflight(max(0, c[0]), max(0, c[1]), max(0, c[2])) for rid, c in acc.items()}
+
+
+_INFLIGHT_FIELDS = {"reqs": 0, "tokens": 1, "open": 2}  # hash field suffix -> Inflight position
 
 
 class RedisFeed:
@@ -277,13 +285,9 @@ class RedisFeed:
                 out[rid] = None
         return out
 
-    async def incr_inflight(self, replica_id: str, reqs: int, tokens: int) -> None:
+    async def incr_inflight(self, replica_id: str, reqs: int, tokens: int, open_reqs: int = 0) -> None:
         key = f"{self.prefix}inflight:{self.owner}"
-        cmds = []
-        if reqs:
-            cmds.append(("HINCRBY", key, f"{replica_id}\x00reqs", reqs))
-        if tokens:
-            cmds.append(("HINCRBY", key, f"{replica_id}\x00tokens", tokens))
+        cmds = _incr_cmds(key, replica_id, reqs, tokens, open_reqs)
         cmds.append(("PEXPIRE", key, int(self.inflight_ttl_s * 1000)))
         await self._call(self._direct("_board").run(*cmds))
 
@@ -291,16 +295,13 @@ class RedisFeed:
         (hashes,) = await self._call(self._direct("_board").run(("EVAL", _READ_INFLIGHT_LUA, 0, f"{self.prefix}inflight:*")))
         return _sum_inflight(hashes)
 
-    async def exchange_inflight(self, changes: Mapping[str, tuple[int, int]]) -> dict[str, Inflight]:
-        """`incr_inflight` for every (replica -> (reqs, tokens)) change, our counters' TTL refreshed,
-        and then `inflight()`, in one round trip."""
+    async def exchange_inflight(self, changes: Mapping[str, tuple[int, ...]]) -> dict[str, Inflight]:
+        """`incr_inflight` for every (replica -> (reqs, tokens[, open_reqs])) change, our counters'
+        TTL refreshed, and then `inflight()`, in one round trip."""
         key = f"{self.prefix}inflight:{self.owner}"
         cmds: list[tuple] = []
-        for rid, (reqs, tokens) in changes.items():
-            if reqs:
-                cmds.append(("HINCRBY", key, f"{rid}\x00reqs", reqs))
-            if tokens:
-                cmds.append(("HINCRBY", key, f"{rid}\x00tokens", tokens))
+        for rid, change in changes.items():
+            cmds += _incr_cmds(key, rid, *change)
         cmds.append(("PEXPIRE", key, int(self.inflight_ttl_s * 1000)))
         cmds.append(("EVAL", _READ_INFLIGHT_LUA, 0, f"{self.prefix}inflight:*"))
         replies = await self._call(self._direct("_board").run(*cmds))
