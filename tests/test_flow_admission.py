@@ -213,9 +213,8 @@ def test_light_spill_takes_a_free_slot_elsewhere_only_for_a_short_loss():
     assert _grant_on(False, {"r1": (False, 40)}, spill_s=0.5)[0] is False
 
 
-def test_light_spill_only_for_a_light_tenant_beside_a_heavy_one():
-    """_spill_for: light_spill_s while the requester is under its share and another tenant granted
-    here is over it; 0 when it is alone, when it is itself heavy, or when nobody else is heavy."""
+def _flow_control(replicas: int, **flow) -> FlowControl:
+    """FlowControl over `replicas` replicas r0.. of 4 slots each, with `flow` config, at clock 100."""
     from prometheus_client import CollectorRegistry
 
     from gateway.auth import TenantLimiter
@@ -226,11 +225,17 @@ def test_light_spill_only_for_a_light_tenant_beside_a_heavy_one():
     from policies.calibration import Calibrator
 
     mem = Membership()
-    mem.set_members({"r0": "http://r0", "r1": "http://r1"})
+    mem.set_members({f"r{i}": f"http://r{i}" for i in range(replicas)})
     rs = RoutingState(KVIndex(max_entries=100, stale_after_s=10.0), LoadTracker(), Calibrator(), speculative_ttl_s=2.0)
+    return FlowControl(config_from_dict({"flow": flow}, env={}), routing=rs, membership=mem, limiter=TenantLimiter({}),
+                       slots=4, registry=CollectorRegistry(), clock=lambda: 100.0)
+
+
+def test_light_spill_only_for_a_light_tenant_beside_a_heavy_one():
+    """_spill_for: light_spill_s while the requester is under its share and another tenant granted
+    here is over it; 0 when it is alone, when it is itself heavy, or when nobody else is heavy."""
     assert config_from_dict({}, env={}).flow.light_spill_s == 0.5  # on by default
-    fc = FlowControl(config_from_dict({"flow": {"light_spill_s": 0.5}}, env={}), routing=rs, membership=mem,
-                     limiter=TenantLimiter({}), slots=4, registry=CollectorRegistry(), clock=lambda: 100.0)
+    fc = _flow_control(2, light_spill_s=0.5)
     # 2 replicas x 4 slots = 8, two tenants of weight 1: a fair share of 4 slots each
     fc._granted = {"quiet": 1, "noisy": 6}
     assert fc._spill_for("quiet") == 0.5
@@ -239,8 +244,7 @@ def test_light_spill_only_for_a_light_tenant_beside_a_heavy_one():
     assert fc._spill_for("quiet") == 0.0  # nobody over its share
     fc._granted = {"quiet": 1}
     assert fc._spill_for("quiet") == 0.0  # alone
-    off = FlowControl(config_from_dict({"flow": {"light_spill_s": 0}}, env={}), routing=rs, membership=mem, limiter=TenantLimiter({}), slots=4,
-                      registry=CollectorRegistry(), clock=lambda: 100.0)
+    off = _flow_control(2, light_spill_s=0)
     off._granted = {"quiet": 1, "noisy": 6}
     assert off._spill_for("quiet") == 0.0  # switched off
     with pytest.raises(ConfigError) as e:
@@ -251,20 +255,7 @@ def test_light_spill_only_for_a_light_tenant_beside_a_heavy_one():
 def test_one_admission_builds_the_fair_share_predicate_once():
     """_fairness: the three questions of one admission (straight on, headroom, spill) share one
     `_fair_slots` predicate, built on first use, with the same answers as a fresh one."""
-    from prometheus_client import CollectorRegistry
-
-    from gateway.auth import TenantLimiter
-    from gateway.index import KVIndex
-    from gateway.load import LoadTracker
-    from gateway.membership import Membership
-    from gateway.routing import RoutingState
-    from policies.calibration import Calibrator
-
-    mem = Membership()
-    mem.set_members({"r0": "http://r0", "r1": "http://r1"})
-    rs = RoutingState(KVIndex(max_entries=100, stale_after_s=10.0), LoadTracker(), Calibrator(), speculative_ttl_s=2.0)
-    fc = FlowControl(config_from_dict({"flow": {"light_spill_s": 0.5, "headroom_reqs": 1}}, env={}), routing=rs,
-                     membership=mem, limiter=TenantLimiter({}), slots=4, registry=CollectorRegistry(), clock=lambda: 100.0)
+    fc = _flow_control(2, light_spill_s=0.5, headroom_reqs=1)
     fc._granted = {"quiet": 1, "noisy": 6}
     fc._arrived("noisy", 100.0)
     fc._arrived("quiet", 100.0)
@@ -283,20 +274,8 @@ def test_one_admission_builds_the_fair_share_predicate_once():
 def test_room_counts_the_slots_other_gateways_hold_not_only_their_requests_in_flight():
     """With several gateways, the others' requests past their first token still hold sequence
     slots: the shared open counter keeps them in the occupancy floor between engine reports."""
-    from prometheus_client import CollectorRegistry
-
-    from gateway.auth import TenantLimiter
-    from gateway.index import KVIndex
-    from gateway.load import LoadTracker
-    from gateway.membership import Membership
-    from gateway.routing import RoutingState
-    from policies.calibration import Calibrator
-
-    mem = Membership()
-    mem.set_members({"r0": "http://r0"})
-    rs = RoutingState(KVIndex(max_entries=100, stale_after_s=10.0), LoadTracker(), Calibrator(), speculative_ttl_s=2.0)
-    fc = FlowControl(config_from_dict({"flow": {"engine_queue_reqs": 0}}, env={}), routing=rs, membership=mem,
-                     limiter=TenantLimiter({}), slots=4, registry=CollectorRegistry(), clock=lambda: 100.0)
+    fc = _flow_control(1, engine_queue_reqs=0)
+    rs = fc.routing
     v = ReplicaView("r0", healthy=True)
     assert fc._room(v)  # no report, nothing known there
     rs.load.dispatch("r0", 10)  # one of ours,

@@ -117,6 +117,9 @@ def _field(fields, name: bytes):
     return None
 
 
+_INFLIGHT_FIELDS = {"reqs": 0, "tokens": 1, "open": 2}  # hash field suffix -> Inflight position
+
+
 def _incr_cmds(key: str, rid: str, reqs: int, tokens: int, open_reqs: int = 0) -> list[tuple]:
     return [("HINCRBY", key, f"{rid}\x00{what}", n) for what, n in (("reqs", reqs), ("tokens", tokens), ("open", open_reqs)) if n]
 
@@ -131,9 +134,6 @@ def _sum_inflight(hashes) -> dict[str, Inflight]:
             if i is not None:  # a field of a later version: not ours to sum
                 acc.setdefault(rid, [0, 0, 0])[i] += int(v)
     return {rid: Inflight(max(0, c[0]), max(0, c[1]), max(0, c[2])) for rid, c in acc.items()}
-
-
-_INFLIGHT_FIELDS = {"reqs": 0, "tokens": 1, "open": 2}  # hash field suffix -> Inflight position
 
 
 class RedisFeed:
