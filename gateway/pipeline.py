@@ -5,7 +5,8 @@
     plan       validate the request (gateway.parse), tokenize (gateway.encode), derive the salt
                (gateway.salt), block keys (hashing.keys), decide (gateway.routing)
     flow       go on while a replica has room, else wait in the fair queue and decide again at
-               release (gateway.flow)
+               release (gateway.flow); then the policy records the placement (`placed`: once per
+               request, whatever ranked it before)
     rewrite    the engine's body (gateway.rewrite)
     dispatch   the ranked retry loop (gateway.dispatch)
     relay      the answer to the client (gateway.relay)
@@ -163,6 +164,7 @@ class Pipeline:
         ctx.span.decision(routing, ctx.flow.span_attrs() if ctx.flow is not None and self.tracing.enabled else None)
         if not routing.decision.ranked:
             raise ApiError(503, "no replica available", code="no_replica_available", headers={"Retry-After": "1"})
+        self.policy.placed(routing.request, routing.decision)  # once, as sent (rank may have run twice)
         p = self.cfg.proxy
         ctx.body = upstream_body(ctx.payload, ctx.request, salt=ctx.salt, model_name=self.model.name,
                                  force_include_usage=p.force_include_usage, kv_cache_report_mode=p.kv_cache_report_mode)

@@ -80,6 +80,9 @@ class SglangCacheAware:
         ranked = [choice] + [w for w in live if w != choice]
         return Decision(self.name, tuple(Candidate(w, 1.0 if w == choice else 0.0, {}) for w in ranked))
 
+    def placed(self, request: RequestView, decision: Decision) -> None:
+        return None  # the peers insert into their trees when they route (rank), as they do
+
     def observe(self, replica_id: str, ttft_s: float, uncached_tokens: int) -> None:
         # vtime calls observe when a request finishes: its in-flight count drops (the peers count
         # a request until its response ends)
@@ -105,6 +108,9 @@ class StaticPlan:
         ranked = sorted(pool, key=lambda w: (load_reqs(live[w]), live[w].inflight_prefill_tokens, w))
         ranked += [w for w in live if w not in ranked]
         return Decision(self.name, tuple(Candidate(w, -i, {}) for i, w in enumerate(ranked)))
+
+    def placed(self, request: RequestView, decision: Decision) -> None:
+        return None
 
     def observe(self, replica_id: str, ttft_s: float, uncached_tokens: int) -> None:
         return None

@@ -86,6 +86,7 @@ class SimRouter:
         """Decide where request `r` goes (the gateway's plan + dispatch accounting); its replica index."""
         rv = RequestView(r.prompt, self.p.block_size, tuple(r.keys), r.max_out, "", r.wr.request_id)
         routing = self.routing.decide(rv, self.available, self.policy, self.rng)
+        self.policy.placed(rv, routing.decision)
         cand = routing.decision.ranked[0]
         view = routing.view_of(cand.replica_id)
         predicted = predicted_matched_tokens(rv, view)

@@ -11,7 +11,10 @@ Rules every policy keeps (tests/test_policies_conformance.py checks them for all
   answers 503), never an exception;
 - ranking is deterministic for a given `rng` state;
 - `rank` has no side effects on its inputs; a policy may keep its own small state (round-robin's
-  cursor) and may learn in the `observe` hook, which defaults to doing nothing.
+  cursor) and may learn in the `placed` hook (the request was sent as its decision ranks it: once
+  per request, while `rank` may run more than once for one request or for none sent, as flow
+  control's late binding and /debug/route do) and the `observe` hook (its outcome); both default
+  to doing nothing.
 Units live in names: `*_tokens`, `*_blocks`, `*_s`, `*_reqs`.
 """
 from __future__ import annotations
@@ -85,6 +88,10 @@ class Policy(Protocol):
         """Rank the healthy replicas for `request`; see the module rules."""
         ...
 
+    def placed(self, request: RequestView, decision: Decision) -> None:
+        """Lifecycle hook: `request` was sent to `decision`'s first candidate (default: ignore)."""
+        ...
+
     def observe(self, replica_id: str, ttft_s: float, uncached_tokens: int) -> None:
         """Lifecycle hook: the outcome of a request routed by this policy (default: ignore)."""
         ...
@@ -94,6 +101,9 @@ class PolicyBase:
     """Convenience base with the no-op hooks."""
 
     name: ClassVar[str] = "base"
+
+    def placed(self, request: RequestView, decision: Decision) -> None:
+        return None
 
     def observe(self, replica_id: str, ttft_s: float, uncached_tokens: int) -> None:
         return None

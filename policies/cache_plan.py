@@ -110,9 +110,14 @@ blocks: the prefix its holders keep), load_share, peak_share,
 spread (1 on the replica chosen to build a new copy), warm_blocks (copy_in_background: the
 prefix to warm on that replica, 0 elsewhere), score (= -position: the chosen replica, the
 other holders by predicted TTFT, then the rest in cache_aware's order).
-State: the measures above, updated in rank() for the replica it ranks first (the gateway sends the
-request there). One instance sees only its own process's requests (with several gateway workers
-each plans on its share of the stream). Pure: no I/O, no clock; `rng` only in cache_aware's ties.
+State: the measures above. rank() reads them and changes nothing; placed() records a request
+where it was sent (its decision's first candidate: the gateway calls it once per request, after
+flow control, which may move it to another holder). Why two steps: a request can be ranked more
+than once (flow control decides a held request again when it releases it; /debug/route ranks
+without sending), and recording in rank() counted a held request's work twice, once on a replica
+it never went to, and could plan a copy for a request that was not sent. One instance sees only
+its own process's requests (with several gateway workers each plans on its share of the stream).
+Pure: no I/O, no clock; `rng` only in cache_aware's ties.
 """
 from __future__ import annotations
 
@@ -238,18 +243,19 @@ class CachePlanPolicy(PolicyBase):
         }
 
     # -- measures --------------------------------------------------------------------------------
-    def load_share(self, replica_id: str) -> float:
-        """Mean planned work per planned request sent to the replica (prefill tokens), now."""
+    def load_share(self, replica_id: str, now: int | None = None) -> float:
+        """Mean planned work per planned request sent to the replica (prefill tokens), at `now`
+        (planned requests; default: so far). Reading at a later clock only decays (no change)."""
         m = self._load.get(replica_id)
-        return m.get(self._now, self._keep) if m is not None else 0.0
+        return m.get(self._now if now is None else now, self._keep) if m is not None else 0.0
 
-    def _group_work(self, g: _Group, rid: str) -> float:
+    def _group_work(self, g: _Group, rid: str, now: int) -> float:
         m = g.work.get(rid)
-        return m.get(self._now, self._keep) if m is not None else 0.0
+        return m.get(now, self._keep) if m is not None else 0.0
 
-    def _planned_blocks(self, rid: str) -> int:
-        horizon = self._now - 5 * self.window_reqs
-        return sum(g.blocks for g in self._groups.values() if rid in g.holders and g.last_seen >= horizon)
+    def _planned_blocks(self, rid: str, now: int, skip: _Group | None = None) -> int:
+        horizon = now - 5 * self.window_reqs
+        return sum(g.blocks for g in self._groups.values() if g is not skip and rid in g.holders and g.last_seen >= horizon)
 
     def _record(self, g: _Group, rid: str, work: float) -> None:
         a = 1.0 - self._keep
@@ -275,21 +281,21 @@ class CachePlanPolicy(PolicyBase):
         level = water_level(list(bases.values()), g_total)
         return max(ok, key=lambda r: (max(0.0, level - bases[r]) - gw[r], -ttft[r], r))
 
-    def _is_hot(self, g: _Group, g_total: float, mean: float, n_replicas: int) -> bool:
+    def _is_hot(self, g: _Group, g_total: float, mean: float, n_replicas: int, now: int) -> bool:
         """g's share of the planned work is above hot_min / n_replicas with two standard errors to
         spare (a share measured on n requests varies by sqrt(p (1 - p) / n): early on, or for a
         typical document, noise alone must not make a prefix look hot)."""
         total = mean * n_replicas
         p = g_total / total if total > 0 else 0.0
-        n = min(float(self._now), self.window_reqs)
+        n = min(float(now), self.window_reqs)
         return p - 2.0 * (p * (1.0 - p) / n) ** 0.5 >= self.hot_min / n_replicas
 
-    def _hottest_on(self, g: _Group, rid: str) -> bool:
+    def _hottest_on(self, g: _Group, rid: str, now: int) -> bool:
         """No active group carries more work to `rid` than g (spread the prefix that loads the
         busiest holder most, not whichever request of it came first)."""
-        mine = self._group_work(g, rid)
-        horizon = self._now - 5 * self.window_reqs
-        return not any(o is not g and rid in o.holders and o.last_seen >= horizon and self._group_work(o, rid) > mine
+        mine = self._group_work(g, rid, now)
+        horizon = now - 5 * self.window_reqs
+        return not any(o is not g and rid in o.holders and o.last_seen >= horizon and self._group_work(o, rid, now) > mine
                        for o in self._groups.values())
 
     def _prune(self) -> None:
@@ -314,18 +320,14 @@ class CachePlanPolicy(PolicyBase):
         if (not live or best == 0 or best > len(keys)
                 or (root_at < 0 and best * bs < self.match_min_frac * request.prompt_tokens)):
             return Decision(self.name, tuple(Candidate(c.replica_id, c.score, {**c.terms, "plan": 0.0}) for c in base.ranked))
-        self._now += 1
-        now = self._now
-        if now % 1000 == 0:
-            self._prune()
+        now = self._now + 1  # this request's place on the plan's clock, if it is placed
         by_id = {v.replica_id: v for v in live}
-        if root_at < 0:  # none known: its own longest match becomes a new root
+        if root_at < 0:  # none known: its own longest match becomes a new root (when placed)
             root_at = best - 1
-            roots[keys[root_at]] = _Group(best)
-        g = roots[keys[root_at]]
-        g.count += 1
-        g.last_seen = now
-        g.holders = frozenset(rid for rid, m in runs.items() if m >= self.holder_frac * g.blocks)
+        g = roots.get(keys[root_at])
+        if g is None:
+            g = _Group(best)
+        holders_g = frozenset(rid for rid, m in runs.items() if m >= self.holder_frac * g.blocks)
         child = best > g.blocks  # a longer match than its root (a conversation's history): it stays
         holders = [rid for rid, m in runs.items() if m >= self.holder_frac * best]
         # steady cost, in prefill tokens: uncached on a holder + its share of the decode steps
@@ -335,9 +337,9 @@ class CachePlanPolicy(PolicyBase):
         terms = {rid: self.fallback.terms(request, by_id[rid]) for rid in holders}
         ttft = {rid: t["queue_penalty_s"] + t["uncached_tokens"] * by_id[rid].prefill_s_per_token for rid, t in terms.items()}
         # the plan: measures without this request
-        loads = {rid: self.load_share(rid) for rid in by_id}
+        loads = {rid: self.load_share(rid, now) for rid in by_id}
         mean = sum(loads.values()) / len(loads)
-        gw = {rid: self._group_work(g, rid) for rid in by_id}
+        gw = {rid: self._group_work(g, rid, now) for rid in by_id}
         g_total = sum(gw.values())
         peak_h = water_peak([loads[r] - gw[r] for r in holders], g_total)
         spread_to = None
@@ -347,14 +349,14 @@ class CachePlanPolicy(PolicyBase):
         over = peak_h / mean - 1.0 if mean > 0.0 else 0.0
         cooldown = self.cooldown_reqs * min(1.0, 1.0 / over) if over > 0.0 else self.cooldown_reqs
         if (not child and now > self.min_reqs and mean > 0.0 and now - g.last_spread >= cooldown
-                and peak_h >= (1.0 + self.spread_rel) * mean and self._is_hot(g, g_total, mean, len(loads))
-                and self._hottest_on(g, max(holders, key=lambda r: (loads[r], r)))):
-            others = sorted((rid for rid in by_id if rid not in g.holders), key=lambda r: (loads[r], r))
+                and peak_h >= (1.0 + self.spread_rel) * mean and self._is_hot(g, g_total, mean, len(loads), now)
+                and self._hottest_on(g, max(holders, key=lambda r: (loads[r], r)), now)):
+            others = sorted((rid for rid in by_id if rid not in holders_g), key=lambda r: (loads[r], r))
             for c in others:
                 if by_id[c].inflight_prefill_tokens > best * bs // 2:
                     continue  # building another copy: one at a time per replica
                 cap_blocks = by_id[c].kv_capacity_blocks
-                if cap_blocks > 0 and self._planned_blocks(c) + best > self.kv_room_frac * cap_blocks:
+                if cap_blocks > 0 and self._planned_blocks(c, now, skip=g) + best > self.kv_room_frac * cap_blocks:
                     continue
                 peak_c = water_peak([loads[r] - gw[r] for r in holders] + [loads[c]], g_total)
                 if peak_h - peak_c >= self.spread_gain * mean:
@@ -362,16 +364,13 @@ class CachePlanPolicy(PolicyBase):
                 break  # the least-loaded replica with room is the only candidate
         if spread_to is not None and not self.copy_in_background:
             winner = spread_to
-            g.last_spread = now
-            g.holders = g.holders | {spread_to}
+            holders_g = holders_g | {spread_to}
         elif spread_to is not None:  # the request goes to a holder; spread_to is warmed beside it
             winner = self._dispatch(holders, ttft, loads, gw, g_total, by_id)
-            g.last_spread = now
         elif child:
             winner = min(holders, key=lambda r: (ttft[r], load_reqs(by_id[r]), r))
         else:
             winner = self._dispatch(holders, ttft, loads, gw, g_total, by_id)
-        self._record(g, winner, work)
         # ranking: the winner, the other holders by predicted TTFT, then cache_aware's order
         order = [winner] + sorted((r for r in holders if r != winner), key=lambda r: (ttft[r], load_reqs(by_id[r]), r))
         seen = set(order)
@@ -380,12 +379,14 @@ class CachePlanPolicy(PolicyBase):
         for i, rid in enumerate(order):
             t = {
                 "plan": 1.0,
-                "holder": 1.0 if rid in g.holders else 0.0,
+                "holder": 1.0 if rid in holders_g else 0.0,
                 "predicted_ttft_s": ttft.get(rid, -1.0),
                 "matched_blocks": float(runs.get(rid, 0)),
                 "group_work": g_total,
-                "group_holders": float(len(g.holders)),
+                "group_holders": float(len(holders_g)),
                 "root_blocks": float(g.blocks),
+                "root_at": float(root_at),
+                "work_tokens": work,
                 "load_share": loads.get(rid, 0.0) / (mean * len(loads)) if mean > 0 else 0.0,
                 "peak_share": (peak_new if rid == spread_to else peak_h) / mean if mean > 0 else 0.0,
                 "spread": 1.0 if rid == spread_to else 0.0,
@@ -394,3 +395,33 @@ class CachePlanPolicy(PolicyBase):
             }
             cands.append(Candidate(rid, float(-i), t))
         return Decision(self.name, tuple(cands))
+
+    def placed(self, request: RequestView, decision: Decision) -> None:
+        """The request was sent to `decision`'s first candidate: record it in the plan (the
+        request's root, its holders as ranked, a new holder if one was planned, its work on the
+        replica it went to). Nothing for an unplanned decision."""
+        if not decision.ranked or not decision.ranked[0].terms.get("plan"):
+            return
+        t0 = decision.ranked[0].terms
+        root_at = int(t0["root_at"])
+        keys = request.keys
+        if not 0 <= root_at < len(keys):
+            return
+        self._now += 1
+        now = self._now
+        if now % 1000 == 0:
+            self._prune()
+        g = self._groups.get(keys[root_at])
+        if g is None:
+            g = self._groups[keys[root_at]] = _Group(int(t0["root_blocks"]))
+        g.count += 1
+        g.last_seen = now
+        went = decision.ranked[0]
+        # a planned copy is made when the request went to the new holder (or, copy_in_background,
+        # beside it); a request moved elsewhere (flow control: no room there) made none
+        copied = t0.get("spread") or (self.copy_in_background and any(c.terms.get("spread") for c in decision.ranked))
+        g.holders = frozenset(c.replica_id for c in decision.ranked
+                              if c.terms.get("holder") and (c is went or not c.terms.get("spread")))
+        if copied:
+            g.last_spread = now
+        self._record(g, went.replica_id, t0["work_tokens"])

@@ -236,12 +236,32 @@ async def test_held_requests_get_503_when_no_replica_is_healthy_and_at_shutdown(
         await rep.close()
 
 
+def _spy_on_policy(g) -> tuple[list, list]:
+    """Record the pipeline policy's rank() and placed() calls as (request id, winner)."""
+    pol = g.gateway.pipeline.policy
+    ranked, placed = [], []
+    rank, place = pol.rank, pol.placed
+
+    def spy_rank(request, replicas, rng):
+        d = rank(request, replicas, rng)
+        ranked.append((request.request_id, d.winner))
+        return d
+
+    def spy_placed(request, decision):
+        placed.append((request.request_id, decision.winner))
+        place(request, decision)
+
+    pol.rank, pol.placed = spy_rank, spy_placed
+    return ranked, placed
+
+
 async def test_a_held_request_is_placed_by_a_decision_made_at_release(tmp_path, tok):
     """Two replicas, one slot each, both busy; the held request was ranked first for one of them.
     That one is ejected while it waits, then both slots free: the request goes to the other, which
     only a decision at release time knows is the right one."""
     r0, r1 = await HeldReplica().start(), await HeldReplica().start()
     g = await _gateway(tmp_path, tok, {"r0": r0.url, "r1": r1.url}, {"max_num_seqs": 1})
+    ranked, placed = _spy_on_policy(g)
     try:
         async with aiohttp.ClientSession() as s:
             fill = [asyncio.create_task(ask(s, g.url, "k-filler", f"fill{i}")) for i in range(2)]
@@ -258,6 +278,9 @@ async def test_a_held_request_is_placed_by_a_decision_made_at_release(tmp_path, 
             r0.drain(), r1.drain()
             status, headers, _ = await held
             assert status == 200 and headers["X-Warmroute-Replica"] != first
+            # the policy ranked the held request twice (arrival, release) and recorded it once, where it went
+            assert len(ranked) == 4 and ranked[2] == (ranked[3][0], first) and {w for _, w in placed[:2]} == {"r0", "r1"}
+            assert len(placed) == 3 and placed[2] == (ranked[3][0], headers["X-Warmroute-Replica"])
             r0.drain(), r1.drain()
             await asyncio.gather(*fill)
     finally:

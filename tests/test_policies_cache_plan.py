@@ -8,7 +8,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from policies.base import ReplicaView, RequestView
+from policies.base import Decision, ReplicaView, RequestView
 from policies.cache_aware import CacheAwarePolicy
 from policies.cache_plan import CachePlanPolicy, water_level, water_peak
 
@@ -57,7 +57,9 @@ class World:
         return out
 
     def route(self, pol, doc: int, rng) -> tuple[str, dict]:
-        d = pol.rank(self.request(doc), self.views(doc), rng)
+        req = self.request(doc)
+        d = pol.rank(req, self.views(doc), rng)
+        pol.placed(req, d)  # sent as ranked (the gateway calls it once per request)
         w = d.ranked[0]
         if w.terms.get("plan") and w.replica_id not in self.holders.setdefault(doc, set()):
             self.holders[doc].add(w.replica_id)  # it computes the copy: a holder from now on
@@ -126,7 +128,9 @@ def test_copy_in_background_keeps_the_request_on_a_holder_and_names_the_replica_
     others = [d for d in range(1, 24)]
     for i in range(2000):
         doc = 0 if i % 5 == 0 else others[(i - i // 5 - 1) % 23]
-        d = pol.rank(w.request(doc), w.views(doc), rng)
+        req = w.request(doc)
+        d = pol.rank(req, w.views(doc), rng)
+        pol.placed(req, d)
         winner = d.ranked[0]
         assert winner.terms.get("warm_blocks", 0.0) == 0.0 and winner.replica_id in w.holders[doc]  # never a non-holder
         for c in d.ranked[1:]:
@@ -174,6 +178,7 @@ def test_a_conversation_stays_with_its_history_while_its_system_prompt_spreads()
     for _ in range(20):
         req = w.request(0, tail)
         d = pol.rank(req, w.views(0, tail_holder="r0", tail_blocks=40), rng)
+        pol.placed(req, d)
         assert d.winner == "r0" and d.ranked[0].terms["plan"] == 1.0
 
 
@@ -182,3 +187,57 @@ def test_parameters_are_validated():
                 {"queue_slack_s": -1}, {"w_cache": -1}):
         with pytest.raises((ValueError, TypeError)):
             CachePlanPolicy(**bad)
+
+
+def _hot_stream(i: int) -> int:
+    """Doc 0 every fifth request, the other 23 in turn (exact shares: the hot-document test's)."""
+    return 0 if i % 5 == 0 else 1 + (i - i // 5 - 1) % 23
+
+
+def test_ranking_a_request_again_before_it_is_sent_changes_no_decision():
+    """Flow control ranks a held request again at release, /debug/route ranks one it never sends:
+    the plan records only `placed`, so ranking each request up to three times before placing it
+    gives the same decisions, copy for copy, as ranking it once."""
+    once, again = World(24, _placement(24)), World(24, _placement(24))
+    pa, pb = CachePlanPolicy(), CachePlanPolicy()
+    extra = random.Random(3)
+    spreads = 0
+    for i in range(1500):
+        doc = _hot_stream(i)
+        ra, rb = once.request(doc), again.request(doc)
+        for _ in range(extra.randrange(3)):
+            pb.rank(rb, again.views(doc), random.Random(i))  # ranked, not sent
+        da, db = pa.rank(ra, once.views(doc), random.Random(i)), pb.rank(rb, again.views(doc), random.Random(i))
+        assert [(c.replica_id, dict(c.terms)) for c in da.ranked] == [(c.replica_id, dict(c.terms)) for c in db.ranked]
+        for pol, w, req, d in ((pa, once, ra, da), (pb, again, rb, db)):
+            pol.placed(req, d)
+            if d.ranked[0].terms.get("plan"):
+                w.holders[doc].add(d.winner)
+        spreads += bool(da.ranked[0].terms.get("spread"))
+    assert spreads == 1  # the stream makes its copy: the comparison covered one
+
+
+def test_a_copy_is_planned_again_when_its_request_went_elsewhere():
+    """Flow control may send a request to another holder than the policy's first choice (no room
+    there). When that first choice was the planned new holder, no copy was made: the plan neither
+    counts it as a holder nor starts the copy's cooldown, and the next request of the document
+    plans the copy again."""
+    w = World(24, _placement(24))
+    pol = CachePlanPolicy()
+    for i in range(2000):
+        doc = _hot_stream(i)
+        req = w.request(doc)
+        d = pol.rank(req, w.views(doc), random.Random(i))
+        if d.ranked[0].terms.get("spread"):
+            break
+        pol.placed(req, d)
+    else:
+        raise AssertionError("the hot document was never copied")
+    target = d.winner
+    moved = Decision(d.policy, (d.ranked[1], d.ranked[0]) + d.ranked[2:])  # to the holder instead
+    assert moved.ranked[0].terms["holder"] == 1.0 and moved.ranked[0].replica_id in w.holders[0]
+    pol.placed(req, moved)
+    nxt = w.request(0)
+    again = pol.rank(nxt, w.views(0), random.Random(0))
+    assert again.winner == target and again.ranked[0].terms["spread"] == 1.0
+    assert again.ranked[0].terms["group_holders"] == 2.0  # the old holder and the copy it plans again
