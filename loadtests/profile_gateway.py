@@ -2,6 +2,15 @@
 
     python -m loadtests.profile_gateway [--requests 400] [--rate 24] [--replicas 4]
         [--variant NAME=DIR ...] [--rounds 2] [--py-spy] [--json FILE]
+    python -m loadtests.profile_gateway --regime busy --case shared_docs --policy cache_plan --regime-requests 600
+
+`--regime NAME --case CASE` runs a virtual-time regime's case exactly as `loadtests.compare_peers
+--regime` does (its replicas, KV, step budget, rate, pre-warm and the text rendered to the nominal
+token counts): the router CPU per request of the busy-regime comparison, profiled. Without it
+the shared_docs shape below is sent as text of 1.49 tokens per nominal one with the sims' default
+step budget, which overloads the pool at 24 requests/s (most requests time out, and the CPU per
+request is a collapsed gateway's: held requests re-checked, timeouts); the report says when
+requests failed.
 
 The same processes as loadtests.compare_peers (N `warmroute sim` replicas with the wall-clock time
 model and KV smaller than the working set, one `warmroute agent` each, a private redis-server as
@@ -44,8 +53,10 @@ from pathlib import Path
 import aiohttp
 
 from loadtests.bench import _parse_params, bench_requests
-from loadtests.compare_peers import (DEFAULT_PEERS_VENV, MODEL, Procs, Unavailable, _drain_and_reset, _free_port, _router_argv, _sim_counters,
-                                     _wait_http, _warmup)
+from loadtests.compare_peers import (DEFAULT_PEERS_VENV, MODEL, Procs, Unavailable, _apply_regime, _drain_and_reset, _free_port,
+                                     _router_argv, _sim_counters, _wait_http, _warmup)
+from loadtests.compare_peers import _workload as _regime_workload
+from loadtests.vtime_regimes import REGIMES
 from loadtests.runner import BenchRequest, run_load
 
 REPO = Path(__file__).resolve().parent.parent
@@ -205,10 +216,11 @@ def _start_pool(args, procs: Procs, tmp: Path, wr_bin: str) -> tuple[dict, dict]
         ev, rp = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
         procs.start(f"agent-{rid}", [wr_bin, "agent", "--replica-id", rid, "--engine-url", f"http://127.0.0.1:{port}",
                                      "--kv-events-endpoint", ev, "--replay-endpoint", rp, "--bind", "--feed", feed_url,
-                                     "--model", MODEL, "--block-size", "16", "--load-interval", "0.25"])
+                                     "--model", MODEL, "--block-size", "16", "--load-interval", str(args.agent_load_interval)])
         procs.start(f"sim-{rid}", [wr_bin, "sim", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
                                    "--block-size", "16", "--num-blocks", str(args.num_blocks),
                                    "--max-model-len", str(args.num_blocks * 16), "--max-num-seqs", str(args.max_num_seqs),
+                                   *(["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []),
                                    "--time-profile", "wallclock", "--kv-events-endpoint", ev, "--replay-endpoint", rp])
         sims[rid] = f"http://127.0.0.1:{port}"
     return sims, {"warmroute_bin": wr_bin, "feed_url": feed_url, "salt_file": str(salt_file), "max_num_seqs": args.max_num_seqs}
@@ -285,7 +297,8 @@ async def _one_run(session, args, procs: Procs, variant: tuple[str, str], load: 
     port = _free_port()
     peer = vdir.startswith(PEER_PREFIX)  # a peer router (e.g. @sglang): its own venv, no profilers
     kind = vdir[len(PEER_PREFIX):] if peer else "warmroute"
-    argv, env, ready, _ = _router_argv(kind, "cache_aware", port, list(sims.values()), Path(args.peers_venv), ctx)
+    argv, env, ready, _ = _router_argv(kind, args.policy if not peer else "cache_aware", port, list(sims.values()),
+                                       Path(args.peers_venv), ctx)
     name = f"gw-{vname}"
     prof_path = procs.logdir / f"{name}-{time.monotonic_ns()}.pstats"
     if args.cprofile and not peer:
@@ -306,7 +319,7 @@ async def _one_run(session, args, procs: Procs, variant: tuple[str, str], load: 
     if profiled:
         os.kill(p.pid, signal.SIGUSR1)
     (u0, s0), g0, t0 = _cpu(p.pid), procs.cpu_s(name), time.monotonic()
-    samples, wall = await run_load(url, reqs, fresh_connections=True, timeout_s=120)
+    samples, wall = await run_load(url, reqs, fresh_connections=True, timeout_s=args.request_timeout)
     (u1, s1), g1, t1 = _cpu(p.pid), procs.cpu_s(name), time.monotonic()
     if profiled:
         os.kill(p.pid, signal.SIGUSR2)
@@ -345,12 +358,16 @@ async def _one_run(session, args, procs: Procs, variant: tuple[str, str], load: 
 async def _run(args, procs: Procs, tmp: Path, variants: list[tuple[str, str]]) -> list[dict]:
     from loadtests.workloads import build_workload
 
-    params = dict(REGIME) if args.workload == "shared_docs" else {}  # the regime's shape is a shared_docs one
-    params.update(_parse_params(args.param))
-    params.update(rate_rps=args.rate, concurrency=None)
-    workload = build_workload(args.workload, args.requests, seed=args.seed, **params)
-    reqs = bench_requests(workload, MODEL, None)
-    load = (reqs, prewarm_requests(workload, reqs) if not args.no_prewarm else [])
+    if args.regime:  # compare_peers' own workload of the case (regime applied in main)
+        workload, reqs, warm = _regime_workload(args)
+        load = (reqs, [] if args.no_prewarm else warm)
+    else:
+        params = dict(REGIME) if args.workload == "shared_docs" else {}  # the regime's shape is a shared_docs one
+        params.update(_parse_params(args.param))
+        params.update(rate_rps=args.rate, concurrency=None)
+        workload = build_workload(args.workload, args.requests, seed=args.seed, **params)
+        reqs = bench_requests(workload, MODEL, None)
+        load = (reqs, prewarm_requests(workload, reqs) if not args.no_prewarm else [])
     wr_bin = str(Path(sys.executable).with_name("warmroute"))
     pool = _start_pool(args, procs, tmp, wr_bin)
     runs = []
@@ -372,7 +389,13 @@ async def _run(args, procs: Procs, tmp: Path, variants: list[tuple[str, str]]) -
 
 
 def report(runs: list[dict], variants: list[tuple[str, str]]) -> str:
-    lines = ["| variant | runs | CPU-ms / request (each run) | mean | ratio to first | idle CPU-ms/s | ok |", "|---|---|---|---|---|---|---|"]
+    lines = []
+    failed = [r for r in runs if r["ok"] < r["requests"]]
+    if failed:  # a collapsed run's CPU is not the workload's: say so first
+        lines += [f"WARNING: {len(failed)} of {len(runs)} runs had failed requests ("
+                  + ", ".join(f"{r['variant']} {r['requests'] - r['ok']}/{r['requests']}" for r in failed)
+                  + "): their CPU per request is an overloaded gateway's", ""]
+    lines += ["| variant | runs | CPU-ms / request (each run) | mean | ratio to first | idle CPU-ms/s | ok |", "|---|---|---|---|---|---|---|"]
     means = {}
     for vname, _ in variants:
         rs = [r for r in runs if r["variant"] == vname]
@@ -438,7 +461,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--py-spy-rate", type=int, default=400, help="py-spy samples per second")
     p.add_argument("--top", type=int, default=25, help="hottest leaf frames kept per run in --json")
     p.add_argument("--json", default=None, metavar="FILE")
+    p.add_argument("--policy", default="cache_aware", help="the gateway's policy (a peer router runs its cache_aware)")
+    p.add_argument("--regime", choices=sorted(REGIMES), default=None,
+                   help="run a virtual-time regime's case as compare_peers --regime does (replicas, KV, step budget, rate, "
+                        "pre-warm, request count, text rendered to the nominal token counts); overrides the shape flags")
+    p.add_argument("--case", default="shared_docs", help="with --regime: the case (e.g. shared_docs, shared_docs_zipf, multi_turn)")
+    p.add_argument("--regime-requests", type=int, default=None, help="with --regime: this many requests instead of the case's")
     args = p.parse_args(argv)
+    args.max_num_batched_tokens, args.request_timeout, args.agent_load_interval = None, 120.0, 0.25
+    if args.regime:
+        _apply_regime(args)
     variants = [tuple(v.split("=", 1)) for v in args.variant] or [("this", str(REPO))]
     variants = [(n, d if d.startswith(PEER_PREFIX) else os.pathsep.join(str(Path(x).resolve()) for x in d.split(os.pathsep)))
                 for n, d in variants]
