@@ -169,7 +169,7 @@ class _Mean:
         self.at = 0
 
     def get(self, now: int, keep: float) -> float:
-        if now != self.at:
+        if now > self.at:  # only forward: rank() reads one request ahead of placed()'s clock
             self.v *= keep ** (now - self.at)
             self.at = now
         return self.v
