@@ -70,6 +70,35 @@ def test_rank_leaves_inputs_untouched_and_sequences_repeat(name):
     assert reps[3].running_reqs == 3
 
 
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_ranking_again_before_placing_changes_no_decision(name):
+    """Flow control ranks a held request again at release and /debug/route ranks without sending:
+    a policy's state moves with `placed` only, so each decision is the same whether the request
+    was ranked once or three times before it was placed (fresh rng per call: same seed, same draw)."""
+    reps = [ReplicaView(f"r{i}", running_reqs=i % 3, matched_blocks_gpu=(5 * i) % 7) for i in range(5)]
+    once, thrice = get_policy(name), get_policy(name)
+    for i in range(30):
+        req = RequestView(prompt_tokens=200, block_size=16, keys=tuple(range(i % 4, i % 4 + 12)))
+        a = once.rank(req, reps, random.Random(i))
+        for _ in range(2):
+            thrice.rank(req, reps, random.Random(i))
+        b = thrice.rank(req, reps, random.Random(i))
+        assert [c.replica_id for c in a.ranked] == [c.replica_id for c in b.ranked], (name, i)
+        once.placed(req, a)
+        thrice.placed(req, b)
+
+
+def test_round_robin_takes_one_turn_per_request_placed():
+    pol, reps = get_policy("round_robin"), [ReplicaView(f"r{i}") for i in range(3)]
+    req = RequestView(prompt_tokens=32, block_size=16, keys=(1, 2))
+    winners = []
+    for _ in range(6):
+        d = pol.rank(req, reps, random.Random(0))
+        winners.append(d.winner)
+        pol.placed(req, d)
+    assert winners == ["r0", "r1", "r2", "r0", "r1", "r2"]
+
+
 def test_registry_errors_say_what_is_accepted():
     with pytest.raises(ValueError, match="cache_aware"):
         get_policy("nope")
