@@ -106,7 +106,8 @@ Defaults tuned with `python -m loadtests.vtime_report --regime busy` (loadtests/
 
 Candidates' terms: plan (1 planned, 0 unplanned: then cache_aware's terms), holder (0/1),
 predicted_ttft_s, matched_blocks, group_work, group_holders, root_blocks (the request's root, in
-blocks: the prefix its holders keep), load_share, peak_share,
+blocks: the prefix its holders keep), root_at (the root's last key's index in the request's keys)
+and work_tokens (the request's planned work: what placed() records), load_share, peak_share,
 spread (1 on the replica chosen to build a new copy), warm_blocks (copy_in_background: the
 prefix to warm on that replica, 0 elsewhere), score (= -position: the chosen replica, the
 other holders by predicted TTFT, then the rest in cache_aware's order).
