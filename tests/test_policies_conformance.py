@@ -75,7 +75,7 @@ def test_ranking_again_before_placing_changes_no_decision(name):
     """Flow control ranks a held request again at release and /debug/route ranks without sending:
     a policy's state moves with `placed` only, so each decision is the same whether the request
     was ranked once or three times before it was placed (fresh rng per call: same seed, same draw)."""
-    reps = [ReplicaView(f"r{i}", running_reqs=i % 3, matched_blocks_gpu=(5 * i) % 7) for i in range(5)]
+    reps = [ReplicaView(f"r{i}", running_reqs=i % 3, matched_blocks_gpu=(5 * i) % 13) for i in range(5)]  # up to 12 of 12: cache_plan plans
     once, thrice = get_policy(name), get_policy(name)
     for i in range(30):
         req = RequestView(prompt_tokens=200, block_size=16, keys=tuple(range(i % 4, i % 4 + 12)))
