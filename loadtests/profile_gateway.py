@@ -467,8 +467,9 @@ def main(argv: list[str] | None = None) -> int:
                         "pre-warm, request count, text rendered to the nominal token counts); overrides the shape flags")
     p.add_argument("--case", default="shared_docs", help="with --regime: the case (e.g. shared_docs, shared_docs_zipf, multi_turn)")
     p.add_argument("--regime-requests", type=int, default=None, help="with --regime: this many requests instead of the case's")
+    # what --regime sets (compare_peers._apply_regime); without it: the sims' step budget, 120 s, 0.25 s
+    p.set_defaults(max_num_batched_tokens=None, request_timeout=120.0, agent_load_interval=0.25)
     args = p.parse_args(argv)
-    args.max_num_batched_tokens, args.request_timeout, args.agent_load_interval = None, 120.0, 0.25
     if args.regime:
         _apply_regime(args)
     variants = [tuple(v.split("=", 1)) for v in args.variant] or [("this", str(REPO))]

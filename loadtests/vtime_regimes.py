@@ -77,7 +77,7 @@ class Regime:
 
 
 _DOCS = dict(n_docs=24, doc_tokens=3000, doc_jitter=0.0, question_tokens=100, system_tokens=20, output_tokens=32)
-REGIME_MULTI_TURN = Case("multi_turn", 1500, dict(sessions=96, turns=6, system_tokens=700, user_tokens=100, answer_tokens=128), None, False)
+_MULTI_TURN = Case("multi_turn", 1500, dict(sessions=96, turns=6, system_tokens=700, user_tokens=100, answer_tokens=128), None, False)
 _BUSY_PARAMS = SimParams.wallclock(num_blocks=1616, max_num_seqs=64, max_batched_tokens=512, report_interval_s=0.25,
                                    request_timeout_s=120.0, cache_answers=False)
 REGIMES = {
@@ -87,7 +87,7 @@ REGIMES = {
         cases={
             "shared_docs": Case("shared_docs", 1500, {**_DOCS, "popularity": "uniform"}, 24.0, True),
             "shared_docs_zipf": Case("shared_docs", 1500, {**_DOCS, "popularity": "zipf", "zipf_s": 1.0}, 24.0, True),
-            "multi_turn": REGIME_MULTI_TURN,
+            "multi_turn": _MULTI_TURN,
             "no_sharing": Case("no_sharing", 1500, dict(prompt_tokens=1500, output_tokens=32), None, False),
         },
         policies=("cache_plan", "cache_aware", "sglang_cache_aware", "static_plan", "least_loaded"),
@@ -104,7 +104,7 @@ REGIMES = {
         cases={
             "shared_docs": Case("shared_docs", 1500, {**_DOCS, "popularity": "uniform"}, 24.0, True),
             "shared_docs_zipf": Case("shared_docs", 1500, {**_DOCS, "popularity": "zipf", "zipf_s": 1.0}, 24.0, True),
-            "multi_turn": REGIME_MULTI_TURN,
+            "multi_turn": _MULTI_TURN,
         },
         policies=("cache_plan", "cache_aware", "sglang_cache_aware", "static_plan"),
         note="busy's cases with 1.5x the KV per replica",
