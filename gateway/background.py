@@ -11,6 +11,9 @@ constructor), and how they report trouble.
   Counters the feed lost (Redis restarted empty, or our key expired while it was unreachable) are
   noticed in the exchange's reply and published again whole; changes a failed exchange did not
   apply are sent again with the next one.
+- `run_share_exchange`: every `flow.share_interval_s`, flow control's row on the fair-share board
+  out and the other gateways' rows in (gateway.flow: what they mean); when the board fails, flow
+  control runs on its local share and the loop retries once a second.
 - `run_keys_reload`: re-reads the API-keys file when its mtime changes (keeps the old keys if the
   new file is invalid).
 - `discover_model` / `run_model_discovery`: the model name and context length from the replicas'
@@ -30,6 +33,7 @@ import asyncio
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -41,7 +45,10 @@ from gateway.keepalive import Retainer, refresh_body, refresh_computed_tokens
 from gateway.load import LoadTracker
 from gateway.membership import Membership
 from gateway.model import ModelInfo
-from replica_agent.feed import FailureLog, InflightBoard
+from replica_agent.feed import FailureLog, FairShareBoard, InflightBoard
+
+if TYPE_CHECKING:  # gateway.flow imports this module (file_mtime)
+    from gateway.flow import FlowControl
 
 __all__ = ["trouble", "run_index_sync", "run_inflight_exchange", "run_keys_reload", "discover_model",
            "run_model_discovery", "file_mtime", "run_keep_alive", "MAX_REFRESHES_IN_FLIGHT"]
@@ -233,3 +240,21 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
     finally:
         for task in list(pending):
             task.cancel()
+
+
+async def run_share_exchange(flow: FlowControl, board: FairShareBoard, health: FailureLog, period_s: float) -> None:
+    """Exchange rows with the other gateways every `period_s` (module rules)."""
+    flow.has_board = True
+    while True:
+        try:
+            others = await board.exchange_shares(flow.share_row())
+            flow.apply_shares(others)
+            health.ok()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            health.failed(exc)
+            flow.board_lost()
+            await asyncio.sleep(max(period_s, 1.0))
+            continue
+        await asyncio.sleep(period_s)

@@ -8,15 +8,17 @@ Rules:
   the best-ranked replica with room that holds at least as much of its prefix (flow control
   decides when a request goes, the policy where: `_grant`). Nothing is awaited on that path.
 - Headroom (`headroom_reqs`, per replica): a tenant is *light* while it has fewer requests
-  granted here (and not finished) than its weighted fair share of this gateway's part of the
-  pool's slots (slots x replicas / gateways, shared by weight among the tenants granted something
-  here or arrived within HEADROOM_RECENT_S). While a light tenant other than the requester
-  arrived within HEADROOM_RECENT_S, a grant for a tenant that is not light needs room under slots
-  - headroom_reqs, with none waiting in the engine; a light tenant's needs the normal room, and it
-  goes straight on even while others are held. So a tenant sending under its share finds a free
-  slot instead of waiting for the next one to free (the wait is the pool's time between
-  completions, however fair the order); no slot is held back when every active tenant is at or
-  over its share, or none other is active.
+  granted (and not finished) through all gateways (the others' from the board's last exchange)
+  than its weighted fair share of the pool's slots (slots x replicas, shared by weight among the
+  tenants granted something or arrived here within HEADROOM_RECENT_S); while the board is away,
+  this gateway's grants against its part (divided by the gateways last seen). Judged per gateway,
+  a tenant spread over two looked heavy whenever its requests bunched on one. While a light
+  tenant other than the requester arrived within HEADROOM_RECENT_S, a grant for a tenant that is
+  not light needs room under slots - headroom_reqs, with none waiting in the engine; a light
+  tenant's needs the normal room, and it goes straight on even while others are held. So a
+  tenant sending under its share finds a free slot instead of waiting for the next one to free
+  (the wait is the pool's time between completions, however fair the order); no slot is held
+  back when every active tenant is at or over its share, or none other is active.
 - Light spill (`light_spill_s`, off at 0): a light tenant's request that goes straight on while
   another tenant is over its share, and whose first choice has no free sequence slot (room to
   wait in the engine only), goes to the best-ranked replica with a free slot where the prefill it
@@ -33,11 +35,13 @@ Rules:
   `queue_timeout`, both with `Retry-After` (the time the tenant's held requests take to drain at
   its current release rate); no replica healthy: 503, at once and for everything held; shutting
   down: 503 for everything held. A client that disconnects leaves the queue at once.
-- Shared (`run_share_exchange`, over the feed's backend): every `share_interval_s` each gateway
-  publishes per tenant what it released, holds, has active and was asked for, and reads the
-  others': their releases are credited to the tenants here (fair shares over the pool), their
-  held requests count against the per-tenant queue bound, and the tenant limiter gets the others'
-  active requests and this gateway's share of each tenant's rate. When the board is away the
+- Shared (the exchange loop is gateway.background's `run_share_exchange`, over the feed's
+  backend): every `share_interval_s` each gateway
+  publishes per tenant what it released, holds, has active, was asked for and has granted, and
+  reads the others': their releases are credited to the tenants here (fair shares over the pool),
+  their held requests count against the per-tenant queue bound, their grants toward whether a
+  tenant is light (headroom), and the tenant limiter gets the others' active requests and this
+  gateway's share of each tenant's rate. When the board is away the
   gateway runs on its local share (bounds and limits divided by the gateways last seen), says so
   in `warmroute_gateway_flow_shared`, /readyz and the log (background.trouble), and goes back to
   sharing when the board returns.
@@ -69,9 +73,9 @@ from gateway.membership import Membership
 from gateway.routing import RoutingState
 from gateway.telemetry import LabelCache
 from policies.base import Decision
-from replica_agent.feed import FailureLog, FairShareBoard, TenantShare
+from replica_agent.feed import TenantShare
 
-__all__ = ["FlowControl", "FlowMetrics", "Ticket", "run_share_exchange"]
+__all__ = ["FlowControl", "FlowMetrics", "Ticket"]
 
 
 def _matched(v) -> int:
@@ -160,6 +164,7 @@ class FlowControl:
         self.has_board = False
         self.n_gateways = 1  # gateways seen at the last successful exchange (this one included)
         self.others_queued: dict[str, int] = {}
+        self.others_granted: dict[str, int] = {}  # tenant -> requests the other gateways granted, not finished
         self.released: dict[str, float] = {}  # tenant -> cost released here so far (published)
         self._seen: dict[str, dict[str, float]] = {}  # owner -> tenant -> its released counter last read
         self._arrivals_seen: dict[str, dict[str, int]] = {}
@@ -266,14 +271,17 @@ class FlowControl:
             yield tenant
 
     def _fair_slots(self, tenant: str, now: float) -> Callable[[str], bool]:
-        """`light(u)`: u has fewer requests granted here than its fair share of this gateway's part
-        of the pool's slots, among the tenants active here (granted something, or arrived within
-        HEADROOM_RECENT_S) and `tenant`."""
-        active = set(self._granted) | set(self._recently_arrived(now)) | {tenant}
+        """`light(u)`: u has fewer requests granted than its fair share of the pool's slots, among
+        the tenants active (granted something here or at another gateway, or arrived here within
+        HEADROOM_RECENT_S) and `tenant` (module rules: headroom; grants over every gateway while
+        the board answers, else this gateway's against its part of the slots)."""
+        others = self.others_granted  # empty while the board is away: then this gateway's part only
+        active = set(self._granted) | set(self._recently_arrived(now)) | {tenant} | set(others)
         w = self._weights
-        per_weight = self.slots * max(1, len(self.membership.all())) / max(1, self.n_gateways) / sum(
-            w.get(u, 1.0) for u in active)
-        return lambda u: self._granted.get(u, 0) < per_weight * w.get(u, 1.0)
+        parts = 1 if self.shared else max(1, self.n_gateways)
+        per_weight = self.slots * max(1, len(self.membership.all())) / parts / sum(w.get(u, 1.0) for u in active)
+        granted = self._granted
+        return lambda u: granted.get(u, 0) + others.get(u, 0) < per_weight * w.get(u, 1.0)
 
     def _fairness(self, tenant: str, now: float) -> Callable[[str], bool]:
         """`_fair_slots(tenant, now)`, built on its first call only: one request's admission asks
@@ -509,16 +517,18 @@ class FlowControl:
         for (tenant, _), n in self.queue.counts().items():
             counts[tenant] = counts.get(tenant, 0) + n
         row = {}
-        for th in set(self.released) | set(counts) | set(self._ids_of_hash):
+        for th in set(self.released) | set(counts) | set(self._ids_of_hash) | set(self._granted):
             tid = self._ids_of_hash.get(th)
             row[th] = TenantShare(self.released.get(th, 0.0), counts.get(th, 0),
-                                  lim.active(tid) if tid else 0, lim.arrivals.get(tid, 0) if tid else 0)
+                                  lim.active(tid) if tid else 0, lim.arrivals.get(tid, 0) if tid else 0,
+                                  self._granted.get(th, 0))
         return row
 
     def apply_shares(self, others: dict[str, dict[str, TenantShare]]) -> None:
         """The other gateways' rows, read just now."""
         queued: dict[str, int] = {}
         active: dict[str, int] = {}
+        granted: dict[str, int] = {}
         arrivals_d: dict[str, int] = {}
         for owner, row in others.items():
             new = owner not in self._seen  # a gateway first seen: its past is a baseline, not credited
@@ -535,10 +545,13 @@ class FlowControl:
                 aseen[th] = s.arrivals
                 queued[th] = queued.get(th, 0) + s.queued
                 active[th] = active.get(th, 0) + s.active
+                if s.granted > 0:
+                    granted[th] = granted.get(th, 0) + s.granted
         for gone in set(self._seen) - set(others):
             del self._seen[gone]
             self._arrivals_seen.pop(gone, None)
         self.others_queued = queued
+        self.others_granted = granted
         self.n_gateways = 1 + len(others)
         lim = self.limiter
         lim.others_active = {tid: active.get(th, 0) for th, tid in self._ids_of_hash.items()}
@@ -559,6 +572,7 @@ class FlowControl:
         lim.concurrency_share = 1.0 / self.n_gateways
         lim.rate_share = {tid: 1.0 / self.n_gateways for tid in self._ids_of_hash.values()}
         self.others_queued = {}
+        self.others_granted = {}
         self._seen.clear()  # the others' counters are re-read as a fresh baseline when it returns
         self._arrivals_seen.clear()
         self._set_shared(False)
@@ -573,21 +587,3 @@ class FlowControl:
             return (f"flow control on its local share: the fair-share board is unavailable "
                     f"(limits divided by the {self.n_gateways} gateway(s) last seen)")
         return None
-
-
-async def run_share_exchange(flow: FlowControl, board: FairShareBoard, health: FailureLog, period_s: float) -> None:
-    """Exchange rows with the other gateways every `period_s` (module rules)."""
-    flow.has_board = True
-    while True:
-        try:
-            others = await board.exchange_shares(flow.share_row())
-            flow.apply_shares(others)
-            health.ok()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            health.failed(exc)
-            flow.board_lost()
-            await asyncio.sleep(max(period_s, 1.0))
-            continue
-        await asyncio.sleep(period_s)

@@ -27,11 +27,11 @@ from gateway.admin import build_admin_app
 from gateway.assemble import build_authenticator, build_policy, build_salter
 from gateway.auth import TenantLimiter
 from gateway.background import (discover_model, flush_inflight, run_index_sync, run_inflight_exchange, run_keep_alive,
-                                run_keys_reload, run_model_discovery, trouble)
+                                run_keys_reload, run_model_discovery, run_share_exchange, trouble)
 from gateway.config import GatewayConfig, check_files
 from gateway.dispatch import Dispatcher
 from gateway.errors import ApiError
-from gateway.flow import FlowControl, run_share_exchange
+from gateway.flow import FlowControl
 from gateway.http_front import FrontRequest, FrontResponse, FrontServer, send_error, start_front
 from gateway.index import KVIndex
 from gateway.index_sync import IndexSync

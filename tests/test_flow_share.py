@@ -1,8 +1,9 @@
 """Flow control shared across gateways (replica_agent/feed/fair_share.py, gateway.flow's
 exchange), on a real redis-server: the board's rows on both transports (exchange, expiry of a
-gateway that stops, malformed rows skipped); two gateways holding one tenant's queue bound and
-its concurrency limit between them, and crediting each other's releases; and the fallback when
-Redis goes away (local share of the bounds, said in the metric, /readyz and the log) and back."""
+gateway that stops, malformed rows skipped); a tenant's fair share of slots judged over both
+gateways' grants; two gateways holding one tenant's queue bound and its concurrency limit
+between them, and crediting each other's releases; and the fallback when Redis goes away (local
+share of the bounds, said in the metric, /readyz and the log) and back."""
 from __future__ import annotations
 
 import asyncio
@@ -29,9 +30,9 @@ async def _board_roundtrip(url: str) -> None:
     a = fair_share_board(fa, ttl_s=0.5, owner="gw-a")
     b = fair_share_board(fb, ttl_s=0.5, owner="gw-b")
     try:
-        assert await a.exchange_shares({"t1": TenantShare(3.0, 2, 1, 7)}) == {}
+        assert await a.exchange_shares({"t1": TenantShare(3.0, 2, 1, 7, 5)}) == {}
         seen = await b.exchange_shares({"t2": TenantShare(1.0, 0, 0, 1)})
-        assert seen == {"gw-a": {"t1": TenantShare(3.0, 2, 1, 7)}}
+        assert seen == {"gw-a": {"t1": TenantShare(3.0, 2, 1, 7, 5)}}
         seen = await a.exchange_shares({})  # a row without tenants still says the gateway is there
         assert seen == {"gw-b": {"t2": TenantShare(1.0, 0, 0, 1)}}
         assert await b.exchange_shares({}) == {"gw-a": {}}
@@ -56,7 +57,8 @@ async def test_the_board_exchanges_rows_and_forgets_a_gateway_that_stops_on_redi
         await r.pexpire("wr:flow:gw-x", 5000)
         feed = open_feed(redis_server.url)
         seen = await fair_share_board(feed, owner="gw-y").exchange_shares({})
-        assert seen["gw-x"] == {"ok": TenantShare(1.0, 1, 0, 1)}  # the malformed row is skipped
+        # the malformed row is skipped; a row of an earlier release (four fields) has granted 0
+        assert seen["gw-x"] == {"ok": TenantShare(1.0, 1, 0, 1, 0)}
         await feed.close()
     finally:
         await r.aclose()
@@ -119,6 +121,37 @@ async def test_a_tenants_concurrency_limit_holds_across_gateways(tmp_path, tok, 
             assert status == 429 and json.loads(body)["error"]["code"] == "concurrency_limit_exceeded"
             rep.drain()
             assert [st for st, _, _ in await asyncio.gather(t1, t2)] == [200, 200]
+    finally:
+        await a.close()
+        await b.close()
+        await rep.close()
+
+
+async def test_a_tenant_is_light_or_heavy_by_its_grants_over_every_gateway(tmp_path, tok, redis_server):
+    """One replica, 4 slots, two tenants: each is entitled to 2 slots of the pool whichever gateway
+    it comes through. Counting each gateway against its half of the slots instead (1 each) would
+    judge the quiet tenant heavy at a with 1 request granted there (no headroom kept for it: noisy
+    takes every slot and the quiet tenant's second request waits) and light at b with 0 there and
+    2 at a (checked against the old rule: this test fails at "noisy to take its share")."""
+    rep = await HeldReplica().start()
+    a, b = await _two_gateways(tmp_path, tok, redis_server.url, rep, {"max_num_seqs": 4, "headroom_reqs": 1})
+    quiet, noisy = tenant_hash("both"), tenant_hash("noisy")
+    try:
+        async with aiohttp.ClientSession() as s:
+            q = [asyncio.create_task(ask(s, a.url, "k-both", "q0"))]
+            await until(lambda: rep.open_count() == 1, what="the quiet request")
+            n = [asyncio.create_task(ask(s, a.url, "k-noisy", f"n{i}")) for i in range(4)]
+            # noisy takes its 2 slots, then leaves the headroom to the quiet tenant: 2 held
+            await until(lambda: rep.open_count() == 3 and len(a.gateway.flow.queue) == 2, what="noisy to take its share")
+            q.append(asyncio.create_task(ask(s, a.url, "k-both", "q1")))
+            await until(lambda: "q1" in rep.arrived, what="the quiet tenant (1 of its 2 slots) to go straight on")
+            assert len(a.gateway.flow.queue) == 2 and rep.open_count() == 4
+            await until(lambda: b.gateway.flow.others_granted == {quiet: 2, noisy: 2}, what="b to see a's grants")
+            fb = b.gateway.flow
+            assert not fb._fair_slots(quiet, fb.clock())(quiet), "2 granted at a: at its share at b too"
+            assert not a.gateway.flow._fair_slots(quiet, a.gateway.flow.clock())(quiet)
+            rep.drain()
+            assert all(st == 200 for st, _, _ in await asyncio.gather(*q, *n))
     finally:
         await a.close()
         await b.close()

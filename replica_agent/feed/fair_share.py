@@ -4,13 +4,15 @@ shares and per-tenant limits hold across gateway workers and gateway replicas.
 Each gateway (an owner) writes its whole row on every exchange and reads every other owner's:
 per tenant hash, the cost it has released from its queue so far (a counter that only grows while
 the owner lives), the requests it holds queued now, the requests it has active (the tenant
-limiter's count) and the requests it was asked for (the limiter's arrivals, a growing counter).
+limiter's count), the requests it was asked for (the limiter's arrivals, a growing counter) and
+the requests its flow control granted (sent on, not finished: what the tenant occupies of the
+pool's slots through that owner).
 A row expires `ttl_s` after its owner's last write, so a gateway that dies stops counting. Tenant
 ids never reach the board, only their hashes.
 
 Transports, like the rest of the feed: in-process (`memory://`, shared by name within the
 process) and Redis (`{prefix}flow:{owner}`, a HASH of tenant hash -> msgpack [released, queued,
-active, arrivals], written with DEL + HSET + PEXPIRE in one MULTI, read by SCAN + HGETALL, the
+active, arrivals, granted], written with DEL + HSET + PEXPIRE in one MULTI, read by SCAN + HGETALL, the
 same way as the in-flight counters). Every Redis error surfaces as FeedUnavailable.
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ class TenantShare:
     queued: int = 0  # requests held now
     active: int = 0  # requests admitted and not finished (tenant limiter)
     arrivals: int = 0  # requests asked for so far (tenant limiter; grows)
+    granted: int = 0  # requests flow control sent on and not finished (0 from an owner that predates it)
 
 
 @runtime_checkable
@@ -63,13 +66,13 @@ _dec = msgspec.msgpack.Decoder()
 
 
 def _encode(s: TenantShare) -> bytes:
-    return _enc.encode([s.released, s.queued, s.active, s.arrivals])
+    return _enc.encode([s.released, s.queued, s.active, s.arrivals, s.granted])
 
 
 def _decode(raw: bytes) -> TenantShare | None:
     try:
-        r, q, a, n = _dec.decode(raw)[:4]
-        return TenantShare(float(r), int(q), int(a), int(n))
+        r, q, a, n, *g = _dec.decode(raw)[:5]  # four fields from a gateway of an earlier release
+        return TenantShare(float(r), int(q), int(a), int(n), int(g[0]) if g else 0)
     except Exception:  # noqa: BLE001 - a malformed row is skipped, not fatal
         return None
 
