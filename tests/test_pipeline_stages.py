@@ -91,13 +91,13 @@ def test_context_length_uses_vllm_wording():
 # ----------------------------------------------------------------------------------- rewrite
 
 
-def test_rewrite_replaces_the_salt_and_adds_accounting_options():
+def test_rewrite_replaces_the_salt_drops_the_engine_priority_and_adds_accounting_options():
     payload = {"model": "alias", "messages": [], "cache_salt": "client-chosen", "stream": True,
-               "stream_options": {"continuous_usage_stats": True}, "vllm_xargs": {"x": 1}}
+               "stream_options": {"continuous_usage_stats": True}, "vllm_xargs": {"x": 1}, "priority": -100}
     req = ParsedRequest("chat", "alias", True, False, 0, messages=[])
     body = msgspec.json.decode(upstream_body(payload, req, salt="S", model_name="real", force_include_usage=True,
                                              kv_cache_report_mode="full"))
-    assert body["cache_salt"] == "S" and body["model"] == "real"
+    assert body["cache_salt"] == "S" and body["model"] == "real" and "priority" not in body  # no queue jumping
     assert body["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
     assert body["vllm_xargs"] == {"x": 1, "kv_cache_report_mode": "full"}
     body = msgspec.json.decode(upstream_body({"model": "m"}, ParsedRequest("chat", "m", False, False, 0), salt="S",

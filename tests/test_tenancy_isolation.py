@@ -1,5 +1,6 @@
 """Tenants never share KV blocks: a client-chosen `cache_salt` (of any type, or another tenant's
-derived salt) never reaches the engine, and tenants A and B sending the same long prompt share no
+derived salt) never reaches the engine (nor a client's vLLM `priority`: a place of its choosing in
+the engine's queue), and tenants A and B sending the same long prompt share no
 block, neither in the engines (engine-reported cached tokens) nor in the gateway's index."""
 from __future__ import annotations
 
@@ -71,10 +72,11 @@ async def test_client_cache_salt_never_reaches_the_engine(tok, keys_file):
                     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                                        ("/v1/completions", {"prompt": "hi"})):
                         n = len(got)
-                        raw = {"model": MODEL, **body, "cache_salt": cs}
+                        raw = {"model": MODEL, **body, "cache_salt": cs, "priority": -1}
                         async with s.post(g.url + path, json=raw, headers={"Authorization": f"Bearer {key}"}) as r:
                             assert r.status == 200, await r.text()
                         assert len(got) == n + 1 and got[-1]["cache_salt"] == want, (key, cs, got[-1].get("cache_salt"))
+                        assert "priority" not in got[-1]  # nor a place in the engine's queue of its choosing
             # The same with the salt key spelled twice in the raw JSON (the last one would win in a parser).
             raw = f'{{"model": "{MODEL}", "prompt": "hi", "cache_salt": "{salt_a}", "cache_salt": "{salt_a}"}}'
             async with s.post(g.url + "/v1/completions", data=raw, headers={"Authorization": "Bearer key-b",
