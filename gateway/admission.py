@@ -48,7 +48,7 @@ from gateway.routing import queued_prefill_tokens
 from policies.base import ReplicaView
 
 __all__ = ["TenantFlow", "FlowClass", "FlowRules", "SlotLedger", "occupancy_reqs", "backlog_s", "has_room",
-           "load_tenant_flows", "tenant_flow", "retry_after_s", "REPORT_SLACK_S"]
+           "load_tenant_flows", "tenant_flow", "retry_after_s", "REPORT_SLACK_S", "matched_blocks"]
 
 REPORT_SLACK_S = 0.05  # finishes this long before a report's time still count as after it (module header)
 
@@ -222,6 +222,12 @@ def occupancy_reqs(report, ledger_delta: int, *, own_active: int, own_inflight: 
     if report is None:
         return floor
     return max(report.running_reqs + report.waiting_reqs + ledger_delta, floor)
+
+
+def matched_blocks(v: ReplicaView | None) -> int:
+    """The leading run of the request's blocks a replica holds, as the policies count it (0 for
+    no view, or a replica whose index is not live: nothing known to lose there)."""
+    return v.matched_blocks_cpu if v is not None and v.index_live else 0
 
 
 def backlog_s(v: ReplicaView) -> float:

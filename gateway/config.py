@@ -162,6 +162,7 @@ class FlowConfig:
     engine_queue_reqs: int = 1  # requests left to wait inside each engine beyond its slots (refills a freed slot at once)
     headroom_reqs: int = 1  # slots per replica heavy tenants leave free while a light one is active (0: none)
     light_spill_s: float = 0.5  # a light tenant's request may lose this much prefill (s) to take a free slot elsewhere (0: off)
+    engine_priority: bool = False  # tell the engines: vLLM priority 0 for light tenants' requests, 1 for the rest (needs --scheduling-policy priority)
     max_queue_penalty_s: float = 1.0  # a replica with more queued prefill than this (seconds) has no room
     max_queue_reqs_per_tenant: int = 1000  # held requests per tenant (all gateways); beyond: 429
     max_queue_wait_s: float = 30.0  # held longer than this: 429

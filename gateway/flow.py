@@ -11,8 +11,7 @@ Rules:
   granted (and not finished) through all gateways (the others' from the board's last exchange)
   than its weighted fair share of the pool's slots (slots x replicas, shared by weight among the
   tenants granted something or arrived here within HEADROOM_RECENT_S); while the board is away,
-  this gateway's grants against its part (divided by the gateways last seen). Judged per gateway,
-  a tenant spread over two looked heavy whenever its requests bunched on one. While a light
+  this gateway's grants against its part (divided by the gateways last seen). While a light
   tenant other than the requester arrived within HEADROOM_RECENT_S, a grant for a tenant that is
   not light needs room under slots - headroom_reqs, with none waiting in the engine; a light
   tenant's needs the normal room, and it goes straight on even while others are held. So a
@@ -25,6 +24,12 @@ Rules:
   loses (its first choice's cached blocks it would recompute there) costs at most `light_spill_s`
   seconds. Its own earlier requests may hold the headroom on the replica that has its prefix; a
   short miss elsewhere is cheaper than waiting there for the next finish.
+- Engine priority (`engine_priority`, off: the engines must run `--scheduling-policy priority`):
+  a request let on while its tenant is light carries vLLM's priority 0, any other 1, so the
+  engine admits it first from its own queue (where requests wait when gateways together overfill
+  a replica: each sees the others' grants only at the next exchange or report); and a light
+  tenant's request beside another tenant is not held: without room it goes to its first choice
+  and waits there, first in line, for the next free slot (bounded: at its share it is not light).
 - Otherwise it is held in the fair queue (gateway.fairness: weighted shares between tenants,
   priority classes within a tenant, FIFO within a class). Held requests are released while a
   replica has room, checked when a request of this gateway gets its first token or finishes and
@@ -35,16 +40,14 @@ Rules:
   `queue_timeout`, both with `Retry-After` (the time the tenant's held requests take to drain at
   its current release rate); no replica healthy: 503, at once and for everything held; shutting
   down: 503 for everything held. A client that disconnects leaves the queue at once.
-- Shared (the exchange loop is gateway.background's `run_share_exchange`, over the feed's
-  backend): every `share_interval_s` each gateway
-  publishes per tenant what it released, holds, has active, was asked for and has granted, and
-  reads the others': their releases are credited to the tenants here (fair shares over the pool),
-  their held requests count against the per-tenant queue bound, their grants toward whether a
-  tenant is light (headroom), and the tenant limiter gets the others' active requests and this
-  gateway's share of each tenant's rate. When the board is away the
-  gateway runs on its local share (bounds and limits divided by the gateways last seen), says so
-  in `warmroute_gateway_flow_shared`, /readyz and the log (background.trouble), and goes back to
-  sharing when the board returns.
+- Shared (gateway.background's `run_share_exchange`, over the feed's backend): every
+  `share_interval_s` each gateway publishes per tenant what it released, holds, has active, was
+  asked for and has granted, and reads the others': their releases are credited to the tenants
+  here (fair shares over the pool), their held requests count against the per-tenant queue
+  bound, their grants toward lightness, and the tenant limiter gets the others' active requests
+  and this gateway's share of each tenant's rate. With the board away the gateway runs on its
+  local share (divided by the gateways last seen), says so (`warmroute_gateway_flow_shared`,
+  /readyz, the log) and shares again when the board returns.
 - Visible: held requests and their wait per tenant hash and class, admissions (direct or
   released), sheds by reason (metrics below), and the request's class, weight, wait and path as
   attributes of the decision span.
@@ -62,7 +65,7 @@ from typing import Callable
 from prometheus_client import Counter, Gauge, Histogram
 
 from gateway.admission import (REPORT_SLACK_S, FlowClass, FlowRules, SlotLedger, has_room, load_tenant_flows,
-                               occupancy_reqs, retry_after_s)
+                               matched_blocks, occupancy_reqs, retry_after_s)
 from gateway.auth import TenantLimiter, tenant_hash
 from gateway.background import file_mtime
 from gateway.config import ConfigError, GatewayConfig
@@ -76,12 +79,6 @@ from policies.base import Decision
 from replica_agent.feed import TenantShare
 
 __all__ = ["FlowControl", "FlowMetrics", "Ticket"]
-
-
-def _matched(v) -> int:
-    """The leading run of the request's blocks a replica holds, as the policies count it (0 for
-    no view, or a replica whose index is not live: nothing known to lose there)."""
-    return v.matched_blocks_cpu if v is not None and v.index_live else 0
 
 
 log = logging.getLogger("warmroute.gateway")
@@ -123,11 +120,12 @@ class Ticket:
     held: bool = False  # in the queue now (counted in the queued gauge)
     pending: bool = False  # released, its coroutine not yet back to dispatch it (counted on `replica`)
     replica: str | None = None  # where its grant counts (SlotLedger) until it finishes
+    light: bool = True  # under its fair share when let on (flow.engine_priority: the engine's priority 0)
 
     def span_attrs(self) -> dict:
         return {"warmroute.flow.path": self.path, "warmroute.flow.wait_s": self.wait_s,
                 "warmroute.flow.priority": self.cls.priority_name, "warmroute.flow.weight": self.cls.weight,
-                "warmroute.flow.held_ahead": self.held_ahead}
+                "warmroute.flow.held_ahead": self.held_ahead, "warmroute.flow.light": self.light}
 
 
 class _Waiter:
@@ -192,8 +190,10 @@ class FlowControl:
         self._arrived(fc.tenant, t.t_arrival)
         light = (self._fairness(fc.tenant, t.t_arrival)  # not for a tenant alone: its questions are O(1)
                  if len(self.queue) or len(self._recent) > 1 or len(self._granted) > 1 else None)
-        direct = not len(self.queue) or (light(fc.tenant) and not self.queue.tenant_len(fc.tenant))
-        if direct and self._grant(ctx, t, self._reserve_for(fc.tenant, light), spill_s=self._spill_for(fc.tenant, light)):
+        t.light = light is None or light(fc.tenant)
+        direct = not len(self.queue) or (t.light and not self.queue.tenant_len(fc.tenant))
+        if direct and (self._grant(ctx, t, self._reserve_for(fc.tenant, light), spill_s=self._spill_for(fc.tenant, light))
+                       or self._jump(ctx, t, light)):
             t.path = "direct"
             self.metrics.child(self.metrics.admissions, fc.tenant, fc.priority_name, "direct").inc()
             return
@@ -368,17 +368,26 @@ class FlowControl:
             roomy = [c for c in ranked[1:] if c.replica_id in views and self._room(views[c.replica_id], reserve)]
             if not roomy:
                 return False
-            moved = [c for c in roomy if _matched(views[c.replica_id]) >= _matched(first)]
+            moved = [c for c in roomy if matched_blocks(views[c.replica_id]) >= matched_blocks(first)]
         if not moved and spill_s > 0.0 and first is not None and not self._room(first, reserve, free_slot=True):
             bs = routing.request.block_size
             moved = [c for c in ranked[1:] if c.replica_id in views and self._room(views[c.replica_id], reserve, free_slot=True)
-                     and (_matched(first) - _matched(views[c.replica_id])) * bs * views[c.replica_id].prefill_s_per_token <= spill_s]
+                     and (matched_blocks(first) - matched_blocks(views[c.replica_id])) * bs * views[c.replica_id].prefill_s_per_token <= spill_s]
         if moved:
             ids = {c.replica_id for c in moved}
             rest = [c for c in ranked if c.replica_id not in ids]
             ctx.routing = dataclasses.replace(routing, decision=Decision(routing.decision.policy, tuple(moved + rest)))
             rid = moved[0].replica_id
         self._count_grant(t, rid)
+        return True
+
+    def _jump(self, ctx: RequestContext, t: Ticket, light) -> bool:
+        """With engine priority, a light tenant's request beside another tenant goes to its first
+        choice even without room (module rules): the engine admits it first from its own queue."""
+        ranked = ctx.routing.decision.ranked
+        if not (self.cfg.engine_priority and t.light and light is not None and ranked):
+            return False
+        self._count_grant(t, ranked[0].replica_id)
         return True
 
     def _pool_has_room(self, reserve: int = 0) -> bool:
@@ -416,6 +425,7 @@ class FlowControl:
             if not w.ctx.routing.decision.ranked:
                 self._fail(w, "no_replica")
                 continue
+            t.light = self._fairness(t.cls.tenant, self.clock())(t.cls.tenant)
             if not self._grant(w.ctx, t, reserve):  # the pool view had room: trust it for the best-ranked
                 self._count_grant(t, w.ctx.routing.decision.ranked[0].replica_id)
             t.pending = True

@@ -166,8 +166,10 @@ class Pipeline:
             raise ApiError(503, "no replica available", code="no_replica_available", headers={"Retry-After": "1"})
         self.policy.placed(routing.request, routing.decision)  # once, as sent (rank may have run twice)
         p = self.cfg.proxy
+        prio = (0 if ctx.flow.light else 1) if self.cfg.flow.engine_priority and ctx.flow is not None else None
         ctx.body = upstream_body(ctx.payload, ctx.request, salt=ctx.salt, model_name=self.model.name,
-                                 force_include_usage=p.force_include_usage, kv_cache_report_mode=p.kv_cache_report_mode)
+                                 force_include_usage=p.force_include_usage, kv_cache_report_mode=p.kv_cache_report_mode,
+                                 engine_priority=prio)
 
     async def admit(self, ctx: RequestContext, raw_body: bytes, *, identity: Identity | None = None) -> None:
         """Who asks, for which model, within the tenant's limits; the trace span starts here."""

@@ -4,10 +4,11 @@ Rule: the derived `cache_salt` replaces any the client sent (a client never choo
 `model` becomes the canonical served name (aliases resolve), and the engine options the gateway
 needs for its own accounting are added: `stream_options.include_usage` on streams (the relay
 strips the usage chunk again when the client did not ask for it), and
-`vllm_xargs.kv_cache_report_mode` when configured (hits re-reported as KV events). vLLM's
-`priority` is dropped: on engines run with `--scheduling-policy priority` a client's own value
+`vllm_xargs.kv_cache_report_mode` when configured (hits re-reported as KV events). A client's
+vLLM `priority` is dropped: on engines run with `--scheduling-policy priority` its own value
 would put it ahead of every other tenant's requests in the engine's queue, past flow control's
-fair order (on the default policy a non-zero one is refused). Everything else passes through as
+fair order (on the default policy a non-zero one is refused); with `flow.engine_priority` the
+gateway sets it (0 for a tenant under its fair share, 1 for the rest). Everything else passes through as
 the client sent it.
 """
 from __future__ import annotations
@@ -22,11 +23,14 @@ _encode = msgspec.json.encode
 
 
 def upstream_body(payload: dict, req: ParsedRequest, *, salt: str, model_name: str, force_include_usage: bool,
-                  kv_cache_report_mode: str | None) -> bytes:
-    """The upstream JSON body; `payload` (the client's parsed body) is updated in place."""
+                  kv_cache_report_mode: str | None, engine_priority: int | None = None) -> bytes:
+    """The upstream JSON body; `payload` (the client's parsed body) is updated in place.
+    `engine_priority`: vLLM's `priority` to set (flow control's, gateway.flow), None: none."""
     payload["cache_salt"] = salt
     payload["model"] = model_name
     payload.pop("priority", None)
+    if engine_priority is not None:
+        payload["priority"] = engine_priority
     if req.stream and force_include_usage:
         so = payload.get("stream_options")
         payload["stream_options"] = {**(so or {}), "include_usage": True}

@@ -82,6 +82,7 @@ def pool_main(redis_url: str, port: int, index: int, args: dict) -> None:
         ev, rp = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
         sim = await start_sim_server(SimConfig(model=MODEL, num_blocks=args["num_blocks"], max_model_len=4096,
                                                max_num_seqs=args["max_num_seqs"], time=tm, kv_events_endpoint=ev,
+                                               scheduling_policy=args.get("scheduling_policy", "fcfs"),
                                                replay_endpoint=rp, engine_label=f"r{index}"), port=port)
         agent = await start_agent(AgentConfig(replica_id=f"r{index}", kv_events_endpoint=ev, engine_url=sim.url,
                                               replay_endpoint=rp, bind=True, model=MODEL, block_size=16,
@@ -131,7 +132,8 @@ def _gateway_config(path: Path, redis_url: str, sims: list[str], ports: tuple[in
         "salt": {"secret_file": str(path.parent / "salt")},
         "flow": {"enabled": flow, "max_queue_wait_s": args.max_queue_wait_s,
                  "max_queue_reqs_per_tenant": args.max_queue_reqs, "engine_queue_reqs": args.engine_queue_reqs,
-                 "headroom_reqs": headroom, "light_spill_s": light_spill_s},
+                 "headroom_reqs": headroom, "light_spill_s": light_spill_s,
+                 "engine_priority": args.engine_priority},
     }
     path.write_text(yaml.safe_dump(cfg))
 
@@ -409,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--headroom-reqs", default="1,0", help="flow.headroom_reqs values to run flow control with, side by side")
     ap.add_argument("--light-spill-s", default="0.5", help="flow.light_spill_s values to run flow control with, side by side "
                     "(each with every --headroom-reqs value)")
+    ap.add_argument("--engine-priority", action="store_true",
+                    help="flow.engine_priority on, the sims on vLLM's priority scheduling (every scenario)")
     ap.add_argument("--noisy-multiple", type=float, default=5.0, help="the noisy tenant's rate, in fair shares")
     ap.add_argument("--max-queue-wait-s", type=float, default=5.0, help="flow.max_queue_wait_s of the runs")
     ap.add_argument("--max-queue-reqs", type=int, default=200, help="flow.max_queue_reqs_per_tenant of the runs")
@@ -442,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         time.sleep(0.3)
         spec = {"max_num_seqs": args.max_num_seqs, "num_blocks": args.num_blocks, "time_scale": args.time_scale,
-                "prefill_ms_per_token": args.prefill_ms_per_token}
+                "prefill_ms_per_token": args.prefill_ms_per_token,
+                "scheduling_policy": "priority" if args.engine_priority else "fcfs"}
         pool = [ctxp.Process(target=pool_main, args=(redis_url, p, i, spec), daemon=True) for i, p in enumerate(ports)]
         for p in pool:
             p.start()

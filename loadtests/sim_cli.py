@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=32768, help="prompt + output tokens per request at most (clamped to the KV capacity)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens scheduled per step at most (chunked prefill)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="vLLM's --scheduling-policy: fcfs, or priority (a request's `priority`, lower first)")
     p.add_argument("--default-max-tokens", type=int, default=16, help="output tokens when a request gives no max_tokens")
     t = p.add_argument_group("time model (step = overhead + prefill tokens x per-token + decoding seqs x per-seq, x time scale)")
     t.add_argument("--time-profile", default="gpu", choices=["gpu", "wallclock"],

@@ -19,10 +19,11 @@ HS_SECRET = b"flow-hs256-secret-0123456789abcdef"
 class HeldReplica:
     """A vLLM-shaped streaming replica: each request gets its first event at once, then waits
     until the test releases it (`release`), then ends with usage and [DONE]. `arrived` lists the
-    label (last message's content) of each request in arrival order."""
+    label (last message's content) of each request in arrival order, `bodies` their bodies."""
 
     def __init__(self) -> None:
         self.arrived: list[str] = []
+        self.bodies: list[dict] = []
         self.gates: list[asyncio.Event] = []
         self.health = 200
         self.auto = False  # answer whole at once (after `drain`)
@@ -45,6 +46,7 @@ class HeldReplica:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        self.bodies.append(body)
         self.arrived.append(body["messages"][-1]["content"])
         gate = asyncio.Event()
         if self.auto:

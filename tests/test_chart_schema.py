@@ -88,6 +88,11 @@ def test_config_schema_is_derived_from_the_gateway_config():
     assert "server" in committed["properties"] and "port" not in committed["properties"]["server"]["properties"]
 
 
+def test_zero_switches_that_mean_off_pass():
+    """0 is "off" for these (gateway/config.py), not a bad period."""
+    render(deep_merge(BASE, {"config": {"flow": {"light_spill_s": 0, "headroom_reqs": 0, "engine_priority": True}}}))
+
+
 def test_every_policy_name_and_its_own_parameters_pass():
     for name in POLICY_NAMES:
         render(deep_merge(BASE, {"config": {"policy": {"name": name, "params": {}}}}))

@@ -316,6 +316,14 @@ async def test_a_request_takes_a_free_slot_elsewhere_when_it_loses_no_cache_ther
         await r1.close()
 
 
+async def _quiet_once(s, g, rep) -> None:
+    """The quiet tenant's first request, answered: its prompt is on the replica, the tenant recent."""
+    q0 = asyncio.create_task(ask(s, g.url, "k-quiet", "q0"))
+    await until(lambda: rep.open_count() == 1, what="the quiet request")
+    rep.release(1)
+    assert (await q0)[0] == 200
+
+
 @pytest.mark.parametrize("headroom", [1, 0])
 async def test_a_light_tenant_finds_the_headroom_a_heavy_one_leaves(tmp_path, tok, headroom):
     """One replica, 3 slots, two tenants of equal weight (fair share 1.5 slots each), headroom 1:
@@ -328,10 +336,7 @@ async def test_a_light_tenant_finds_the_headroom_a_heavy_one_leaves(tmp_path, to
     flow = g.gateway.flow
     try:
         async with aiohttp.ClientSession() as s:
-            q0 = asyncio.create_task(ask(s, g.url, "k-quiet", "q0"))
-            await until(lambda: rep.open_count() == 1, what="the quiet request")
-            rep.release(1)
-            assert (await q0)[0] == 200
+            await _quiet_once(s, g, rep)
             noisy = [asyncio.create_task(ask(s, g.url, "k-noisy", f"n{i}")) for i in range(4)]
             room = 2 if headroom else 3
             await until(lambda: rep.open_count() == room and len(flow.queue) == 4 - room, what="noisy to take its slots")
@@ -351,6 +356,52 @@ async def test_a_light_tenant_finds_the_headroom_a_heavy_one_leaves(tmp_path, to
                 await until(lambda: "q1" in rep.arrived, what="the quiet request released first (fair order)")
             rep.drain()
             assert all(r[0] == 200 for r in await asyncio.gather(q1, *noisy))
+    finally:
+        await g.close()
+        await rep.close()
+
+
+@pytest.mark.parametrize("engine_priority", [True, False])
+async def test_engine_priority_tells_the_engine_who_is_under_its_share(tmp_path, tok, engine_priority):
+    """flow.engine_priority: a request let on while its tenant is under its fair share carries
+    vLLM's priority 0, one let on over it priority 1 (the engine then admits the first before the
+    second from its own queue), and a light tenant's request is not held: it waits in the engine,
+    first in line; off: no priority at all, and that request is held. One replica, 4 slots, fair
+    share 2 each: noisy's first two go on under its share, its third over it (into the room the
+    headroom leaves), its fourth is held; the quiet tenant's first request takes the headroom,
+    its second finds the replica full; once the quiet tenant is idle, noisy is alone (its share is
+    the pool) and its held request is released under it."""
+    rep = await HeldReplica().start()
+    g = await _gateway(tmp_path, tok, {"r0": rep.url}, {"max_num_seqs": 4, "headroom_reqs": 1,
+                                                         "engine_priority": engine_priority})
+    flow = g.gateway.flow
+    try:
+        async with aiohttp.ClientSession() as s:
+            await _quiet_once(s, g, rep)
+            noisy = []
+            for i in range(4):
+                noisy.append(asyncio.create_task(ask(s, g.url, "k-noisy", f"n{i}")))
+                await asyncio.sleep(0.02)  # in order
+            await until(lambda: rep.open_count() == 3 and len(flow.queue) == 1, what="noisy to fill up to the headroom")
+            q1 = asyncio.create_task(ask(s, g.url, "k-quiet", "q1"))
+            await until(lambda: "q1" in rep.arrived, what="the quiet request to go straight on")
+            q2 = asyncio.create_task(ask(s, g.url, "k-quiet", "q2"))  # the replica is full (4 open)
+            if engine_priority:
+                await until(lambda: "q2" in rep.arrived, what="the quiet request to go on into the engine's queue")
+                assert rep.open_count() == 5 and len(flow.queue) == 1
+            else:
+                await until(lambda: len(flow.queue) == 2, what="the quiet request to be held")
+            for q in ("q1", "q2"):
+                await until(lambda q=q: q in rep.arrived, what=f"{q} to reach the replica")
+                rep.gates[rep.arrived.index(q)].set()
+            await until(lambda: len(rep.arrived) == 7, timeout_s=5.0, what="the held request, once the quiet tenant is idle")
+            got = {b["messages"][-1]["content"]: b.get("priority") for b in rep.bodies}
+            if engine_priority:
+                assert got == {"q0": 0, "n0": 0, "n1": 0, "n2": 1, "q1": 0, "q2": 0, "n3": 0}, got
+            else:
+                assert set(got.values()) == {None}, got
+            rep.drain()
+            assert all(r[0] == 200 for r in await asyncio.gather(q1, q2, *noisy))
     finally:
         await g.close()
         await rep.close()

@@ -216,6 +216,34 @@ def test_preemption_when_blocks_run_out_and_everything_completes() -> None:
     assert eng.pool.num_free_blocks == 12  # everything released
 
 
+def _admission_order(policy: str) -> list[str]:
+    """One slot: "busy" runs, then five requests wait; the order in which they get the slot."""
+    eng = _engine(num_blocks=64, max_num_seqs=1, scheduling_policy=policy)
+    eng.add_request(SimRequest("busy", _prompt(8), max_tokens=3))
+    eng.step()
+    for rid, prio in (("n1", 1), ("n2", 1), ("q1", 0), ("n3", 1), ("q2", 0)):
+        eng.add_request(SimRequest(rid, _prompt(8, start=100 * len(rid) + prio + 10 * int(rid[1])), max_tokens=2, priority=prio))
+    order: list[str] = []
+    while eng.has_work:
+        out = eng.step()
+        order += [r.request_id for r in out.tokens if r.num_output_tokens == 1]
+    return order
+
+
+def test_priority_policy_admits_by_priority_then_arrival_and_fcfs_by_arrival() -> None:
+    assert _admission_order("priority") == ["q1", "q2", "n1", "n2", "n3"]
+    assert _admission_order("fcfs") == ["n1", "n2", "q1", "n3", "q2"]
+
+
+def test_priority_policy_preempts_the_lowest_priority_first() -> None:
+    eng = _engine(num_blocks=12, max_num_seqs=8, scheduling_policy="priority")
+    for i, prio in enumerate((0, 1, 0, 1)):  # each needs 3 prompt blocks + up to 2 more for output
+        eng.add_request(SimRequest(f"p{i}", _prompt(40, start=1000 * i), max_tokens=40, priority=prio))
+    _, _, done = _run(eng)
+    assert len(done) == 4 and eng.num_preemptions_total > 0
+    assert done["p0"].num_preemptions == done["p2"].num_preemptions == 0  # only priority 1 was preempted
+
+
 def test_abort_frees_blocks() -> None:
     eng = _engine(num_blocks=16)
     eng.add_request(SimRequest("a", _prompt(100), max_tokens=50))

@@ -136,6 +136,8 @@ async def test_tokenize_parity_with_real_engine(sim, vllm_fixture) -> None:
         ("/v1/completions", {"prompt": "hi", "cache_salt": "a\\b"}, "cache_salt"),
         ("/v1/completions", {"prompt": "hi", "cache_salt": "a\x00b"}, "cache_salt"),
         ("/v1/completions", {"prompt": "hi", "cache_salt": 5}, "cache_salt"),
+        ("/v1/completions", {"prompt": "hi", "priority": 1}, "priority"),  # FCFS, as vLLM's default
+        ("/v1/completions", {"prompt": "hi", "priority": "high"}, "priority"),
         ("/tokenize", {"nothing": 1}, "prompt"),
     ],
 )

@@ -23,7 +23,10 @@ Scheduling per step (vLLM v1 `Scheduler.schedule`, FCFS):
    (recompute style: its blocks are freed, it goes back to the head of the waiting queue with
    num_computed_tokens = 0, and later re-prefills prompt + output so far, hitting whatever of
    its blocks stayed cached), possibly itself.
-2. If nothing was preempted: waiting requests in arrival order while a sequence slot
+   With `scheduling_policy` "priority" (vLLM's `--scheduling-policy priority`) the waiting queue
+   is ordered by (request priority, arrival), lower first, and the victim is the running request
+   of the lowest priority (latest admitted among them); no request is preempted to free a slot.
+2. If nothing was preempted: waiting requests in queue order while a sequence slot
    (`max_num_seqs`) and budget remain. On first scheduling, the longest run of cached leading
    blocks within the first num_tokens - 1 tokens is a hit (a fully cached prompt still computes
    its last token); only the rest is prefilled.
@@ -99,6 +102,7 @@ class EngineConfig:
     hash_algo: str = "sha256_cbor"  # "sha256" | "sha256_cbor" (engine-exact, hashing.vllm_hash)
     hash_seed: str | None = None  # None: $PYTHONHASHSEED else "vllm-none-hash"
     enable_prefix_caching: bool = True  # vLLM's --enable-prefix-caching
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: "fcfs" or "priority" (lower first)
     time: TimeModel = field(default_factory=TimeModel)  # step-time model
     filler_token_ids: tuple[int, ...] = _DEFAULT_FILLER  # output tokens, cycled
 
@@ -116,6 +120,7 @@ class SimRequest:
     cache_salt: str | None = None  # block 0's extra key; isolates tenants
     report_full_hits: bool = False  # vllm_xargs.kv_cache_report_mode == "full": re-report hit blocks
     arrival_s: float = 0.0  # caller's clock at add_request (for the caller's own bookkeeping)
+    priority: int = 0  # vLLM's request priority (policy "priority": lower goes first)
     # -- state owned by the engine --
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs so far
     num_prompt_tokens: int = 0  # len(prompt_token_ids)
@@ -191,8 +196,24 @@ class SimEngine:
         req.max_tokens = max(1, req.max_tokens)
         req.status = WAITING
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self._enqueue(req, ahead=False)
         return req
+
+    def _enqueue(self, req: SimRequest, *, ahead: bool) -> None:
+        """Into the waiting queue: FCFS at the back (`ahead`: a preempted request, at the front);
+        with the priority policy behind every request of its priority or better (`ahead`: in front
+        of its own priority), as vLLM orders its waiting requests by (priority, arrival)."""
+        w = self.waiting
+        if self.config.scheduling_policy != "priority":
+            w.appendleft(req) if ahead else w.append(req)
+            return
+        i = 0
+        for i, other in enumerate(w):  # noqa: B007 - the index is the point
+            if other.priority > req.priority or (ahead and other.priority == req.priority):
+                break
+        else:
+            i = len(w)
+        w.insert(i, req)
 
     def abort(self, request_id: str) -> bool:
         """Drop a live request and free its blocks; False if it is not live."""
@@ -268,7 +289,7 @@ class SimEngine:
         victim.status = WAITING
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(victim)
+        self._enqueue(victim, ahead=True)
 
     def _cache_new_full(self, req: SimRequest, upto_tokens: int) -> None:
         full = upto_tokens // self.block_size
@@ -310,7 +331,9 @@ class SimEngine:
             need = -(-(req.num_computed_tokens + num_new) // bs) - len(req.blocks)
             ok = True
             while need > pool.num_free_blocks:
-                victim = self.running[-1]
+                # the latest admitted; with the priority policy the lowest priority's, latest first
+                victim = (self.running[-1] if cfg.scheduling_policy != "priority"
+                          else max(reversed(self.running), key=lambda r: r.priority))
                 if victim in scheduled:
                     budget += scheduled.pop(victim)
                 self._preempt(victim)

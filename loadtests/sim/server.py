@@ -67,6 +67,7 @@ class SimConfig:
     max_num_batched_tokens: int = 8192  # per-step token budget (chunked prefill)
     hash_algo: str = "sha256_cbor"  # prefix-caching hash algo (engine-exact)
     enable_prefix_caching: bool = True  # vLLM's --enable-prefix-caching
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: "fcfs" or "priority"
     time: TimeModel = field(default_factory=TimeModel)  # step-time model (GPU profile by default)
     default_max_tokens: int = 16  # when a request gives no max_tokens
     kv_events_endpoint: str | None = None  # ZMQ PUB endpoint; None: no events
@@ -93,6 +94,7 @@ class SimConfig:
             max_model_len=self.max_model_len,
             hash_algo=self.hash_algo,
             enable_prefix_caching=self.enable_prefix_caching,
+            scheduling_policy=self.scheduling_policy,
             time=replace(self.time),
         )
 
@@ -138,6 +140,7 @@ class _Parsed:
     continuous_usage: bool
     cache_salt: str | None
     report_full: bool
+    priority: int = 0
 
 
 def _check_type(body: dict, key: str, types: tuple, what: str) -> Any:
@@ -537,6 +540,9 @@ class SimServer:
         if max_tokens is not None and max_tokens < 1:
             raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
         salt = validate_cache_salt(body.get("cache_salt"))
+        priority = _check_type(body, "priority", (int,), "an integer") or 0
+        if priority and self.cfg.scheduling_policy != "priority":  # as vLLM refuses it
+            raise BadRequest(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
         stream = bool(body.get("stream") or False)
         so = body.get("stream_options") or {}
         if so and not stream:
@@ -559,7 +565,7 @@ class SimServer:
             )
         return _Parsed(
             ids, max_tokens, stream, bool(so.get("include_usage")), bool(so.get("continuous_usage_stats")), salt,
-            xargs.get("kv_cache_report_mode") == "full",
+            xargs.get("kv_cache_report_mode") == "full", priority,
         )
 
     # -- generation ----------------------------------------------------------------------------
@@ -594,7 +600,8 @@ class SimServer:
         self._req_counter += 1
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         st = _Stream(loop.time())
-        req = SimRequest(rid, p.prompt_ids, p.max_tokens, cache_salt=p.cache_salt, report_full_hits=p.report_full, arrival_s=st.t_arrival, user=st)
+        req = SimRequest(rid, p.prompt_ids, p.max_tokens, cache_salt=p.cache_salt, report_full_hits=p.report_full, arrival_s=st.t_arrival,
+                         priority=p.priority, user=st)
         engine = self.engine
         try:
             engine.add_request(req)
@@ -893,6 +900,7 @@ def config_from_args(args: Any) -> SimConfig:
         max_num_seqs=g("max_num_seqs", 256) or 256,
         max_num_batched_tokens=g("max_num_batched_tokens", 8192) or 8192,
         hash_algo=g("hash_algo", "sha256_cbor"),
+        scheduling_policy=g("scheduling_policy", "fcfs") or "fcfs",
         time=tm,
         default_max_tokens=g("default_max_tokens", 16) or 16,
         kv_events_endpoint=g("kv_events_endpoint"),

@@ -56,6 +56,7 @@ BOUNDS: dict[str, dict[str, Any]] = {
     "flow.max_num_seqs": {"minimum": 1},
     "flow.engine_queue_reqs": {"minimum": 0},
     "flow.headroom_reqs": {"minimum": 0},
+    "flow.light_spill_s": {"minimum": 0},
     "flow.max_queue_reqs_per_tenant": {"minimum": 0},
     "flow.default_weight": {"exclusiveMinimum": 0},
     "flow.priorities": {"minItems": 1, "uniqueItems": True},
@@ -107,7 +108,10 @@ def _dataclass_schema(cls: type, path: str) -> dict:
         sub = _type_schema(hints[f.name], fpath)
         if section in POSITIVE_S_SECTIONS and f.name.endswith("_s") and "." not in path:
             sub = dict(sub, exclusiveMinimum=0)
-        sub.update(BOUNDS.get(fpath, {}))
+        bound = BOUNDS.get(fpath, {})
+        if "minimum" in bound:  # e.g. 0 switches it off: not forced positive
+            sub.pop("exclusiveMinimum", None)
+        sub.update(bound)
         props[f.name] = sub
     if path == "policy":
         props["params"] = {"type": "object", "description": "the policy's weights (policies/<name>.py)"}
