@@ -49,8 +49,8 @@ Rules:
   local share (divided by the gateways last seen), says so (`warmroute_gateway_flow_shared`,
   /readyz, the log) and shares again when the board returns.
 - Visible: held requests and their wait per tenant hash and class, admissions (direct or
-  released), sheds by reason (metrics below), and the request's class, weight, wait and path as
-  attributes of the decision span.
+  released), sheds by reason (metrics below), and the request's class, weight, wait, path and
+  whether its tenant was light as attributes of the decision span.
 """
 from __future__ import annotations
 

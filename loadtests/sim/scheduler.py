@@ -207,13 +207,8 @@ class SimEngine:
         if self.config.scheduling_policy != "priority":
             w.appendleft(req) if ahead else w.append(req)
             return
-        i = 0
-        for i, other in enumerate(w):  # noqa: B007 - the index is the point
-            if other.priority > req.priority or (ahead and other.priority == req.priority):
-                break
-        else:
-            i = len(w)
-        w.insert(i, req)
+        w.insert(next((i for i, o in enumerate(w) if o.priority > req.priority or (ahead and o.priority == req.priority)),
+                      len(w)), req)
 
     def abort(self, request_id: str) -> bool:
         """Drop a live request and free its blocks; False if it is not live."""
