@@ -12,7 +12,7 @@ constructor), and how they report trouble.
   noticed in the exchange's reply and published again whole; changes a failed exchange did not
   apply are sent again with the next one.
 - `run_share_exchange`: every `flow.share_interval_s`, flow control's row on the fair-share board
-  out and the other gateways' rows in (gateway.flow: what they mean); when the board fails, flow
+  out and the other gateways' rows in (gateway.flow_share: what they mean); when the board fails, flow
   control runs on its local share and the loop retries once a second.
 - `run_keys_reload`: re-reads the API-keys file when its mtime changes (keeps the old keys if the
   new file is invalid).
@@ -244,7 +244,7 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
 
 async def run_share_exchange(flow: FlowControl, board: FairShareBoard, health: FailureLog, period_s: float) -> None:
     """Exchange rows with the other gateways every `period_s` (module rules)."""
-    flow.has_board = True
+    flow.peers.has_board = True
     while True:
         try:
             others = await board.exchange_shares(flow.share_row())

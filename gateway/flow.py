@@ -12,7 +12,8 @@ Rules:
   than its weighted fair share of the pool's slots (slots x replicas, shared by weight among the
   tenants granted something or arrived here within HEADROOM_RECENT_S); while the board is away,
   this gateway's grants against its part (divided by the gateways last seen). While a light
-  tenant other than the requester arrived within HEADROOM_RECENT_S, a grant for a tenant that is
+  tenant other than the requester arrived within HEADROOM_RECENT_S (here, or at another gateway
+  since the board's last exchange: its requests may come through any), a grant for a tenant that is
   not light needs room under slots - headroom_reqs, with none waiting in the engine; a light
   tenant's needs the normal room, and it goes straight on even while others are held. So a
   tenant sending under its share finds a free slot instead of waiting for the next one to free
@@ -40,12 +41,13 @@ Rules:
   `queue_timeout`, both with `Retry-After` (the time the tenant's held requests take to drain at
   its current release rate); no replica healthy: 503, at once and for everything held; shutting
   down: 503 for everything held. A client that disconnects leaves the queue at once.
-- Shared (gateway.background's `run_share_exchange`, over the feed's backend): every
-  `share_interval_s` each gateway publishes per tenant what it released, holds, has active, was
-  asked for and has granted, and reads the others': their releases are credited to the tenants
-  here (fair shares over the pool), their held requests count against the per-tenant queue
-  bound, their grants toward lightness, and the tenant limiter gets the others' active requests
-  and this gateway's share of each tenant's rate. With the board away the gateway runs on its
+- Shared (gateway.flow_share, exchanged by gateway.background's `run_share_exchange` over the
+  feed's backend): every `share_interval_s` each gateway publishes per tenant what it released,
+  holds, has active, was asked for and has granted, and reads the others': their releases are
+  credited to the tenants here (fair shares over the pool), their held requests count against the
+  per-tenant queue bound, their grants toward lightness, their arrivals as arrivals here (headroom),
+  and the tenant limiter gets the others' active requests and this gateway's share of each
+  tenant's rate. With the board away the gateway runs on its
   local share (divided by the gateways last seen), says so (`warmroute_gateway_flow_shared`,
   /readyz, the log) and shares again when the board returns.
 - Visible: held requests and their wait per tenant hash and class, admissions (direct or
@@ -66,12 +68,13 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from gateway.admission import (REPORT_SLACK_S, FlowClass, FlowRules, SlotLedger, has_room, load_tenant_flows,
                                matched_blocks, occupancy_reqs, retry_after_s)
-from gateway.auth import TenantLimiter, tenant_hash
+from gateway.auth import TenantLimiter
 from gateway.background import file_mtime
 from gateway.config import ConfigError, GatewayConfig
 from gateway.context import RequestContext
 from gateway.errors import ApiError
 from gateway.fairness import FairQueue
+from gateway.flow_share import PeerShares
 from gateway.membership import Membership
 from gateway.routing import RoutingState
 from gateway.telemetry import LabelCache
@@ -85,7 +88,6 @@ log = logging.getLogger("warmroute.gateway")
 
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RATE_TAU_S = 5.0  # time constant of the per-tenant release rate (Retry-After estimates)
-_MIN_RATE_SHARE = 0.05  # a gateway's share of a tenant's rate never drops below this
 HEADROOM_RECENT_S = 1.0  # a light tenant that arrived this recently keeps the headroom (module rules)
 
 
@@ -157,17 +159,7 @@ class FlowControl:
         self.grants, self.finishes = SlotLedger(), SlotLedger()  # this gateway's, per replica, timed
         self.metrics = FlowMetrics(registry)
         self.closed = False
-        # sharing: what the other gateways hold and released, as of the last exchange
-        self.shared = False  # the board answered at the last exchange
-        self.has_board = False
-        self.n_gateways = 1  # gateways seen at the last successful exchange (this one included)
-        self.others_queued: dict[str, int] = {}
-        self.others_granted: dict[str, int] = {}  # tenant -> requests the other gateways granted, not finished
-        self.released: dict[str, float] = {}  # tenant -> cost released here so far (published)
-        self._seen: dict[str, dict[str, float]] = {}  # owner -> tenant -> its released counter last read
-        self._arrivals_seen: dict[str, dict[str, int]] = {}
-        self._my_arrivals: dict[str, int] = {}
-        self._ids_of_hash = {tenant_hash(t): t for t in limiter.policies}
+        self.peers = PeerShares(limiter, self.metrics.shared)  # the other gateways, as of the last exchange
         self._rate: dict[str, tuple[float, float]] = {}  # tenant -> (releases/s EWMA, at)
         self._pending: dict[str, int] = {}  # replica -> released requests not yet dispatched
         self._granted: dict[str, int] = {}  # tenant -> requests granted here and not finished
@@ -176,7 +168,6 @@ class FlowControl:
         self._kicked = False
         self._wake: asyncio.Event | None = None
         self._keys_mtime = file_mtime(self.keys_file)
-        self.metrics.shared.set(0)
 
     # ------------------------------------------------------------------ the stage
     async def hold(self, ctx: RequestContext, decide: Callable[[RequestContext], None]) -> None:
@@ -187,6 +178,7 @@ class FlowControl:
         fc = self.rules.classify(ctx.identity, ctx.headers)
         t = ctx.flow = Ticket(fc, self.clock())
         self._weights[fc.tenant] = fc.weight
+        self.peers.asked[fc.tenant] = self.peers.asked.get(fc.tenant, 0) + 1
         self._arrived(fc.tenant, t.t_arrival)
         light = (self._fairness(fc.tenant, t.t_arrival)  # not for a tenant alone: its questions are O(1)
                  if len(self.queue) or len(self._recent) > 1 or len(self._granted) > 1 else None)
@@ -275,10 +267,10 @@ class FlowControl:
         the tenants active (granted something here or at another gateway, or arrived here within
         HEADROOM_RECENT_S) and `tenant` (module rules: headroom; grants over every gateway while
         the board answers, else this gateway's against its part of the slots)."""
-        others = self.others_granted  # empty while the board is away: then this gateway's part only
+        others = self.peers.granted  # empty while the board is away: then this gateway's part only
         active = set(self._granted) | set(self._recently_arrived(now)) | {tenant} | set(others)
         w = self._weights
-        parts = 1 if self.shared else max(1, self.n_gateways)
+        parts = 1 if self.peers.shared else max(1, self.peers.n_gateways)
         per_weight = self.slots * max(1, len(self.membership.all())) / parts / sum(w.get(u, 1.0) for u in active)
         granted = self._granted
         return lambda u: granted.get(u, 0) + others.get(u, 0) < per_weight * w.get(u, 1.0)
@@ -413,7 +405,7 @@ class FlowControl:
             t = w.ticket
             m = self.metrics
             self._unhold(t)
-            self.released[e.tenant] = self.released.get(e.tenant, 0.0) + e.cost
+            self.peers.released[e.tenant] = self.peers.released.get(e.tenant, 0.0) + e.cost
             self._count_release(e.tenant)
             if w.future.done():
                 continue
@@ -480,10 +472,11 @@ class FlowControl:
     def _check_bound(self, t: Ticket) -> None:
         limit = self.cfg.max_queue_reqs_per_tenant
         mine = self.queue.tenant_len(t.cls.tenant)
-        if self.shared:
-            held, cap = mine + self.others_queued.get(t.cls.tenant, 0), limit
+        peers = self.peers
+        if peers.shared:
+            held, cap = mine + peers.queued.get(t.cls.tenant, 0), limit
         else:
-            held, cap = mine, math.ceil(limit / self.n_gateways) if limit else 0
+            held, cap = mine, math.ceil(limit / peers.n_gateways) if limit else 0
         if held >= cap:
             raise self._shed(t, "queue_full", held=held)
 
@@ -519,81 +512,27 @@ class FlowControl:
         rate, at = self._rate.get(tenant, (0.0, self.clock()))
         return rate * math.exp(-(self.clock() - at) / _RATE_TAU_S)
 
-    # ------------------------------------------------------------------ sharing
+    # ------------------------------------------------------------------ sharing (gateway.flow_share)
     def share_row(self) -> dict[str, TenantShare]:
         """This gateway's row for the board."""
-        lim = self.limiter
-        counts: dict[str, int] = {}
+        held: dict[str, int] = {}
         for (tenant, _), n in self.queue.counts().items():
-            counts[tenant] = counts.get(tenant, 0) + n
-        row = {}
-        for th in set(self.released) | set(counts) | set(self._ids_of_hash) | set(self._granted):
-            tid = self._ids_of_hash.get(th)
-            row[th] = TenantShare(self.released.get(th, 0.0), counts.get(th, 0),
-                                  lim.active(tid) if tid else 0, lim.arrivals.get(tid, 0) if tid else 0,
-                                  self._granted.get(th, 0))
-        return row
+            held[tenant] = held.get(tenant, 0) + n
+        return self.peers.row(held, self._granted)
 
     def apply_shares(self, others: dict[str, dict[str, TenantShare]]) -> None:
-        """The other gateways' rows, read just now."""
-        queued: dict[str, int] = {}
-        active: dict[str, int] = {}
-        granted: dict[str, int] = {}
-        arrivals_d: dict[str, int] = {}
-        for owner, row in others.items():
-            new = owner not in self._seen  # a gateway first seen: its past is a baseline, not credited
-            seen = self._seen.setdefault(owner, {})
-            aseen = self._arrivals_seen.setdefault(owner, {})
-            for th, s in row.items():
-                d = s.released - seen.get(th, 0.0)
-                if not new and d > 0:
-                    self.queue.credit(th, d)
-                seen[th] = s.released
-                da = s.arrivals - aseen.get(th, 0)
-                if not new and da > 0:
-                    arrivals_d[th] = arrivals_d.get(th, 0) + da
-                aseen[th] = s.arrivals
-                queued[th] = queued.get(th, 0) + s.queued
-                active[th] = active.get(th, 0) + s.active
-                if s.granted > 0:
-                    granted[th] = granted.get(th, 0) + s.granted
-        for gone in set(self._seen) - set(others):
-            del self._seen[gone]
-            self._arrivals_seen.pop(gone, None)
-        self.others_queued = queued
-        self.others_granted = granted
-        self.n_gateways = 1 + len(others)
-        lim = self.limiter
-        lim.others_active = {tid: active.get(th, 0) for th, tid in self._ids_of_hash.items()}
-        lim.concurrency_share = 1.0
-        for th, tid in self._ids_of_hash.items():
-            mine = lim.arrivals.get(tid, 0) - self._my_arrivals.get(tid, 0)
-            self._my_arrivals[tid] = lim.arrivals.get(tid, 0)
-            total = mine + arrivals_d.get(th, 0)
-            prev = lim.rate_share.get(tid, 1.0 / self.n_gateways)
-            share = prev if total <= 0 else 0.7 * prev + 0.3 * (mine / total)
-            lim.rate_share[tid] = max(_MIN_RATE_SHARE, min(1.0, share))
-        self._set_shared(True)
+        """The other gateways' rows, read just now: their releases credited here, their arrivals
+        recent here."""
+        credits, arrived = self.peers.apply(others)
+        for th, cost in credits.items():
+            self.queue.credit(th, cost)
+        now = self.clock()
+        for th in arrived:
+            self._arrived(th, now)
 
     def board_lost(self) -> None:
         """The board is away: run on this gateway's local share of the bounds and limits."""
-        lim = self.limiter
-        lim.others_active = {}
-        lim.concurrency_share = 1.0 / self.n_gateways
-        lim.rate_share = {tid: 1.0 / self.n_gateways for tid in self._ids_of_hash.values()}
-        self.others_queued = {}
-        self.others_granted = {}
-        self._seen.clear()  # the others' counters are re-read as a fresh baseline when it returns
-        self._arrivals_seen.clear()
-        self._set_shared(False)
-
-    def _set_shared(self, ok: bool) -> None:
-        if ok != self.shared:
-            self.shared = ok
-            self.metrics.shared.set(1 if ok else 0)
+        self.peers.lost()
 
     def readiness_note(self) -> str | None:
-        if self.enabled and self.has_board and not self.shared:
-            return (f"flow control on its local share: the fair-share board is unavailable "
-                    f"(limits divided by the {self.n_gateways} gateway(s) last seen)")
-        return None
+        return self.peers.readiness_note() if self.enabled else None

@@ -30,9 +30,9 @@ async def _board_roundtrip(url: str) -> None:
     a = fair_share_board(fa, ttl_s=0.5, owner="gw-a")
     b = fair_share_board(fb, ttl_s=0.5, owner="gw-b")
     try:
-        assert await a.exchange_shares({"t1": TenantShare(3.0, 2, 1, 7, 5)}) == {}
+        assert await a.exchange_shares({"t1": TenantShare(3.0, 2, 1, 7, 5, 11)}) == {}
         seen = await b.exchange_shares({"t2": TenantShare(1.0, 0, 0, 1)})
-        assert seen == {"gw-a": {"t1": TenantShare(3.0, 2, 1, 7, 5)}}
+        assert seen == {"gw-a": {"t1": TenantShare(3.0, 2, 1, 7, 5, 11)}}
         seen = await a.exchange_shares({})  # a row without tenants still says the gateway is there
         assert seen == {"gw-b": {"t2": TenantShare(1.0, 0, 0, 1)}}
         assert await b.exchange_shares({}) == {"gw-a": {}}
@@ -53,12 +53,13 @@ async def test_the_board_exchanges_rows_and_forgets_a_gateway_that_stops_on_redi
 
     r = aioredis.from_url(redis_server.url)
     try:
-        await r.hset("wr:flow:gw-x", mapping={"_": b"", "bad": b"\xff\x00", "ok": msgspec.msgpack.encode([1.0, 1, 0, 1])})
+        await r.hset("wr:flow:gw-x", mapping={"_": b"", "bad": b"\xff\x00", "ok": msgspec.msgpack.encode([1.0, 1, 0, 1]),
+                                              "five": msgspec.msgpack.encode([1.0, 1, 0, 1, 4])})
         await r.pexpire("wr:flow:gw-x", 5000)
         feed = open_feed(redis_server.url)
         seen = await fair_share_board(feed, owner="gw-y").exchange_shares({})
-        # the malformed row is skipped; a row of an earlier release (four fields) has granted 0
-        assert seen["gw-x"] == {"ok": TenantShare(1.0, 1, 0, 1, 0)}
+        # the malformed row is skipped; rows of earlier releases (four, five fields) have granted, asked 0
+        assert seen["gw-x"] == {"ok": TenantShare(1.0, 1, 0, 1, 0, 0), "five": TenantShare(1.0, 1, 0, 1, 4, 0)}
         await feed.close()
     finally:
         await r.aclose()
@@ -73,7 +74,7 @@ async def _two_gateways(tmp_path, tok, redis_url: str, rep: HeldReplica, flow: d
                           feed={"url": redis_url, "load_only": False}, **sections)
         gws.append(await start_gateway(config_from_dict(cfg, env={}), tokenizer=tok))
     for g in gws:
-        await until(lambda g=g: g.gateway.flow.shared and g.gateway.flow.n_gateways == 2, what="the gateways to see each other")
+        await until(lambda g=g: g.gateway.flow.peers.shared and g.gateway.flow.peers.n_gateways == 2, what="the gateways to see each other")
     return gws
 
 
@@ -89,7 +90,7 @@ async def test_two_gateways_hold_one_tenants_queue_bound_and_credit_each_others_
             await until(lambda: len(a.gateway.flow.queue) == 2)
             held.append(asyncio.create_task(ask(s, b.url, "k-noisy", "b0")))
             await until(lambda: len(b.gateway.flow.queue) == 1)
-            await until(lambda: b.gateway.flow.others_queued.get(th) == 2, what="b to see a's held requests")
+            await until(lambda: b.gateway.flow.peers.queued.get(th) == 2, what="b to see a's held requests")
             status, headers, body = await ask(s, b.url, "k-noisy", "b1")  # 2 on a + 1 on b = the bound
             assert status == 429 and json.loads(body)["error"]["code"] == "queue_full" and headers["Retry-After"]
             # b releases one of noisy's: a credits it, though it released none itself
@@ -146,12 +147,63 @@ async def test_a_tenant_is_light_or_heavy_by_its_grants_over_every_gateway(tmp_p
             q.append(asyncio.create_task(ask(s, a.url, "k-both", "q1")))
             await until(lambda: "q1" in rep.arrived, what="the quiet tenant (1 of its 2 slots) to go straight on")
             assert len(a.gateway.flow.queue) == 2 and rep.open_count() == 4
-            await until(lambda: b.gateway.flow.others_granted == {quiet: 2, noisy: 2}, what="b to see a's grants")
+            await until(lambda: b.gateway.flow.peers.granted == {quiet: 2, noisy: 2}, what="b to see a's grants")
             fb = b.gateway.flow
             assert not fb._fair_slots(quiet, fb.clock())(quiet), "2 granted at a: at its share at b too"
             assert not a.gateway.flow._fair_slots(quiet, a.gateway.flow.clock())(quiet)
             rep.drain()
             assert all(st == 200 for st, _, _ in await asyncio.gather(*q, *n))
+    finally:
+        await a.close()
+        await b.close()
+        await rep.close()
+
+
+def test_the_others_arrivals_count_from_the_second_read_of_a_gateway_and_are_forgotten_with_the_board():
+    """PeerShares.apply (pure): a gateway first seen is a baseline (its past arrivals are not
+    recent); an `asked` counter that grew since the last read is an arrival; one that did not, or an
+    owner of an earlier release (asked 0), is none; after the board was lost the next read is a
+    baseline again."""
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from gateway.auth import TenantLimiter
+    from gateway.flow_share import PeerShares
+
+    p = PeerShares(TenantLimiter({}), Gauge("g", "", registry=CollectorRegistry()))
+    assert p.apply({"gw-b": {"t1": TenantShare(asked=5)}}) == ({}, set())
+    assert p.apply({"gw-b": {"t1": TenantShare(asked=5), "t2": TenantShare(granted=1)}}) == ({}, set())
+    credits, arrived = p.apply({"gw-b": {"t1": TenantShare(released=2.0, asked=6)}})
+    assert (credits, arrived) == ({"t1": 2.0}, {"t1"}) and p.shared and p.n_gateways == 2
+    p.lost()
+    assert not p.shared and p.granted == {}
+    assert p.apply({"gw-b": {"t1": TenantShare(asked=9)}}) == ({}, set())
+    assert p.apply({"gw-b": {"t1": TenantShare(asked=10)}, "gw-c": {"t1": TenantShare(asked=1)}})[1] == {"t1"}
+
+
+async def test_the_headroom_holds_for_a_light_tenant_that_comes_through_another_gateway(tmp_path, tok, redis_server):
+    """One replica, 3 slots, headroom 1; the quiet tenant sends through b only, the noisy one through
+    a only. a learns of the quiet tenant's arrival at b from the board and keeps the headroom for it:
+    noisy gets 2 slots (its fair share is 1.5), its other 2 wait at a, and the quiet tenant's next
+    request, at b, goes straight on into the third. Judging recency by arrivals at a alone, a saw
+    noisy alone and gave it every slot (checked against that rule: this test fails at "noisy to
+    leave the headroom")."""
+    rep = await HeldReplica().start()
+    a, b = await _two_gateways(tmp_path, tok, redis_server.url, rep, {"max_num_seqs": 3, "headroom_reqs": 1})
+    try:
+        async with aiohttp.ClientSession() as s:
+            q0 = asyncio.create_task(ask(s, b.url, "k-both", "q0"))
+            await until(lambda: rep.open_count() == 1, what="the quiet request")
+            rep.release(1)
+            assert (await q0)[0] == 200
+            await asyncio.sleep(0.2)  # a few exchanges (every 0.05 s): a reads b's row, well within HEADROOM_RECENT_S
+            n = [asyncio.create_task(ask(s, a.url, "k-noisy", f"n{i}")) for i in range(4)]
+            await until(lambda: len(a.gateway.flow.queue) == 2, what="noisy to leave the headroom")
+            assert rep.open_count() == 2
+            q1 = asyncio.create_task(ask(s, b.url, "k-both", "q1"))
+            await until(lambda: "q1" in rep.arrived, what="the quiet tenant's request at b to go straight on")
+            assert len(a.gateway.flow.queue) == 2 and rep.open_count() == 3
+            rep.drain()
+            assert all(st == 200 for st, _, _ in await asyncio.gather(q1, *n))
     finally:
         await a.close()
         await b.close()
@@ -170,7 +222,7 @@ async def test_without_redis_each_gateway_runs_on_its_local_share_and_says_so(tm
 
             assert await shared_gauge() == "warmroute_gateway_flow_shared 1.0"
             redis_server.stop()
-            await until(lambda: not a.gateway.flow.shared, what="a to notice the board is away")
+            await until(lambda: not a.gateway.flow.peers.shared, what="a to notice the board is away")
             assert await shared_gauge() == "warmroute_gateway_flow_shared 0.0"
             async with s.get(a.admin_url + "/readyz") as r:
                 reasons = (await r.json())["reasons"]
@@ -184,7 +236,7 @@ async def test_without_redis_each_gateway_runs_on_its_local_share_and_says_so(tm
             status, _, body = await ask(s, a.url, "k-noisy", "n2")
             assert status == 429 and json.loads(body)["error"]["code"] == "queue_full"
             redis_server.start()  # back on the same port: sharing resumes
-            await until(lambda: a.gateway.flow.shared, timeout_s=15.0, what="a to share again")
+            await until(lambda: a.gateway.flow.peers.shared, timeout_s=15.0, what="a to share again")
             assert await shared_gauge() == "warmroute_gateway_flow_shared 1.0"
             rep.drain()
             assert all(st == 200 for st, _, _ in await asyncio.gather(*fill, *held))

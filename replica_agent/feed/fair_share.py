@@ -12,7 +12,7 @@ ids never reach the board, only their hashes.
 
 Transports, like the rest of the feed: in-process (`memory://`, shared by name within the
 process) and Redis (`{prefix}flow:{owner}`, a HASH of tenant hash -> msgpack [released, queued,
-active, arrivals, granted], written with DEL + HSET + PEXPIRE in one MULTI, read by SCAN + HGETALL, the
+active, arrivals, granted, asked], written with DEL + HSET + PEXPIRE in one MULTI, read by SCAN + HGETALL, the
 same way as the in-flight counters). Every Redis error surfaces as FeedUnavailable.
 """
 from __future__ import annotations
@@ -38,6 +38,7 @@ class TenantShare:
     active: int = 0  # requests admitted and not finished (tenant limiter)
     arrivals: int = 0  # requests asked for so far (tenant limiter; grows)
     granted: int = 0  # requests flow control sent on and not finished (0 from an owner that predates it)
+    asked: int = 0  # requests flow control was asked to admit so far (grows; 0 from an owner that predates it)
 
 
 @runtime_checkable
@@ -66,13 +67,14 @@ _dec = msgspec.msgpack.Decoder()
 
 
 def _encode(s: TenantShare) -> bytes:
-    return _enc.encode([s.released, s.queued, s.active, s.arrivals, s.granted])
+    return _enc.encode([s.released, s.queued, s.active, s.arrivals, s.granted, s.asked])
 
 
 def _decode(raw: bytes) -> TenantShare | None:
     try:
-        r, q, a, n, *g = _dec.decode(raw)[:5]  # four fields from a gateway of an earlier release
-        return TenantShare(float(r), int(q), int(a), int(n), int(g[0]) if g else 0)
+        r, q, a, n, *later = _dec.decode(raw)[:6]  # four or five fields from a gateway of an earlier release
+        g, asked = (list(later) + [0, 0])[:2]
+        return TenantShare(float(r), int(q), int(a), int(n), int(g), int(asked))
     except Exception:  # noqa: BLE001 - a malformed row is skipped, not fatal
         return None
 
