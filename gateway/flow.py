@@ -436,9 +436,10 @@ class FlowControl:
         while True:
             if not len(self.queue):
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), self.keys_reload_s)
-                except asyncio.TimeoutError:
+                try:  # asyncio.timeout, not wait_for: 3.11's wait_for loses a cancel that meets the wake
+                    async with asyncio.timeout(self.keys_reload_s):
+                        await self._wake.wait()
+                except TimeoutError:
                     pass
             await asyncio.sleep(self.cfg.release_interval_s)
             self.sweep()

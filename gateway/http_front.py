@@ -464,9 +464,10 @@ class FrontServer:
                 c.transport.close()
         if self.active:
             self._idle_event = asyncio.Event()
-            try:
-                await asyncio.wait_for(self._idle_event.wait(), grace_s)
-            except asyncio.TimeoutError:
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for loses a cancel that meets the wake
+                async with asyncio.timeout(grace_s):
+                    await self._idle_event.wait()
+            except TimeoutError:
                 log.warning("drain grace over; closing %d in-flight requests", self.active)
         for c in list(self.conns):
             if c._task is not None and not c._task.done():

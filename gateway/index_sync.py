@@ -165,9 +165,10 @@ class IndexSync:
             self._woken.clear()
             wait_s = self._read_at + self.min_read_interval_s - time.monotonic()
             if wait_s > 0:
-                try:
-                    await asyncio.wait_for(self._woken.wait(), wait_s)
-                except asyncio.TimeoutError:
+                try:  # asyncio.timeout, not wait_for: 3.11's wait_for loses a cancel that meets the wake
+                    async with asyncio.timeout(wait_s):
+                        await self._woken.wait()
+                except TimeoutError:
                     return
         floor_s = self._read_at + self.wake_floor_s - time.monotonic()
         if floor_s > 0:

@@ -532,9 +532,10 @@ def main_from_args(args) -> int:
             log.info("agent %s for model %r up; %s", cfg.replica_id, agent.model, admin)
             try:
                 while not stop.is_set():
-                    try:
-                        await asyncio.wait_for(stop.wait(), 1.0)
-                    except asyncio.TimeoutError:
+                    try:  # asyncio.timeout, not wait_for: 3.11's wait_for loses a cancel that meets the wake
+                        async with asyncio.timeout(1.0):
+                            await stop.wait()
+                    except TimeoutError:
                         if not agent.healthy():
                             log.error("an agent task died; exiting")
                             return 1

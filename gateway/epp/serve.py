@@ -135,9 +135,10 @@ async def _follow_readiness(server: EppServer, stop: asyncio.Event, readiness: C
     """Until `stop`: keep the gRPC readiness equal to `readiness()` (checked every second)."""
     ready = True
     while not stop.is_set():
-        try:
-            await asyncio.wait_for(stop.wait(), 1.0)
-        except asyncio.TimeoutError:
+        try:  # asyncio.timeout, not wait_for: 3.11's wait_for loses a cancel that meets the wake
+            async with asyncio.timeout(1.0):
+                await stop.wait()
+        except TimeoutError:
             pass
         if readiness is not None and not stop.is_set() and readiness() != ready:
             ready = not ready

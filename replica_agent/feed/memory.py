@@ -122,9 +122,10 @@ class MemoryFeed:
             out = self._collect(positions, count)  # published between the check and the wait
             if out:
                 return out
-            try:
-                await asyncio.wait_for(ev.wait(), block_s)
-            except asyncio.TimeoutError:
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for loses a cancel that meets the wake
+                async with asyncio.timeout(block_s):
+                    await ev.wait()
+            except TimeoutError:
                 return []
             return self._collect(positions, count)
         finally:
