@@ -294,8 +294,8 @@ class TenantLimiter:
     """Per-tenant concurrency and request-rate limits (token bucket). Pure: `now` is passed in.
 
     `acquire` raises ApiError(429) or returns; every successful acquire is paired with `release`.
-    Limits hold across gateways through what gateway.flow_share's exchange sets here: the requests the
-    other gateways hold (`others_active`), this process's share of each tenant's rate (its share
+    Limits hold across gateways through what gateway.flow_share's exchange sets here: the requests
+    the other gateways hold (`others_active`), this process's share of each tenant's rate (its share
     of the tenant's arrivals), and, while the exchange is away, its share of the concurrency
     limit (`concurrency_share`, 1/N of N gateways last seen). Alone, they are 0, 1 and 1.
     """

@@ -12,8 +12,8 @@ constructor), and how they report trouble.
   noticed in the exchange's reply and published again whole; changes a failed exchange did not
   apply are sent again with the next one.
 - `run_share_exchange`: every `flow.share_interval_s`, flow control's row on the fair-share board
-  out and the other gateways' rows in (gateway.flow_share: what they mean); when the board fails, flow
-  control runs on its local share and the loop retries once a second.
+  out and the other gateways' rows in (gateway.flow_share: what they mean); when the board fails,
+  flow control runs on its local share and the loop retries once a second.
 - `run_keys_reload`: re-reads the API-keys file when its mtime changes (keeps the old keys if the
   new file is invalid).
 - `discover_model` / `run_model_discovery`: the model name and context length from the replicas'

@@ -13,8 +13,8 @@ Rules:
   tenants granted something or arrived here within HEADROOM_RECENT_S); while the board is away,
   this gateway's grants against its part (divided by the gateways last seen). While a light
   tenant other than the requester arrived within HEADROOM_RECENT_S (here, or at another gateway
-  since the board's last exchange: its requests may come through any), a grant for a tenant that is
-  not light needs room under slots - headroom_reqs, with none waiting in the engine; a light
+  since the board's last exchange: its requests may come through any), a grant for a tenant that
+  is not light needs room under slots - headroom_reqs, with none waiting in the engine; a light
   tenant's needs the normal room, and it goes straight on even while others are held. So a
   tenant sending under its share finds a free slot instead of waiting for the next one to free
   (the wait is the pool's time between completions, however fair the order); no slot is held
@@ -45,11 +45,11 @@ Rules:
   feed's backend): every `share_interval_s` each gateway publishes per tenant what it released,
   holds, has active, was asked for and has granted, and reads the others': their releases are
   credited to the tenants here (fair shares over the pool), their held requests count against the
-  per-tenant queue bound, their grants toward lightness, their arrivals as arrivals here (headroom),
-  and the tenant limiter gets the others' active requests and this gateway's share of each
-  tenant's rate. With the board away the gateway runs on its
-  local share (divided by the gateways last seen), says so (`warmroute_gateway_flow_shared`,
-  /readyz, the log) and shares again when the board returns.
+  per-tenant queue bound, their grants toward lightness, their arrivals as arrivals here
+  (headroom), and the tenant limiter gets the others' active requests and this gateway's share of
+  each tenant's rate. With the board away the gateway runs on its local share (divided by the
+  gateways last seen), says so (`warmroute_gateway_flow_shared`, /readyz, the log) and shares
+  again when the board returns.
 - Visible: held requests and their wait per tenant hash and class, admissions (direct or
   released), sheds by reason (metrics below), and the request's class, weight, wait, path and
   whether its tenant was light as attributes of the decision span.
