@@ -146,6 +146,7 @@ class TelemetryConfig:
     access_log: bool = False  # one JSON line per request at INFO (off: logging costs CPU)
     log_level: str = "INFO"
     service_name: str = "warmroute-gateway"  # OTEL service.name unless OTEL_SERVICE_NAME is set
+    max_tenant_labels: int = 1000  # tenants with their own tenant_hash metric label per process; later ones share "other"
 
 
 @dataclass

@@ -154,6 +154,8 @@ def _check_proxy_and_telemetry(cfg: GatewayConfig) -> None:
         raise _err("proxy.max_attempts", "must be >= 1")
     if px.pool_limit < 1:
         raise _err("proxy.pool_limit", "must be >= 1")
+    if cfg.telemetry.max_tenant_labels < 0:
+        raise _err("telemetry.max_tenant_labels", "must be >= 0")
     if cfg.telemetry.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise _err("telemetry.log_level", f"unknown level {cfg.telemetry.log_level!r}")
 

@@ -74,10 +74,10 @@ from gateway.config import ConfigError, GatewayConfig
 from gateway.context import RequestContext
 from gateway.errors import ApiError
 from gateway.fairness import FairQueue
-from gateway.flow_share import PeerShares
+from gateway.flow_share import IDLE_FORGET_S, PeerShares
 from gateway.membership import Membership
 from gateway.routing import RoutingState
-from gateway.telemetry import LabelCache
+from gateway.telemetry import LabelCache, TenantLabels
 from policies.base import Decision
 from replica_agent.feed import TenantShare
 
@@ -87,13 +87,15 @@ __all__ = ["FlowControl", "FlowMetrics", "Ticket"]
 log = logging.getLogger("warmroute.gateway")
 
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_FORGET_EVERY_S = 30.0  # how often long-idle tenants' state is dropped (_forget_idle)
 _RATE_TAU_S = 5.0  # time constant of the per-tenant release rate (Retry-After estimates)
 HEADROOM_RECENT_S = 1.0  # a light tenant that arrived this recently keeps the headroom (module rules)
 
 
 class FlowMetrics(LabelCache):
-    def __init__(self, registry) -> None:
+    def __init__(self, registry, tenant_label: TenantLabels) -> None:
         super().__init__()
+        self.tenant_label = tenant_label  # the gateway's, shared with its request metrics
         r = registry
         self.queued = Gauge("warmroute_gateway_flow_queued_requests", "Requests held by flow control",
                             ["tenant_hash", "priority"], registry=r, multiprocess_mode="livesum")
@@ -108,6 +110,10 @@ class FlowMetrics(LabelCache):
         self.shared = Gauge("warmroute_gateway_flow_shared", "1 while fair shares and limits are exchanged with the "
                             "other gateways, 0 while this gateway runs on its local share", registry=r,
                             multiprocess_mode="min")
+
+    def of_tenant(self, metric, tenant: str, *labels):
+        """`metric`'s child for a tenant hash, under its capped label (telemetry.TenantLabels)."""
+        return self.child(metric, self.tenant_label(tenant), *labels)
 
 
 @dataclasses.dataclass(slots=True)
@@ -142,7 +148,7 @@ class FlowControl:
 
     def __init__(self, cfg: GatewayConfig, *, routing: RoutingState, membership: Membership, limiter: TenantLimiter,
                  slots: int, registry, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, tenant_label: TenantLabels | None = None) -> None:
         f = self.cfg = cfg.flow
         self.enabled = f.enabled
         self.keys_file = cfg.auth.api_keys_file if cfg.auth.enabled else None
@@ -157,13 +163,14 @@ class FlowControl:
         self.clock, self.wall = clock, wall
         self.queue = FairQueue(len(f.priorities))
         self.grants, self.finishes = SlotLedger(), SlotLedger()  # this gateway's, per replica, timed
-        self.metrics = FlowMetrics(registry)
+        self.metrics = FlowMetrics(registry, tenant_label or TenantLabels())
         self.closed = False
         self.peers = PeerShares(limiter, self.metrics.shared)  # the other gateways, as of the last exchange
         self._rate: dict[str, tuple[float, float]] = {}  # tenant -> (releases/s EWMA, at)
         self._pending: dict[str, int] = {}  # replica -> released requests not yet dispatched
         self._granted: dict[str, int] = {}  # tenant -> requests granted here and not finished
         self._weights: dict[str, float] = {}  # tenant -> its weight at its last arrival
+        self._next_forget = 0.0  # clock time of the next _forget_idle
         self._recent: OrderedDict[str, float] = OrderedDict()  # tenant -> its last arrival (clock), oldest first
         self._kicked = False
         self._wake: asyncio.Event | None = None
@@ -178,7 +185,7 @@ class FlowControl:
         fc = self.rules.classify(ctx.identity, ctx.headers)
         t = ctx.flow = Ticket(fc, self.clock())
         self._weights[fc.tenant] = fc.weight
-        self.peers.asked[fc.tenant] = self.peers.asked.get(fc.tenant, 0) + 1
+        self.peers.count_ask(fc.tenant, t.t_arrival)
         self._arrived(fc.tenant, t.t_arrival)
         light = (self._fairness(fc.tenant, t.t_arrival)  # not for a tenant alone: its questions are O(1)
                  if len(self.queue) or len(self._recent) > 1 or len(self._granted) > 1 else None)
@@ -187,7 +194,7 @@ class FlowControl:
         if direct and (self._grant(ctx, t, self._reserve_for(fc.tenant, light), spill_s=self._spill_for(fc.tenant, light))
                        or self._jump(ctx, t, light)):
             t.path = "direct"
-            self.metrics.child(self.metrics.admissions, fc.tenant, fc.priority_name, "direct").inc()
+            self.metrics.of_tenant(self.metrics.admissions, fc.tenant, fc.priority_name, "direct").inc()
             return
         if self.closed:
             raise self._shed(t, "shutting_down")
@@ -197,7 +204,7 @@ class FlowControl:
         t.held_ahead = len(self.queue)
         entry = self.queue.push(fc.tenant, w, now=t.t_arrival, cls=fc.priority, weight=fc.weight)
         t.held = True
-        self.metrics.child(self.metrics.queued, fc.tenant, fc.priority_name).inc()
+        self.metrics.of_tenant(self.metrics.queued, fc.tenant, fc.priority_name).inc()
         self._kick()
         if self._wake is not None:
             self._wake.set()
@@ -206,7 +213,7 @@ class FlowControl:
         except asyncio.CancelledError:
             if self.queue.remove(entry):  # the client left while held
                 self._unhold(t)
-                self.metrics.child(self.metrics.sheds, fc.tenant, fc.priority_name, "client_gone").inc()
+                self.metrics.of_tenant(self.metrics.sheds, fc.tenant, fc.priority_name, "client_gone").inc()
             raise
         finally:
             if t.pending:
@@ -405,7 +412,7 @@ class FlowControl:
             t = w.ticket
             m = self.metrics
             self._unhold(t)
-            self.peers.released[e.tenant] = self.peers.released.get(e.tenant, 0.0) + e.cost
+            self.peers.count_release(e.tenant, e.cost, self.clock())
             self._count_release(e.tenant)
             if w.future.done():
                 continue
@@ -424,8 +431,8 @@ class FlowControl:
             self._pending[t.replica] = self._pending.get(t.replica, 0) + 1
             t.path = "released"
             t.wait_s = self.clock() - t.t_arrival
-            m.child(m.wait, t.cls.tenant, t.cls.priority_name).observe(t.wait_s)
-            m.child(m.admissions, t.cls.tenant, t.cls.priority_name, "released").inc()
+            m.of_tenant(m.wait, t.cls.tenant, t.cls.priority_name).observe(t.wait_s)
+            m.of_tenant(m.admissions, t.cls.tenant, t.cls.priority_name, "released").inc()
             w.future.set_result(None)
 
     async def run(self) -> None:
@@ -449,6 +456,9 @@ class FlowControl:
 
     def sweep(self) -> None:
         now = self.clock()
+        if now >= self._next_forget:
+            self._next_forget = now + _FORGET_EVERY_S
+            self._forget_idle(now)
         for e in self.queue.expired(now, self.cfg.max_queue_wait_s):
             self._fail(e.payload, "queue_timeout")
         if len(self.queue) and not self.membership.any_available():
@@ -483,7 +493,7 @@ class FlowControl:
 
     def _shed(self, t: Ticket, reason: str, held: int | None = None) -> ApiError:
         m = self.metrics
-        m.child(m.sheds, t.cls.tenant, t.cls.priority_name, reason).inc()
+        m.of_tenant(m.sheds, t.cls.tenant, t.cls.priority_name, reason).inc()
         if reason in ("queue_full", "queue_timeout"):
             n = self.queue.tenant_len(t.cls.tenant) if held is None else held
             after = retry_after_s(max(1, n), self._rate_of(t.cls.tenant), self.cfg.max_queue_wait_s)
@@ -502,12 +512,20 @@ class FlowControl:
     def _unhold(self, t: Ticket) -> None:
         if t.held:
             t.held = False
-            self.metrics.child(self.metrics.queued, t.cls.tenant, t.cls.priority_name).dec()
+            self.metrics.of_tenant(self.metrics.queued, t.cls.tenant, t.cls.priority_name).dec()
 
     def _count_release(self, tenant: str) -> None:
         now = self.clock()
         rate, at = self._rate.get(tenant, (0.0, now))
         self._rate[tenant] = (rate * math.exp(-(now - at) / _RATE_TAU_S) + 1.0 / _RATE_TAU_S, now)
+
+    def _forget_idle(self, now: float) -> None:
+        """Per-tenant state of tenants long idle (flow_share.IDLE_FORGET_S): bounded by the tenants
+        active in that window, however many come and go."""
+        busy = set(self._granted) | {tenant for tenant, _ in self.queue.counts()}
+        self.peers.forget_idle(now, busy)
+        for tenant in [t for t, (_, at) in self._rate.items() if now - at > IDLE_FORGET_S and t not in busy]:
+            del self._rate[tenant]
 
     def _rate_of(self, tenant: str) -> float:
         rate, at = self._rate.get(tenant, (0.0, self.clock()))

@@ -15,7 +15,11 @@ From the other gateways' rows, at each exchange:
 - the tenant limiter's active requests and arrivals: the limiter's view of the others' active
   requests and this gateway's share of each tenant's rate.
 A gateway seen for the first time is a baseline: nothing of its past is credited or counted as
-an arrival. While the board is away (`lost`) everything read from the others is dropped and the
+an arrival. A tenant with nothing held or granted here that has not asked or been released for
+IDLE_FORGET_S leaves this gateway's row (`forget_idle`), so the row, and what every other gateway
+keeps of it, is bounded by the tenants active in that window, not by every tenant ever seen (JWT
+tenants come and go); its counters restart at 0 if it returns. A reader takes a tenant gone from
+a row, or a counter that went down, as such a restart: the new counter is all new. While the board is away (`lost`) everything read from the others is dropped and the
 limiter runs on this gateway's part (divided by the gateways last seen); when it returns the
 others' counters are read afresh as a baseline.
 """
@@ -29,6 +33,12 @@ from replica_agent.feed import TenantShare
 __all__ = ["PeerShares"]
 
 _MIN_RATE_SHARE = 0.05  # a gateway's share of a tenant's rate never drops below this
+IDLE_FORGET_S = 300.0  # an idle tenant's counters leave the row after this (module header)
+
+
+def _grown(new: float, old: float) -> float:
+    """How much a counter grew since it was last read; a counter that went down restarted at 0."""
+    return new - old if new >= old else new
 
 
 class PeerShares:
@@ -44,12 +54,31 @@ class PeerShares:
         self.granted: dict[str, int] = {}  # tenant -> requests the other gateways granted, not finished
         self.released: dict[str, float] = {}  # tenant -> cost released here so far (published; grows)
         self.asked: dict[str, int] = {}  # tenant -> requests asked of flow control here so far (published; grows)
+        self._touched: dict[str, float] = {}  # tenant -> when it last asked or was released here
         self._seen: dict[str, dict[str, float]] = {}  # owner -> tenant -> its released counter last read
         self._arrivals_seen: dict[str, dict[str, int]] = {}  # owner -> tenant -> its limiter arrivals last read
         self._asked_seen: dict[str, dict[str, int]] = {}  # owner -> tenant -> its asked counter last read
         self._my_arrivals: dict[str, int] = {}  # tenant id -> the limiter's arrivals here at the last exchange
         self._ids_of_hash = {tenant_hash(t): t for t in limiter.policies}
         shared_gauge.set(0)
+
+    def count_ask(self, tenant: str, now: float) -> None:
+        self.asked[tenant] = self.asked.get(tenant, 0) + 1
+        self._touched[tenant] = now
+
+    def count_release(self, tenant: str, cost: float, now: float) -> None:
+        self.released[tenant] = self.released.get(tenant, 0.0) + cost
+        self._touched[tenant] = now
+
+    def forget_idle(self, now: float, busy) -> int:
+        """Drop the counters of tenants idle for IDLE_FORGET_S and not in `busy` (held or granted
+        here); returns how many were dropped."""
+        drop = [t for t, at in self._touched.items() if now - at > IDLE_FORGET_S and t not in busy]
+        for t in drop:
+            del self._touched[t]
+            self.released.pop(t, None)
+            self.asked.pop(t, None)
+        return len(drop)
 
     def row(self, held: Mapping[str, int], granted: Mapping[str, int]) -> dict[str, TenantShare]:
         """This gateway's row: `held` and `granted` are flow control's per tenant now."""
@@ -76,16 +105,20 @@ class PeerShares:
             seen = self._seen.setdefault(owner, {})
             aseen = self._arrivals_seen.setdefault(owner, {})
             asked_seen = self._asked_seen.setdefault(owner, {})
+            for gone in [th for th in seen if th not in row]:  # left the row: restarts at 0 if back
+                del seen[gone]
+                aseen.pop(gone, None)
+                asked_seen.pop(gone, None)
             for th, s in row.items():
-                d = s.released - seen.get(th, 0.0)
+                d = _grown(s.released, seen.get(th, 0.0))
                 if not new and d > 0:
                     credits[th] = credits.get(th, 0.0) + d
                 seen[th] = s.released
-                da = s.arrivals - aseen.get(th, 0)
+                da = _grown(s.arrivals, aseen.get(th, 0))
                 if not new and da > 0:
                     arrivals_d[th] = arrivals_d.get(th, 0) + da
                 aseen[th] = s.arrivals
-                if not new and s.asked > asked_seen.get(th, 0):
+                if not new and _grown(s.asked, asked_seen.get(th, 0)) > 0:
                     arrived.add(th)
                 asked_seen[th] = s.asked
                 queued[th] = queued.get(th, 0) + s.queued

@@ -235,7 +235,7 @@ class Pipeline:
         m.request_done(ctx.route, ctx.status, ctx.replica)
         m.child(m.e2e, ctx.route).observe(elapsed)
         if ident is not None and ident.method != "none":  # a tenant was identified (key, JWT or trusted header)
-            m.child(m.tenant_requests, ident.tenant_hash).inc()
+            m.child(m.tenant_requests, m.tenant_label(ident.tenant_hash)).inc()
         ctx.span.set("http.response.status_code", ctx.status)
         ctx.span.end()
         fields = {"request_id": ctx.request_id, "route": ctx.route, "status": ctx.status, "replica": ctx.replica,

@@ -72,7 +72,7 @@ class Gateway:
         self.salter = build_salter(cfg)
         self.policy = build_policy(cfg)
         self.limiter = TenantLimiter(self.auth.policies)
-        self.metrics = Metrics(registry)
+        self.metrics = Metrics(registry, max_tenant_labels=cfg.telemetry.max_tenant_labels)
         self.metrics.registry.register(StateCollector(self.state_for_metrics))
         self.tracing = Tracing(tracer_provider)
         m = cfg.membership
@@ -89,7 +89,7 @@ class Gateway:
         self.model = ModelInfo(cfg.model.name, cfg.model.aliases, cfg.model.block_size, cfg.model.max_model_len)
         self.flow = FlowControl(cfg, routing=self.routing, membership=self.membership, limiter=self.limiter,
                                 slots=cfg.flow.max_num_seqs or int(getattr(self.policy, "max_num_seqs", 256)),
-                                registry=self.metrics.registry)
+                                registry=self.metrics.registry, tenant_label=self.metrics.tenant_label)
         self.share_health = trouble("feed (flow control's fair shares)")
         self.feed_health = trouble("feed (index sync)")
         self.board_health = trouble("feed (shared in-flight counters)")

@@ -15,7 +15,10 @@ conventions where they exist (gen_ai.*); the rest are `warmroute.*`.
 
 Logs: one JSON object per line; at most one line per request at INFO and only when
 `telemetry.access_log` is on. Secrets and prompts are never logged; tenants appear as
-`tenant_hash` (first 16 hex of sha256).
+`tenant_hash` (first 16 hex of sha256). In metrics a tenant's label is its tenant_hash for the
+first `telemetry.max_tenant_labels` tenants a process sees and "other" for the rest
+(`TenantLabels`): with JWT tenants that come and go, a label per tenant ever seen would grow the
+scrape and Prometheus' series without bound.
 """
 from __future__ import annotations
 
@@ -29,11 +32,30 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
 
-__all__ = ["LabelCache", "Metrics", "StateCollector", "build_tracer_provider", "setup_logging", "JsonFormatter"]
+__all__ = ["LabelCache", "Metrics", "TenantLabels", "StateCollector", "build_tracer_provider", "setup_logging", "JsonFormatter"]
 
 _LAT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class TenantLabels:
+    """A tenant's metric label (module header): its hash while fewer than `limit` tenants have a
+    label of their own, then "other"; a tenant keeps the label it was first given."""
+
+    OTHER = "other"
+
+    def __init__(self, limit: int = 1000) -> None:
+        self.limit = limit
+        self._own: set[str] = set()
+
+    def __call__(self, tenant_hash: str) -> str:
+        if tenant_hash in self._own:
+            return tenant_hash
+        if len(self._own) < self.limit:
+            self._own.add(tenant_hash)
+            return tenant_hash
+        return self.OTHER
 
 
 class LabelCache:
@@ -54,8 +76,9 @@ class LabelCache:
 class Metrics(LabelCache):
     """Per-request instruments; label children are cached so the hot path is a dict lookup."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, max_tenant_labels: int = 1000) -> None:
         super().__init__()
+        self.tenant_label = TenantLabels(max_tenant_labels)  # shared with flow control's metrics
         r = self.registry = registry or CollectorRegistry(auto_describe=True)
         self.requests = Counter("warmroute_gateway_requests", "Requests answered, by route, HTTP status and replica",
                                 ["route", "status", "replica"], registry=r)

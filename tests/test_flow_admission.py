@@ -213,7 +213,7 @@ def test_light_spill_takes_a_free_slot_elsewhere_only_for_a_short_loss():
     assert _grant_on(False, {"r1": (False, 40)}, spill_s=0.5)[0] is False
 
 
-def _flow_control(replicas: int, **flow) -> FlowControl:
+def _flow_control(replicas: int, clock=lambda: 100.0, **flow) -> FlowControl:
     """FlowControl over `replicas` replicas r0.. of 4 slots each, with `flow` config, at clock 100."""
     from prometheus_client import CollectorRegistry
 
@@ -228,7 +228,34 @@ def _flow_control(replicas: int, **flow) -> FlowControl:
     mem.set_members({f"r{i}": f"http://r{i}" for i in range(replicas)})
     rs = RoutingState(KVIndex(max_entries=100, stale_after_s=10.0), LoadTracker(), Calibrator(), speculative_ttl_s=2.0)
     return FlowControl(config_from_dict({"flow": flow}, env={}), routing=rs, membership=mem, limiter=TenantLimiter({}),
-                       slots=4, registry=CollectorRegistry(), clock=lambda: 100.0)
+                       slots=4, registry=CollectorRegistry(), clock=clock)
+
+
+def test_per_tenant_state_of_long_idle_tenants_is_dropped_by_the_timer():
+    """sweep (the timer) drops, every _FORGET_EVERY_S, the release rate and the published counters
+    of tenants idle for IDLE_FORGET_S, except those with requests granted here: memory and the
+    board's row follow the tenants active lately, not every tenant seen (JWT tenants churn)."""
+    from gateway.flow import _FORGET_EVERY_S
+    from gateway.flow_share import IDLE_FORGET_S
+
+    now = [100.0]
+    fc = _flow_control(1, clock=lambda: now[0])
+    for i in range(50):
+        fc.peers.count_ask(f"t{i}", now[0])
+        fc._count_release(f"t{i}")
+    fc._granted = {"t7": 1}
+    fc.sweep()
+    assert len(fc._rate) == 50 and len(fc.share_row()) == 50
+    now[0] += IDLE_FORGET_S + 1
+    fc.sweep()
+    assert set(fc._rate) == {"t7"} and set(fc.share_row()) == {"t7"}
+    fc._granted = {}
+    now[0] += _FORGET_EVERY_S / 2
+    fc.sweep()  # not yet: the next drop is _FORGET_EVERY_S after the last
+    assert set(fc._rate) == {"t7"}
+    now[0] += _FORGET_EVERY_S
+    fc.sweep()
+    assert fc._rate == {} and fc.share_row() == {}
 
 
 def test_light_spill_only_for_a_light_tenant_beside_a_heavy_one():

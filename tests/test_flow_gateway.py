@@ -470,3 +470,29 @@ async def test_the_decision_span_says_how_the_request_passed(tmp_path, tok):
     finally:
         await g.close()
         await rep.close()
+
+
+async def test_tenant_labels_in_metrics_are_capped_and_the_rest_share_other(tmp_path, tok):
+    """telemetry.max_tenant_labels: the first tenants seen keep their own tenant_hash label on the
+    request and flow metrics; tenants beyond the cap (here JWT tenants, which come and go) are
+    counted under "other", so the scrape does not grow with every tenant ever seen."""
+    rep = await HeldReplica().start()
+    g = await _gateway(tmp_path, tok, {"r0": rep.url}, {"max_num_seqs": 64}, telemetry={"max_tenant_labels": 2})
+    try:
+        async with aiohttp.ClientSession() as s:
+            rep.drain()  # answer everything at once
+            for key in ("k-filler", "k-quiet"):
+                assert (await ask(s, g.url, key, "hello"))[0] == 200
+            for i in range(5):
+                auth = {"Authorization": f"Bearer {token_for(f'jwt-{i}')}"}
+                assert (await ask(s, g.url, "", "hello", headers=auth))[0] == 200
+            text = await _metrics(s, g)
+    finally:
+        await g.close()
+        await rep.close()
+    for name in ("warmroute_gateway_tenant_requests_total", "warmroute_gateway_flow_admissions_total"):
+        assert _metric(text, name, tenant_hash=tenant_hash("filler")) == 1
+        assert _metric(text, name, tenant_hash=tenant_hash("quiet")) == 1
+        assert _metric(text, name, tenant_hash="other") == 5
+        assert _metric(text, name, tenant_hash=tenant_hash("jwt-0")) == 0
+    assert sum(f'tenant_hash="{tenant_hash(f"jwt-{i}")}"' in text for i in range(5)) == 0

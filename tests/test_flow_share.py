@@ -180,6 +180,39 @@ def test_the_others_arrivals_count_from_the_second_read_of_a_gateway_and_are_for
     assert p.apply({"gw-b": {"t1": TenantShare(asked=10)}, "gw-c": {"t1": TenantShare(asked=1)}})[1] == {"t1"}
 
 
+def test_a_long_idle_tenant_leaves_the_row_and_readers_take_its_return_as_a_restart():
+    """The row is bounded by the tenants active within IDLE_FORGET_S (JWT tenants come and go):
+    an idle tenant's counters leave it unless it has requests held or granted; a reader forgets a
+    tenant gone from a row, and takes a counter back from 0 (or one that went down) as all new."""
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from gateway.auth import TenantLimiter
+    from gateway.flow_share import IDLE_FORGET_S, PeerShares
+
+    def peers():
+        return PeerShares(TenantLimiter({}), Gauge("g", "", registry=CollectorRegistry()))
+
+    a = peers()
+    for i in range(1000):  # a thousand short-lived tenants, each one request
+        a.count_ask(f"t{i}", now=float(i) * 0.1)
+        a.count_release(f"t{i}", 1.0, now=float(i) * 0.1)
+    a.count_ask("busy", now=0.0)
+    assert len(a.row({}, {})) == 1001
+    assert a.forget_idle(IDLE_FORGET_S + 50.0, busy={"busy"}) == 500  # those idle > IDLE_FORGET_S; not the busy one
+    assert len(a.row({}, {})) == 501 and "busy" in a.row({}, {}) and "t0" not in a.row({}, {})
+    assert a.forget_idle(IDLE_FORGET_S + 100.0, busy=set()) == 501 and a.row({}, {}) == {}
+
+    b = peers()
+    b.apply({"gw-a": {"t": TenantShare(released=5.0, asked=5)}})  # baseline
+    assert b.apply({"gw-a": {}}) == ({}, set())  # t left gw-a's row: forgotten here too
+    assert b._seen["gw-a"] == {}
+    # back with its counters restarted: all of it is new (the old rule saw 1 < 5 and credited nothing)
+    assert b.apply({"gw-a": {"t": TenantShare(released=3.0, asked=3)}}) == ({"t": 3.0}, {"t"})
+    # dropped and back between two reads: the counters went down, so they restarted
+    assert b.apply({"gw-a": {"t": TenantShare(released=0.5, asked=1)}}) == ({"t": 0.5}, {"t"})
+    assert b.apply({"gw-a": {"t": TenantShare(released=0.5, asked=1)}}) == ({}, set())
+
+
 async def test_the_headroom_holds_for_a_light_tenant_that_comes_through_another_gateway(tmp_path, tok, redis_server):
     """One replica, 3 slots, headroom 1; the quiet tenant sends through b only, the noisy one through
     a only. a learns of the quiet tenant's arrival at b from the board and keeps the headroom for it:

@@ -138,3 +138,18 @@ def test_pure_stages_import_no_io(module):
             elif imp.split(".")[0] in FIRST_PARTY:
                 todo.append(imp)
     assert not bad, f"{module} reaches I/O: " + "; ".join(sorted(bad))
+
+
+def test_services_wait_with_asyncio_timeout_not_wait_for():
+    """Python 3.11's `asyncio.wait_for` returns the inner result when the outer task is cancelled
+    in the same loop turn as the awaited thing completes, and the cancel is lost: a background
+    loop waiting on an event with it can outlive close() (a shutdown hang CI found; the behaviour
+    is pinned in tests/test_cancel_at_wake.py). The services use `async with asyncio.timeout(...)`."""
+    bad = []
+    for package in ("gateway", "replica_agent", "hashing", "policies"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "wait_for"
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "asyncio"):
+                    bad.append(_where(path, node))
+    assert not bad, "asyncio.wait_for in a service (use asyncio.timeout):\n" + "\n".join(bad)

@@ -49,6 +49,7 @@ BOUNDS: dict[str, dict[str, Any]] = {
     "server.max_body_bytes": {"minimum": 1024},
     "server.shutdown_grace_s": {"minimum": 0},
     "auth.jwt.leeway_s": {"minimum": 0},
+    "telemetry.max_tenant_labels": {"minimum": 0},
     "auth.api_keys_reload_s": {"exclusiveMinimum": 0},
     "salt.scope": {"enum": ["tenant", "user"]},
     "telemetry.log_level": {"enum": ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]},
