@@ -41,7 +41,7 @@ from gateway.auth import ApiKeyStore, Authenticator, load_api_keys_file, parse_k
 from gateway.config import AuthConfig, KeepAliveConfig
 from gateway.index import KVIndex
 from gateway.index_sync import IndexSync
-from gateway.keepalive import Retainer, refresh_body, refresh_computed_tokens
+from gateway.keepalive import REFRESH_PRIORITY, Retainer, refresh_body, refresh_computed_tokens
 from gateway.load import LoadTracker
 from gateway.membership import Membership
 from gateway.model import ModelInfo
@@ -233,7 +233,8 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
                 if st is None or not st.available(now) or len(pending) >= MAX_REFRESHES_IN_FLIGHT:
                     continue
                 ids, salt = rf.payload
-                body = refresh_body(model.name, ids, len(rf.keys), bs, salt)
+                body = refresh_body(model.name, ids, len(rf.keys), bs, salt,
+                                    priority=REFRESH_PRIORITY if cfg.engine_priority else None)
                 task = asyncio.create_task(refresh(st.replica_id, st.url, body))
                 pending.add(task)
                 task.add_done_callback(pending.discard)

@@ -19,9 +19,10 @@ an arrival. A tenant with nothing held or granted here that has not asked or bee
 IDLE_FORGET_S leaves this gateway's row (`forget_idle`), so the row, and what every other gateway
 keeps of it, is bounded by the tenants active in that window, not by every tenant ever seen (JWT
 tenants come and go); its counters restart at 0 if it returns. A reader takes a tenant gone from
-a row, or a counter that went down, as such a restart: the new counter is all new. While the board is away (`lost`) everything read from the others is dropped and the
-limiter runs on this gateway's part (divided by the gateways last seen); when it returns the
-others' counters are read afresh as a baseline.
+a row, or a counter that went down, as such a restart: the new counter is all new. While the
+board is away (`lost`) everything read from the others is dropped and the limiter runs on this
+gateway's part (divided by the gateways last seen); when it returns the others' counters are read
+afresh as a baseline.
 """
 from __future__ import annotations
 

@@ -414,7 +414,8 @@ async def _compare(args, procs: Procs, tmp: Path) -> dict:
                                    "--block-size", "16", "--num-blocks", str(args.num_blocks),
                                    "--max-model-len", str(args.num_blocks * 16), "--max-num-seqs", str(args.max_num_seqs),
                                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                                   "--time-profile", "wallclock", "--kv-events-endpoint", ev, "--replay-endpoint", rp])
+                                   "--time-profile", "wallclock", "--kv-events-endpoint", ev, "--replay-endpoint", rp,
+                                   "--scheduling-policy", args.sim_scheduling_policy])
         sims[rid] = f"http://127.0.0.1:{port}"
     sim_urls = list(sims.values())
 
@@ -600,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--md", default=None, metavar="FILE", help="append the markdown section to this file")
     p.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (their directory is printed)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the sims' token budget per step (chunked prefill)")
+    p.add_argument("--sim-scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="the sims' --scheduling-policy (vLLM's): priority for keep_alive.engine_priority or flow.engine_priority")
     p.add_argument("--regime", default=None, choices=sorted(REGIMES),
                    help="run a virtual-time regime's case on the wall clock (replicas, KV, scheduler, rate, pre-warm, "
                         "request count from loadtests/vtime_regimes.py; the text is rendered to the nominal token counts)")

@@ -56,7 +56,7 @@ import numpy as np
 from gateway.config import FeedConfig
 from hashing.keys import block_extras, chain_keys, root_key
 from loadtests.vtime_replica import ReplicaModel, SimReq
-from loadtests.vtime_keepalive import KEEPALIVE, KeepAlive, Retainer, refresh_request
+from loadtests.vtime_keepalive import KEEPALIVE, KeepAlive, Retainer, queue_refresh, refresh_request
 from loadtests.workloads import Workload, WorkloadRequest, _ROLE_IDS, segment_token_ids
 from loadtests.vtime_pacing import PaceChains, Pacing
 from loadtests.vtime_router import SimRouter, VClock
@@ -277,6 +277,7 @@ def simulate(
     warmup: list[WorkloadRequest] | None = None,
     pacing: Pacing | None = None,
     keep_alive: KeepAlive | None = None,
+    refresh_first: bool = False,
 ) -> SimResult:
     """Run `workload` through `policy_name` on `n_replicas` modelled replicas (module header).
 
@@ -289,7 +290,9 @@ def simulate(
     `warmup`: requests sent one at a time before the stream (module header); the stream's arrival
     times then count from the end of the warm-up.
     `pacing`: the paced-prefill design probe (loadtests/vtime_pacing.py), measured requests only.
-    `keep_alive`: the keep-alive design probe (loadtests/vtime_keepalive.py).
+    `keep_alive`: the keep-alive design probe (loadtests/vtime_keepalive.py); `refresh_first`: its
+    refreshes wait ahead of every request (the gateway's keep_alive.engine_priority on engines run
+    with vLLM's priority policy), else at the back of the queue.
     """
     if n_replicas < 1:
         raise ValueError("n_replicas must be >= 1")
@@ -510,7 +513,7 @@ def simulate(
                 due = retainer.due(t, held_blocks, lambda ri: p.num_blocks)
                 for j, rf in enumerate(due, retainer.sent - len(due) + 1):
                     ka = refresh_request(rf, j, p.block_size, t)
-                    reps[ka.rep].waiting.append(ka)
+                    queue_refresh(reps[ka.rep].waiting, ka, first=refresh_first)
                     if not reps[ka.rep].stepping:
                         kick(ka.rep, t)
             if n_done + n_unfinished < n_total:

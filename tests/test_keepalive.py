@@ -1,17 +1,19 @@
 """Keep-alive of the plan's long roots (gateway/keepalive.py): which prefixes are kept, when one is
 due, the refresh request; in virtual time (loadtests/vtime_keepalive.py) it stops the busy
 regime's engines evicting cold documents; through a real gateway, agent and simulated replica a
-kept document gets refreshes that are cache hits of its blocks under the tenant's salt."""
+kept document gets refreshes that are cache hits of its blocks under the tenant's salt, and with
+`engine_priority` they carry vLLM's priority."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import aiohttp
 import pytest
 
 from gateway.config import ConfigError, config_from_dict
-from gateway.keepalive import KeepAlive, Retainer, refresh_body, refresh_computed_tokens
+from gateway.keepalive import REFRESH_PRIORITY, KeepAlive, Retainer, refresh_body, refresh_computed_tokens
 from loadtests.vtime import simulate
 
 BS = 16
@@ -87,6 +89,8 @@ def test_refresh_body_is_the_blocks_plus_one_token_with_the_salt():
     body = refresh_body("m", ids, 80, BS, "salt-1")
     assert body == {"model": "m", "prompt": ids[: 80 * BS + 1], "max_tokens": 1, "stream": False, "cache_salt": "salt-1"}
     assert "cache_salt" not in refresh_body("m", ids, 80, BS, "")
+    assert "priority" not in body  # FCFS engines refuse one: only with keep_alive.engine_priority
+    assert refresh_body("m", ids, 80, BS, "salt-1", priority=REFRESH_PRIORITY) == {**body, "priority": -1}
     with pytest.raises(ValueError):
         refresh_body("m", ids[: 80 * BS], 80, BS, "s")  # no token after the blocks
 
@@ -135,6 +139,45 @@ def test_keep_alive_stops_the_busy_regime_evicting_cold_documents():
     assert kept.summary()["hit_ratio"] > plain.summary()["hit_ratio"]
 
 
+def test_refreshes_first_wait_ahead_of_requests_in_arrival_order():
+    """vtime's model of keep_alive.engine_priority (vLLM's priority policy orders its waiting queue
+    by (priority, arrival)): a refresh goes behind the refreshes already waiting and ahead of every
+    request; without it, at the back (FCFS)."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from loadtests.vtime_keepalive import KEEPALIVE, queue_refresh
+
+    req = [SimpleNamespace(pace=None, n=i) for i in range(3)]
+    ka = [SimpleNamespace(pace=KEEPALIVE, n=10 + i) for i in range(2)]
+    w = deque(req)
+    queue_refresh(w, ka[0], first=True)
+    queue_refresh(w, ka[1], first=True)
+    assert [x.n for x in w] == [10, 11, 0, 1, 2]
+    w = deque(req)
+    queue_refresh(w, ka[0], first=False)
+    assert [x.n for x in w] == [0, 1, 2, 10]
+
+
+def test_keep_alive_with_priority_waits_less_in_virtual_time():
+    """busy's Zipf case, seed 0: refreshes ahead of the queue find their documents whole more often
+    (they are admitted before the engines' LRU takes what they were sent to keep), so they compute
+    fewer prompt tokens than refreshes at the back of the queue."""
+    from loadtests.vtime_regimes import REGIMES, _policy, build_case
+
+    reg = REGIMES["busy"]
+    c = build_case("busy", "shared_docs_zipf", 2)
+
+    def run(first):
+        return simulate(c.workload, _policy("cache_plan", c.workload, c.keys, reg.replicas), reg.replicas, reg.params,
+                        seed=2, keys=c.keys, warmup=c.warmup, keep_alive=KeepAlive(idle_s=2.0), refresh_first=first)
+
+    fcfs, first = run(False), run(True)
+    assert fcfs.refreshes > 0 and first.refreshes > 0
+    assert first.summary()["refresh_computed_tokens"] < fcfs.summary()["refresh_computed_tokens"]
+    assert first.unfinished == 0
+
+
 def test_report_takes_keep_alive_only_with_a_regime(capsys):
     from loadtests.vtime_report import main
 
@@ -150,12 +193,11 @@ def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name) and not line.startswith("#"))
 
 
-@pytest.mark.asyncio
-async def test_a_gateway_refreshes_a_kept_document_as_a_cache_hit_under_the_tenants_salt(tok, tmp_path, monkeypatch):
+@contextlib.asynccontextmanager
+async def _kept_document(tok, tmp_path, monkeypatch, *, keep_alive: dict | None = None, sim_policy: str = "fcfs"):
     """A real gateway (cache_plan, keep-alive every 0.3 s), an embedded agent and a simulated
-    replica: after a document's second request (planned: its root is the document) the replica
-    gets refreshes, and each is a hit of the root's blocks, which it can only be if the refresh
-    carries the same token ids and the tenant's salt the requests had; a replica that is down gets none."""
+    replica (`sim_policy`: its scheduling policy); a document asked twice, so it is planned and
+    kept. Yields (gateway, sim, session, the document's root in tokens)."""
     from gateway.server import start_gateway
     from loadtests.sim.server import SimConfig, start_sim_server
     from replica_agent.agent import AgentConfig, start_agent
@@ -167,7 +209,8 @@ async def test_a_gateway_refreshes_a_kept_document_as_a_cache_hit_under_the_tena
     keys.write_text("tenant-a: [key-a]\n")
     feed = open_feed("memory://keepalive")
     port = free_port()
-    sim = await start_sim_server(SimConfig(model="warmroute-sim", kv_events_endpoint=f"tcp://*:{port}"))
+    sim = await start_sim_server(SimConfig(model="warmroute-sim", kv_events_endpoint=f"tcp://*:{port}",
+                                           scheduling_policy=sim_policy))
     agent = await start_agent(AgentConfig(replica_id="r0", kv_events_endpoint=f"tcp://127.0.0.1:{port}",
                                           engine_url=sim.url, load_interval_s=0.2), feed)
     cfg = config_from_dict({
@@ -175,7 +218,7 @@ async def test_a_gateway_refreshes_a_kept_document_as_a_cache_hit_under_the_tena
         "membership": {"replicas": [f"r0={sim.url}"], "health_interval_s": 0.2, "eject_base_s": 30.0},
         "auth": {"enabled": True, "api_keys_file": str(keys)},
         "policy": {"name": "cache_plan"},
-        "keep_alive": {"enabled": True, "idle_s": 0.3, "min_tokens": 64},
+        "keep_alive": {"enabled": True, "idle_s": 0.3, "min_tokens": 64, **(keep_alive or {})},
     }, env={})
     g = await start_gateway(cfg, feed=feed, tokenizer=tok)
     doc = " ".join(f"paragraph {i} of the kept document about routing." for i in range(60))
@@ -191,10 +234,6 @@ async def test_a_gateway_refreshes_a_kept_document_as_a_cache_hit_under_the_tena
                     assert r.status == 200, await r.text()
                     return (await r.json())["usage"]
 
-            async def metrics(url):
-                async with s.get(url + "/metrics") as r:
-                    return await r.text()
-
             u = await chat()
             for _ in range(100):  # the engine's BlockStored events reach the index
                 if g.gateway.index.stats().entries_by_replica.get("r0", 0) >= u["prompt_tokens"] // 16:
@@ -203,26 +242,60 @@ async def test_a_gateway_refreshes_a_kept_document_as_a_cache_hit_under_the_tena
             u2 = await chat()
             root_tokens = (u["prompt_tokens"] - 1) // 16 * 16
             assert u2["prompt_tokens_details"]["cached_tokens"] == root_tokens  # planned, its root is the document
-            hits0 = _metric(await metrics(sim.url), "vllm:prefix_cache_hits_total")
-            await asyncio.sleep(1.5)
-            hits1 = _metric(await metrics(sim.url), "vllm:prefix_cache_hits_total")
-            text = await metrics(g.admin_url)
-            ok = _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="ok",replica="r0"}')
-            assert ok >= 2, text[-2000:]
-            assert _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="error"') == 0
-            assert _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="partial"') == 0
-            # each computed its one token past the blocks (engine usage), nothing more
-            assert _metric(text, 'warmroute_gateway_keepalive_computed_tokens_total{replica="r0"}') == ok
-            # every refresh since hits0 hit the whole root (refreshes sent before hits0 may be counted in ok too)
-            assert hits1 - hits0 >= 2 * root_tokens and (hits1 - hits0) % root_tokens == 0
-            g.gateway.membership.report_failure("r0", "test: down")  # ejected for 30 s: no refresh goes there
-            await asyncio.sleep(0.3)  # one sent just before may still be answered
-            before = _metric(await metrics(g.admin_url), "warmroute_gateway_keepalive_refreshes_total")
-            hits2 = _metric(await metrics(sim.url), "vllm:prefix_cache_hits_total")
-            await asyncio.sleep(1.0)
-            assert _metric(await metrics(g.admin_url), "warmroute_gateway_keepalive_refreshes_total") == before
-            assert _metric(await metrics(sim.url), "vllm:prefix_cache_hits_total") == hits2
+            yield g, sim, s, root_tokens
     finally:
         await g.close()
         await agent.close()
         await sim.close()
+
+
+async def _metrics(s, url) -> str:
+    async with s.get(url + "/metrics") as r:
+        return await r.text()
+
+
+@pytest.mark.asyncio
+async def test_a_gateway_refreshes_a_kept_document_as_a_cache_hit_under_the_tenants_salt(tok, tmp_path, monkeypatch):
+    """After a document's second request (planned: its root is the document) the replica gets
+    refreshes, and each is a hit of the root's blocks, which it can only be if the refresh carries
+    the same token ids and the tenant's salt the requests had; a replica that is down gets none."""
+    async with _kept_document(tok, tmp_path, monkeypatch) as (g, sim, s, root_tokens):
+        hits0 = _metric(await _metrics(s, sim.url), "vllm:prefix_cache_hits_total")
+        await asyncio.sleep(1.5)
+        hits1 = _metric(await _metrics(s, sim.url), "vllm:prefix_cache_hits_total")
+        text = await _metrics(s, g.admin_url)
+        ok = _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="ok",replica="r0"}')
+        assert ok >= 2, text[-2000:]
+        assert _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="error"') == 0
+        assert _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="partial"') == 0
+        # each computed its one token past the blocks (engine usage), nothing more
+        assert _metric(text, 'warmroute_gateway_keepalive_computed_tokens_total{replica="r0"}') == ok
+        # every refresh since hits0 hit the whole root (refreshes sent before hits0 may be counted in ok too)
+        assert hits1 - hits0 >= 2 * root_tokens and (hits1 - hits0) % root_tokens == 0
+        g.gateway.membership.report_failure("r0", "test: down")  # ejected for 30 s: no refresh goes there
+        await asyncio.sleep(0.3)  # one sent just before may still be answered
+        before = _metric(await _metrics(s, g.admin_url), "warmroute_gateway_keepalive_refreshes_total")
+        hits2 = _metric(await _metrics(s, sim.url), "vllm:prefix_cache_hits_total")
+        await asyncio.sleep(1.0)
+        assert _metric(await _metrics(s, g.admin_url), "warmroute_gateway_keepalive_refreshes_total") == before
+        assert _metric(await _metrics(s, sim.url), "vllm:prefix_cache_hits_total") == hits2
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("sim_policy", ["priority", "fcfs"])
+async def test_with_engine_priority_refreshes_carry_vllms_priority(tok, tmp_path, monkeypatch, sim_policy):
+    """keep_alive.engine_priority: refreshes carry priority -1 (keepalive.REFRESH_PRIORITY). An
+    engine run with --scheduling-policy priority serves them (hits of the whole root); one on the
+    default policy refuses them, as vLLM refuses a priority it does not schedule by, so they are
+    counted as errors: the priority really is sent, and the setting needs the engines' policy."""
+    async with _kept_document(tok, tmp_path, monkeypatch, keep_alive={"engine_priority": True},
+                              sim_policy=sim_policy) as (g, sim, s, root_tokens):
+        await asyncio.sleep(1.2)
+        text = await _metrics(s, g.admin_url)
+    ok = _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="ok",replica="r0"}')
+    errors = _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="error"')
+    if sim_policy == "priority":
+        assert ok >= 2 and errors == 0, text[-2000:]
+        assert _metric(text, 'warmroute_gateway_keepalive_computed_tokens_total{replica="r0"}') == ok
+    else:
+        assert ok == 0 and errors >= 2, text[-2000:]
