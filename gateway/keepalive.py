@@ -28,7 +28,7 @@ Rules:
   control's engine priority uses 0 and 1; clients' own are dropped): on engines run with
   `--scheduling-policy priority` it is admitted at the next step instead of waiting in the queue
   while the LRU goes on evicting what it was sent to keep (on the busy regime's wall clock the
-  refreshes recomputed 17-40k prompt tokens a run without it, 5-28k with it: README).
+  refreshes recomputed 17-40k prompt tokens a run without it, 1.7-28k with it: README).
 """
 from __future__ import annotations
 

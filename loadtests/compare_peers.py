@@ -305,8 +305,15 @@ async def _warmup(session: aiohttp.ClientSession, url: str) -> None:
     raise Unavailable(f"warm-up request through {url} failed: {last}")
 
 
-async def _router_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """Counters of a peer router worth keeping: calls to workers besides the request itself."""
+_KEPT_COUNTERS = {  # a router's counters worth keeping, by kind
+    "warmroute": ("keepalive", "flow_admissions", "flow_sheds"),  # refreshes and what they computed; flow control
+    "peer": ("render", "tokeniz", "processed_requests", "policy_decisions"),  # calls to workers besides the request
+}
+
+
+async def _router_metrics(session: aiohttp.ClientSession, url: str, kind: str) -> dict[str, float]:
+    """The router's counters worth keeping (_KEPT_COUNTERS), as scraped now."""
+    words = _KEPT_COUNTERS["warmroute" if kind == "warmroute" else "peer"]
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
             text = await r.text()
@@ -314,7 +321,7 @@ async def _router_metrics(session: aiohttp.ClientSession, url: str) -> dict[str,
         return {}
     out = {}
     for line in text.splitlines():
-        if line and line[0] != "#" and any(w in line for w in ("render", "tokeniz", "processed_requests", "policy_decisions")):
+        if line and line[0] != "#" and "_created{" not in line and any(w in line for w in words):
             k, _, v = line.rpartition(" ")
             try:
                 out[k] = float(v)
@@ -452,7 +459,7 @@ async def _compare(args, procs: Procs, tmp: Path) -> dict:
                 procs.stop(name)
                 continue
             before = await _sim_counters(session, sims)
-            rm0 = await _router_metrics(session, prom_url) if kind != "warmroute" else {}
+            rm0 = await _router_metrics(session, prom_url, kind)
             own = ["redis", name, *(f"sim-{r}" for r in sims), *(f"agent-{r}" for r in sims)]
             cpu0 = {n: procs.cpu_s(n) for n in own}
             me0 = os.times()
@@ -462,7 +469,7 @@ async def _compare(args, procs: Procs, tmp: Path) -> dict:
             me1 = os.times()
             cpu1 = {n: procs.cpu_s(n) for n in own}
             after = await _sim_counters(session, sims)
-            rm1 = await _router_metrics(session, prom_url) if kind != "warmroute" else {}
+            rm1 = await _router_metrics(session, prom_url, kind)
             router_metrics = {k: v - rm0.get(k, 0.0) for k, v in rm1.items()}  # this run only (not the warm-up)
             router_alive = procs.alive(name)
             router_log = procs.log_tail(name, 5)
