@@ -49,6 +49,13 @@ class KeepAlive:
     kv_frac: float = 0.9  # a replica's kept blocks stay under this share of its KV
     max_per_replica: int = 256  # kept prefixes per replica at most
 
+    @classmethod
+    def from_config(cls, k, block_size: int) -> "KeepAlive":
+        """The rules of the gateway's `keep_alive` section (gateway.config.KeepAliveConfig): token
+        counts become blocks (min_tokens rounded down, at least one)."""
+        return cls(idle_s=k.idle_s, min_blocks=max(1, k.min_tokens // block_size), forget_s=k.forget_s,
+                   kv_frac=k.kv_frac, max_per_replica=k.max_per_replica)
+
     def __post_init__(self) -> None:
         if (self.idle_s <= 0 or self.min_blocks < 1 or self.forget_s <= 0 or not 0 < self.kv_frac <= 1
                 or self.max_per_replica < 1):

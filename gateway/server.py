@@ -95,9 +95,8 @@ class Gateway:
         self.board_health = trouble("feed (shared in-flight counters)")
         self.index_sync: IndexSync | None = None
         k = cfg.keep_alive
-        self.retainer = Retainer(KeepAlive(idle_s=k.idle_s, min_blocks=max(1, k.min_tokens // cfg.model.block_size),
-                                           forget_s=k.forget_s, kv_frac=k.kv_frac, max_per_replica=k.max_per_replica)
-                                 ) if k.enabled else None  # keep-alive of the plan's long roots (gateway.keepalive)
+        # keep-alive of the plan's long roots (gateway.keepalive)
+        self.retainer = Retainer(KeepAlive.from_config(k, cfg.model.block_size)) if k.enabled else None
         if k.enabled and cfg.policy.name != "cache_plan":  # not an error: flags may set the policy after the file
             log.warning("keep_alive is enabled but only cache_plan plans roots to keep; with policy %s nothing is kept",
                         cfg.policy.name)

@@ -62,6 +62,15 @@ def test_a_refresh_is_cut_to_what_the_index_still_holds_and_a_lost_root_is_dropp
     assert ret.kept["a"] == {}
 
 
+def test_the_gateways_keep_alive_section_becomes_rules_in_blocks():
+    """KeepAlive.from_config (what the gateway runs): min_tokens rounded down to whole blocks, at
+    least one; the other fields as they are."""
+    cfg = config_from_dict({"keep_alive": {"min_tokens": 1030, "idle_s": 1.5, "kv_frac": 0.7}}, env={})
+    rules = KeepAlive.from_config(cfg.keep_alive, cfg.model.block_size)
+    assert (rules.min_blocks, rules.idle_s, rules.kv_frac, rules.forget_s) == (64, 1.5, 0.7, cfg.keep_alive.forget_s)
+    assert KeepAlive.from_config(cfg.keep_alive, 4096).min_blocks == 1
+
+
 def test_the_budget_keeps_the_busiest_roots_and_forgets_unused_ones():
     ret = Retainer(KeepAlive(idle_s=1.0, min_blocks=64, forget_s=30.0, kv_frac=0.5))
     hot, cold, third = _doc(1), _doc(2), _doc(3)
