@@ -146,7 +146,7 @@ class TelemetryConfig:
     access_log: bool = False  # one JSON line per request at INFO (off: logging costs CPU)
     log_level: str = "INFO"
     service_name: str = "warmroute-gateway"  # OTEL service.name unless OTEL_SERVICE_NAME is set
-    max_tenant_labels: int = 1000  # tenants with their own tenant_hash metric label per process; later ones share "other"
+    max_tenant_labels: int = 1000  # tenants with their own tenant_hash metric label per process; later: "other"
 
 
 @dataclass
@@ -188,7 +188,8 @@ class KeepAliveConfig:
     kv_frac: float = 0.9  # a replica's kept prefixes stay under this share of its KV (its agent's report)
     max_per_replica: int = 256  # kept prefixes per replica at most (the least busy go first)
     timeout_s: float = 10.0  # a refresh not answered within this long is abandoned
-    engine_priority: bool = False  # refreshes carry vLLM priority -1, ahead of every request (engines: --scheduling-policy priority)
+    # refreshes carry vLLM priority -1, ahead of every request (engines: --scheduling-policy priority)
+    engine_priority: bool = False
 
 
 @dataclass

@@ -145,7 +145,8 @@ def planned_root(terms: dict) -> int:
 REFRESH_PRIORITY = -1  # vLLM's priority of a refresh with engine_priority: lower goes first
 
 
-def refresh_body(model: str, token_ids, blocks: int, block_size: int, salt: str, *, priority: int | None = None) -> dict:
+def refresh_body(model: str, token_ids, blocks: int, block_size: int, salt: str, *,
+                 priority: int | None = None) -> dict:
     """The completion that refreshes `blocks` blocks of `token_ids`: those tokens plus the next one
     (a partial block, so every full block is a hit and one token is computed), max_tokens 1, with
     the tenant's cache salt and, when given, vLLM's `priority`; `token_ids` must hold at least

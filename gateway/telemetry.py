@@ -32,7 +32,8 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
 
-__all__ = ["LabelCache", "Metrics", "TenantLabels", "StateCollector", "build_tracer_provider", "setup_logging", "JsonFormatter"]
+__all__ = ["LabelCache", "Metrics", "TenantLabels", "StateCollector", "build_tracer_provider", "setup_logging",
+           "JsonFormatter"]
 
 _LAT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
