@@ -444,6 +444,19 @@ class KVIndex:
         m = self.match(keys).get(replica_id)
         return m.gpu_blocks if m is not None else 0
 
+    def event_run(self, replica_id: str, keys: Sequence[int]) -> int:
+        """One replica's leading run of `keys` on GPU from its feed's entries alone (no speculative
+        entries, liveness aside): diagnostics, what the index would say without its own guesses."""
+        slot = self._slot_of.get(replica_id)
+        if slot is None:
+            return 0
+        bit, get, n = self._bit(slot), self._gpu.get, 0
+        for k in keys:
+            if not get(k, 0) & bit:
+                break
+            n += 1
+        return n
+
     # ---------------------------------------------------------------- read side
     def last_load(self, replica_id: str) -> LoadReport | None:
         return self._loads.get(replica_id)

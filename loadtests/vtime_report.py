@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --regime: the engines cap one request's prefill at TOKENS per step (vLLM's "
                          "--long-prefill-token-threshold; default 0: the regime's engines, no cap)")
     ap.add_argument("--keep-alive", type=float, default=0.0, metavar="IDLE_S",
-                    help="with --regime: the keep-alive design probe (loadtests/vtime_keepalive.py; the gateway does not "
-                         "refresh): a long prefix not used on its replica for IDLE_S seconds is refreshed there (default 0: off)")
+                    help="with --regime: keep-alive (the gateway's keep_alive rules, loadtests/vtime_keepalive.py): a long "
+                         "prefix not used on its replica for IDLE_S seconds is refreshed there (default 0: off)")
     ap.add_argument("--keep-alive-kv-frac", type=float, default=0.9, metavar="F",
                     help="with --keep-alive: a replica's kept prefixes stay under this share of its KV (default 0.9)")
     ap.add_argument("--keep-alive-priority", action="store_true",

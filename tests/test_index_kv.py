@@ -100,6 +100,18 @@ def test_a_late_removal_of_an_older_copy_leaves_the_speculation(clock):
     assert ix.match([1, 2, 3]) == {"a": Match(2, 2)}
 
 
+def test_event_run_counts_the_feeds_entries_alone(clock):
+    """event_run: the leading run from stored events only; speculative entries (which gpu_run and
+    match count) do not extend it (the real-vLLM churn test tells an over-prediction made on an
+    earlier request's speculative entry this way)."""
+    ix = KVIndex(clock=clock)
+    ix.apply(ev("a", "stored", [1, 2, 3]))
+    ix.insert_speculative("a", [1, 2, 3, 4, 5], ttl_s=2.0)
+    ix.apply(ev("a", "removed", [3], off=2))
+    assert (ix.gpu_run("a", [1, 2, 3, 4, 5]), ix.event_run("a", [1, 2, 3, 4, 5])) == (5, 2)
+    assert ix.event_run("b", [1, 2]) == 0  # unknown replica
+
+
 def test_speculation_refresh_keeps_later_ttl(clock):
     ix = KVIndex(clock=clock)
     ix.insert_speculative("a", [1], ttl_s=1.0)

@@ -102,6 +102,10 @@ def _run(system, vllm_replicas, *, n_requests: int, concurrency: int, max_tokens
         r["pred"], r["cached"], r["pt"] = _predicted(system, r["res"]), r["res"].cached, r["res"].prompt_tokens
         r["replica"], r["elapsed_s"] = r["res"].replica, r["res"].elapsed_s
         r["late"] = seen.late_removal(r["res"].request_id) if r["pred"] > r["cached"] else None
+        # over-predicted with no late removal, on a match that counted an earlier request's
+        # speculative entries: the index's documented price (gateway/index.py: a block a routed
+        # request found cached and the engine evicts within the entry's TTL counts until it ends)
+        r["spec"] = r["pred"] > r["cached"] and r["late"] is None and r["res"].request_id in seen.speculated
         r["late_store"] = seen.late_store(r["res"].request_id) if r["pred"] < r["cached"] else None
         r["own_store"] = seen.own_store(r["res"].request_id) if r["pred"] < r["cached"] else None
         # an under-prediction on a replica whose feed was not current at the decision: its index
@@ -113,6 +117,7 @@ def _run(system, vllm_replicas, *, n_requests: int, concurrency: int, max_tokens
            "preempted": {r.name: _preemptions(r) - preempt0[r.name] for r in vllm_replicas},
            "exact": [r for r in rows if r["pred"] == r["cached"]],
            "late": [r for r in rows if r["pred"] != r["cached"] and r["late"] is not None],
+           "spec": [r for r in rows if r["spec"]],
            "over": [r for r in rows if r["pred"] > r["cached"]], "under": [r for r in rows if r["pred"] < r["cached"]],
            "under_own": [r for r in rows if r["pred"] < r["cached"] and r["own_store"] and not r["late_store"] and not r["feed_silent"]],
            "under_index": [r for r in rows if r["pred"] < r["cached"] and not (r["late_store"] or r["feed_silent"] or r["own_store"])],
@@ -125,7 +130,8 @@ def _run(system, vllm_replicas, *, n_requests: int, concurrency: int, max_tokens
           f"{len(out['under']) - len(out['under_index']) - len(out['under_own'])}, its own blocks {len(out['under_own'])}, "
           f"unexplained {len(out['under_index'])}); the engine's removal of the request's "
           f"blocks reached the index after its decision for {len(out['late'])} (published before the decision: "
-          f"{sum(r['late'][0] < 0 for r in out['late'])}, the feed's lag; after it: {sum(r['late'][0] >= 0 for r in out['late'])})")
+          f"{sum(r['late'][0] < 0 for r in out['late'])}, the feed's lag; after it: {sum(r['late'][0] >= 0 for r in out['late'])}); "
+          f"over-predicted on an earlier request's speculative entry {len(out['spec'])}")
     for r in out["over"] + out["under"]:
         late = (f"; its blocks' removal published {r['late'][0] * 1e3:+.0f} ms from the decision, applied "
                 f"{r['late'][1] * 1e3:+.0f} ms" if r["late"] else "")
@@ -137,6 +143,8 @@ def _run(system, vllm_replicas, *, n_requests: int, concurrency: int, max_tokens
         if r in out["under_own"]:
             late += (f"; its own blocks: a store of its keys there published {r['own_store'][0] * 1e3:+.0f} ms from the "
                      "decision (computed by the request itself)")
+        if r["spec"]:
+            late += "; its match counted an earlier request's speculative entries there"
         if r in out["under_index"] or (r["pred"] > r["cached"] and r["late"] is None):
             late += f"; its keys in the index there (applied/published from the decision): {seen.history(r['res'].request_id)}"
         print(f"  differs: request {r['n']} doc {r['doc']} on {r['replica']}: predicted {r['pred']} engine {r['cached']} "
@@ -153,6 +161,7 @@ class _FeedWatch:
         self.decisions: dict[str, tuple[float, frozenset, str]] = {}
         self.removals: list[tuple[float, float, str, frozenset]] = []
         self.stores: list[tuple[float, float, str, frozenset]] = []  # printed for an under-prediction
+        self.speculated: set[str] = set()  # requests whose match counted speculative entries at their decision
 
     def _applied_after(self, request_id: str | None, records: list, published_from: float, published_to: float):
         """(published, applied) relative to the request's decision, in s, of the earliest-published
@@ -214,7 +223,10 @@ def _watching_the_feed(system):
     def deciding(request, available, policy, rng):
         out = decide(request, available, policy, rng)
         if out.decision.ranked:
-            watch.decisions[request.request_id] = (time.time(), frozenset(request.keys), out.decision.ranked[0].replica_id)
+            rid = out.decision.ranked[0].replica_id
+            watch.decisions[request.request_id] = (time.time(), frozenset(request.keys), rid)
+            if index.gpu_run(rid, request.keys) > index.event_run(rid, request.keys):
+                watch.speculated.add(request.request_id)
         return out
 
     system.call(lambda: (setattr(index, "apply", applying), setattr(routing, "decide", deciding)))
@@ -227,12 +239,16 @@ def _watching_the_feed(system):
 def test_index_true_under_eviction_churn(vllm_replicas, e2e_system):
     """Continuous eviction (the documents do not fit), one request at a time: the prediction equals
     the engine's report on every request but those routed before the feed delivered an eviction
-    of their blocks, and those are at most LATE_MAX_SHARE (4%) of 200."""
+    of their blocks and those whose match counted an earlier request's speculative entry the
+    engine had since evicted (the index's documented price), together at most LATE_MAX_SHARE
+    (4%) of 200."""
     out = _run(e2e_system, vllm_replicas, n_requests=200, concurrency=1, max_tokens=8, tag="eviction churn")
     assert sum(out["removed"].values()) > 1000, "the engines evicted continuously"
     assert out["hit"] > 0.3, "warm enough for predictions to matter"
-    assert len(out["exact"]) + len(out["late"]) == len(out["rows"]), f"{len(out['exact'])} exact, {len(out['late'])} late"
-    assert len(out["late"]) <= LATE_MAX_SHARE * len(out["rows"]), f"{len(out['late'])} routed before the feed delivered an eviction"
+    explained = len(out["late"]) + len(out["spec"])
+    assert len(out["exact"]) + explained == len(out["rows"]), \
+        f"{len(out['exact'])} exact, {len(out['late'])} late, {len(out['spec'])} on a speculative entry"
+    assert explained <= LATE_MAX_SHARE * len(out["rows"]), f"{explained} raced the feed or a speculative entry"
 
 
 def test_index_true_after_concurrent_churn_and_preemption(vllm_replicas, e2e_system):
@@ -267,7 +283,8 @@ def test_index_true_after_concurrent_churn_and_preemption(vllm_replicas, e2e_sys
     for _ in range(8):
         after = _run(e2e_system, vllm_replicas, n_requests=N_DOCS, concurrency=1, max_tokens=8, tag="after the storm")
         rows += after["rows"]
-        assert len(after["exact"]) + len(after["late"]) == len(after["rows"]), f"{len(after['exact'])}/{len(after['rows'])}"
+        assert len(after["exact"]) + len(after["late"]) + len(after["spec"]) == len(after["rows"]), \
+            f"{len(after['exact'])}/{len(after['rows'])}"
         if all(trust().values()):
             break
     # a replica distrusted late in the storm may get no request with a cached prefix in 8 passes
