@@ -55,13 +55,13 @@ def _parse_params(items: list[str]) -> dict[str, Any]:
 
 
 def bench_requests(workload, model: str, api_keys: dict[str, str] | None, words_per_token: float = 1.0,
-                   requests=None) -> list[BenchRequest]:
+                   requests=None, words: dict[str, int] | None = None) -> list[BenchRequest]:
     """The workload's requests as HTTP bodies (`requests`: other WorkloadRequests, e.g. a warm-up;
-    `words_per_token`: loadtests.workloads.segment_text)."""
+    `words_per_token` and `words`: loadtests.workloads.render_messages)."""
     out = []
     last_turn: dict[str, int] = {}  # conversation -> index of its latest turn so far
     for r in workload.requests if requests is None else requests:
-        body = {"model": model, "messages": render_messages(r, words_per_token), "max_tokens": r.max_output_tokens,
+        body = {"model": model, "messages": render_messages(r, words_per_token, words), "max_tokens": r.max_output_tokens,
                 "ignore_eos": True, "temperature": 0}
         after = last_turn.get(r.conversation, -1) if r.conversation and r.turn > 0 else -1
         if r.conversation:

@@ -55,7 +55,7 @@ from gateway.tokenization import TokenizerService
 from loadtests.bench import WALLCLOCK_DEFAULTS, _parse_params, bench_requests
 from loadtests.runner import CpuMeter, run_load, summarize
 from loadtests.vtime_regimes import REGIMES, build_case
-from loadtests.workloads import build_workload, text_words_per_token
+from loadtests.workloads import build_workload, exact_word_counts, text_words_per_token
 from policies.registry import policy_params
 
 MODEL = "warmroute-sim"
@@ -371,16 +371,19 @@ def _workload(args):
         c = build_case(args.regime, args.case, args.seed, n_requests=args.regime_requests)
         workload, warm = c.workload, c.warmup
         args.rate, args.requests, args.prewarmed = round(c.rate_rps, 3), len(c.workload.requests), bool(warm)
-        # the engine must see the nominal token counts vtime uses: measure the text rendering
+        # the engine must see the token counts vtime uses: each segment's text made exactly as long
+        # (the average factor alone left each request ~6 tokens heavier than vtime's, which on the
+        # busy regime is the difference between queues that drain and queues that do not)
         with TokenizerService() as tok:
             wpt = text_words_per_token(tok.encode_prompt)
+            words = exact_word_counts(list(warm) + list(workload.requests), tok.encode_prompt, wpt)
     else:
         params = dict(WALLCLOCK_DEFAULTS.get(args.workload, {}))
         params.update(_parse_params(args.param))
         params.update(rate_rps=args.rate, concurrency=None)
-        workload, warm, wpt = build_workload(args.workload, args.requests, seed=args.seed, **params), [], 1.0
-    return (workload, bench_requests(workload, MODEL, None, wpt),
-            bench_requests(workload, MODEL, None, wpt, requests=warm))
+        workload, warm, wpt, words = build_workload(args.workload, args.requests, seed=args.seed, **params), [], 1.0, None
+    return (workload, bench_requests(workload, MODEL, None, wpt, words=words),
+            bench_requests(workload, MODEL, None, wpt, requests=warm, words=words))
 
 
 async def _prewarm(url: str, warm: list, timeout_s: float) -> None:

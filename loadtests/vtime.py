@@ -57,7 +57,7 @@ from gateway.config import FeedConfig
 from hashing.keys import block_extras, chain_keys, root_key
 from loadtests.vtime_replica import ReplicaModel, SimReq
 from loadtests.vtime_keepalive import KEEPALIVE, KeepAlive, Retainer, queue_refresh, refresh_request
-from loadtests.workloads import Workload, WorkloadRequest, _ROLE_IDS, segment_token_ids
+from loadtests.workloads import _END_IDS, _JOIN_IDS, _ROLE_IDS, Workload, WorkloadRequest, segment_token_ids
 from loadtests.vtime_pacing import PaceChains, Pacing
 from loadtests.vtime_router import SimRouter, VClock
 from policies.registry import get_policy
@@ -126,13 +126,19 @@ class _KeyMemo:
         return keys + tuple(new), buf[n_full * self.bs :]
 
     def keys(self, req: WorkloadRequest) -> RequestKeys:
-        pieces: list = []
+        pieces: list = []  # the token rendering's (loadtests.workloads.render_token_ids), piece by piece
         prev_role = None
         for s in req.segments:
             if s.role != prev_role:
+                if prev_role is not None:
+                    pieces.append(("e",))
                 pieces.append(("h", s.role))
                 prev_role = s.role
+            else:
+                pieces.append(("j",))
             pieces.append(("s", s.seg_id, s.n_tokens))
+        if prev_role is not None:
+            pieces.append(("e",))
         pieces.append(("h", "assistant"))
         state: tuple = ((), [])
         # longest memoised prefix (all but the last two pieces are worth memoising)
@@ -146,7 +152,8 @@ class _KeyMemo:
         keys, left = state
         for i in range(start, len(pieces)):
             p = pieces[i]
-            toks = _ROLE_IDS[p[1]] if p[0] == "h" else segment_token_ids_by_id(p[1], p[2])
+            toks = (_ROLE_IDS[p[1]] if p[0] == "h" else _END_IDS if p[0] == "e" else _JOIN_IDS if p[0] == "j"
+                    else segment_token_ids_by_id(p[1], p[2]))
             keys, left = self._extend(keys, left, toks, req.salt)
             if i < len(pieces) - 2:
                 mk = (req.salt, tuple(pieces[: i + 1]))

@@ -10,10 +10,14 @@ Renderings
   segment becomes `n_tokens` pseudo-words (1-3 syllables from a fixed list, about 1-2 tokens each
   with common BPE tokenizers, so token counts are APPROXIMATE); consecutive segments of one role
   form one message, joined by a blank line.
-- TOKEN IDS, for the virtual-time simulator: `render_token_ids(req)` -> a ChatML-like stream: for
-  each message a 3-token role header, then each segment's synthetic ids (exactly `n_tokens`,
-  drawn in [1000, 150000) from a generator seeded by xxh3(seg_id)), then a 3-token assistant
-  header (the generation prompt). The salt is not in the tokens: it is `req.salt` (block 0's
+- TOKEN IDS, for the virtual-time simulator: `render_token_ids(req)` -> a stream framed as the
+  sims' (and Qwen's) ChatML template frames the text rendering, token for token in count: for each
+  message a 3-token role header (`<|im_start|>role\n`), its segments' synthetic ids (exactly
+  `n_tokens` each, drawn in [1000, 150000) from a generator seeded by xxh3(seg_id)) with one
+  token between two segments (the blank line), and a 2-token end (`<|im_end|>\n`); then the
+  3-token assistant header (the generation prompt). Why the count must match: on the busy regime
+  four framing tokens more per request (+4% prefill) multiply the Zipf TTFT p50 several times, so
+  a virtual-time run with lighter framing than the wall clock's predicts a different regime. The salt is not in the tokens: it is `req.salt` (block 0's
   extras, as the gateway passes it). `output_token_ids(req)` are the ids a simulated engine
   "generates" (the assistant answer that a multi-turn follow-up quotes), so a sim can cache them.
 
@@ -52,12 +56,19 @@ __all__ = [
     "segment_token_ids",
     "segment_text",
     "text_words_per_token",
+    "exact_word_counts",
     "warmup_requests",
     "ROLE_HEADER_TOKENS",
+    "MESSAGE_END_TOKENS",
+    "JOIN_TOKENS",
 ]
 
-ROLE_HEADER_TOKENS = 3  # tokens of a ChatML-like role header in the token rendering
+ROLE_HEADER_TOKENS = 3  # tokens of a ChatML role header (`<|im_start|>role\n`) in the token rendering
+MESSAGE_END_TOKENS = 2  # tokens closing a message (`<|im_end|>\n`)
+JOIN_TOKENS = 1  # tokens between two segments of one message (the text rendering's blank line)
 _ROLE_IDS = {"system": (1, 2, 3), "user": (1, 4, 3), "assistant": (1, 5, 3)}
+_END_IDS = (6, 3)
+_JOIN_IDS = (7,)
 _SYLLABLES = (
     "ka ri to me lo sa nu fe di po ba ze mi ru te no ga vi so la pe ko du ti ma ne ho bu ra fi "
     "go le si wa "
@@ -113,13 +124,15 @@ def segment_token_ids(seg: Segment) -> tuple[int, ...]:
     return _segment_ids_cached(seg.seg_id, seg.n_tokens)
 
 
-def segment_text(seg: Segment, words_per_token: float = 1.0) -> str:
-    """The segment as `n_tokens x words_per_token` pseudo-words. A pseudo-word is about 1.5 tokens
-    of the default (Qwen) vocabulary, so words_per_token = 1 makes ~1.5x `n_tokens` real tokens;
-    `text_words_per_token()` measures the factor that makes the text `n_tokens` long."""
+def segment_text(seg: Segment, words_per_token: float = 1.0, n_words: int | None = None) -> str:
+    """The segment as `n_tokens x words_per_token` pseudo-words (or exactly `n_words`). A
+    pseudo-word is about 1.5 tokens of the default (Qwen) vocabulary, so words_per_token = 1 makes
+    ~1.5x `n_tokens` real tokens; `text_words_per_token()` measures the factor that makes the text
+    `n_tokens` long on average, `exact_word_counts()` the count that makes one segment so. The
+    words are a stream drawn from the segment's seed: fewer words are a prefix of more."""
     g = random.Random(_seed_of(seg.seg_id))
     words = []
-    for _ in range(max(1, round(seg.n_tokens * words_per_token))):
+    for _ in range(max(1, n_words if n_words is not None else round(seg.n_tokens * words_per_token))):
         n = 1 + (g.random() < 0.4) + (g.random() < 0.15)
         words.append("".join(g.choice(_SYLLABLES) for _ in range(n)))
     return " ".join(words)
@@ -135,10 +148,37 @@ def _messages(req: WorkloadRequest) -> list[tuple[str, list[Segment]]]:
     return out
 
 
-def render_messages(req: WorkloadRequest, words_per_token: float = 1.0) -> list[dict]:
-    """OpenAI chat messages for the HTTP benchmark (text; see segment_text for the token count)."""
-    return [{"role": role, "content": "\n\n".join(segment_text(s, words_per_token) for s in segs)}
+def render_messages(req: WorkloadRequest, words_per_token: float = 1.0,
+                    words: dict[str, int] | None = None) -> list[dict]:
+    """OpenAI chat messages for the HTTP benchmark (text; see segment_text for the token count);
+    `words`: seg_id -> word count (exact_word_counts), for the segments it names."""
+    words = words or {}
+    return [{"role": role, "content": "\n\n".join(segment_text(s, words_per_token, words.get(s.seg_id)) for s in segs)}
             for role, segs in _messages(req)]
+
+
+def exact_word_counts(requests, encode, words_per_token: float) -> dict[str, int]:
+    """seg_id -> the word count whose text `encode(text) -> ids` makes closest to the segment's
+    `n_tokens` (a search over prefixes of its word stream), for every segment of `requests`. The
+    average factor alone leaves each segment tens of tokens off (a 3,000-token document by -44 to
+    +42 with the default tokenizer); exact counts make the wall clock's prompts the virtual-time
+    rendering's, token for token in length."""
+    out: dict[str, int] = {}
+    for r in requests:
+        for seg in r.segments:
+            if seg.seg_id in out:
+                continue
+            n = seg.n_tokens
+            count = lambda k: len(encode(segment_text(seg, n_words=k)))  # noqa: E731 - local search key
+            lo, hi = 1, max(2, 2 * round(n * words_per_token) + 8)
+            while lo < hi:  # the fewest words reaching n tokens (token counts grow with the prefix)
+                mid = (lo + hi) // 2
+                if count(mid) >= n:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            out[seg.seg_id] = lo if lo == 1 or count(lo) - n <= n - count(lo - 1) else lo - 1
+    return out
 
 
 def text_words_per_token(encode, sample_tokens: int = 20_000) -> float:
@@ -156,8 +196,11 @@ def render_token_ids(req: WorkloadRequest) -> list[int]:
     out: list[int] = []
     for role, segs in _messages(req):
         out.extend(_ROLE_IDS[role])
-        for s in segs:
+        for i, s in enumerate(segs):
+            if i:
+                out.extend(_JOIN_IDS)
             out.extend(segment_token_ids(s))
+        out.extend(_END_IDS)
     out.extend(_ROLE_IDS["assistant"])
     return out
 
@@ -176,7 +219,8 @@ def _count_tokens(segs: tuple[Segment, ...]) -> int:
         if s.role != prev:
             n_msgs += 1
             prev = s.role
-    return sum(s.n_tokens for s in segs) + ROLE_HEADER_TOKENS * (n_msgs + 1)
+    return (sum(s.n_tokens for s in segs) + (ROLE_HEADER_TOKENS + MESSAGE_END_TOKENS) * n_msgs + ROLE_HEADER_TOKENS
+            + JOIN_TOKENS * (len(segs) - n_msgs))
 
 
 # ---------------------------------------------------------------- arrivals and helpers

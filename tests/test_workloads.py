@@ -117,3 +117,42 @@ def test_text_can_be_rendered_to_the_nominal_token_count(tok):
         seg = Segment(f"doc/check/{n}", "user", n, "document")
         assert abs(len(tok.encode_prompt(segment_text(seg, wpt))) - n) <= 0.03 * n + 2
         assert len(tok.encode_prompt(segment_text(seg))) > 1.3 * n
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer():
+    from gateway.tokenization import TokenizerService
+
+    with TokenizerService() as tok:  # the sims' default (Qwen's tokenizer and ChatML template)
+        yield tok
+
+
+def test_exact_word_counts_make_each_segment_its_nominal_length(default_tokenizer):
+    from loadtests.workloads import exact_word_counts, segment_text, text_words_per_token
+
+    enc = default_tokenizer.encode_prompt
+    wpt = text_words_per_token(enc)
+    w = build_workload("shared_docs", 12, seed=0, rate_rps=5.0, n_docs=6, doc_tokens=3000, question_tokens=100)
+    words = exact_word_counts(w.requests, enc, wpt)
+    segs = {s.seg_id: s for r in w.requests for s in r.segments}
+    assert set(words) == set(segs)
+    off_by_factor = []
+    for sid, s in segs.items():
+        assert abs(len(enc(segment_text(s, n_words=words[sid]))) - s.n_tokens) <= 1, sid
+        off_by_factor.append(abs(len(enc(segment_text(s, wpt))) - s.n_tokens))
+    assert max(off_by_factor) > 5  # the average factor alone leaves segments off: why the search exists
+
+
+@pytest.mark.parametrize("name", ["shared_docs", "multi_turn", "no_sharing"])
+def test_token_rendering_is_as_long_as_the_chat_template_makes_the_text(default_tokenizer, name):
+    """vtime's token rendering and the wall clock's text through the engines' chat template agree in
+    length (to the pseudo-words' +-1 per segment): a virtual-time run models the wall clock's load."""
+    from loadtests.workloads import exact_word_counts, text_words_per_token
+
+    tok = default_tokenizer
+    wpt = text_words_per_token(tok.encode_prompt)
+    w = build_workload(name, 20, seed=2, rate_rps=5.0)
+    words = exact_word_counts(w.requests, tok.encode_prompt, wpt)
+    for r in w.requests:
+        n_real = len(tok.encode_chat(render_messages(r, wpt, words)))
+        assert abs(n_real - len(render_token_ids(r))) <= len(r.segments) + 1, (r.request_id, n_real, r.prompt_tokens)
