@@ -372,8 +372,8 @@ def _workload(args):
         workload, warm = c.workload, c.warmup
         args.rate, args.requests, args.prewarmed = round(c.rate_rps, 3), len(c.workload.requests), bool(warm)
         # the engine must see the token counts vtime uses: each segment's text made exactly as long
-        # (the average factor alone left each request ~6 tokens heavier than vtime's, which on the
-        # busy regime is the difference between queues that drain and queues that do not)
+        # (the average factor alone left documents tens of tokens off; on the busy regime a few
+        # tokens per request are the difference between queues that drain and queues that do not)
         with TokenizerService() as tok:
             wpt = text_words_per_token(tok.encode_prompt)
             words = exact_word_counts(list(warm) + list(workload.requests), tok.encode_prompt, wpt)
@@ -381,7 +381,8 @@ def _workload(args):
         params = dict(WALLCLOCK_DEFAULTS.get(args.workload, {}))
         params.update(_parse_params(args.param))
         params.update(rate_rps=args.rate, concurrency=None)
-        workload, warm, wpt, words = build_workload(args.workload, args.requests, seed=args.seed, **params), [], 1.0, None
+        workload = build_workload(args.workload, args.requests, seed=args.seed, **params)
+        warm, wpt, words = [], 1.0, None
     return (workload, bench_requests(workload, MODEL, None, wpt, words=words),
             bench_requests(workload, MODEL, None, wpt, requests=warm, words=words))
 

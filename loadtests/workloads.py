@@ -8,8 +8,9 @@ leading KV blocks. Everything is deterministic for a seed; nothing here does I/O
 Renderings
 - TEXT, for the wall-clock HTTP benchmark: `render_messages(req)` -> OpenAI chat messages; each
   segment becomes `n_tokens` pseudo-words (1-3 syllables from a fixed list, about 1-2 tokens each
-  with common BPE tokenizers, so token counts are APPROXIMATE); consecutive segments of one role
-  form one message, joined by a blank line.
+  with common BPE tokenizers, so token counts are APPROXIMATE), or as many as
+  `text_words_per_token` (on average) or `exact_word_counts` (per segment, within a token) say;
+  consecutive segments of one role form one message, joined by a blank line.
 - TOKEN IDS, for the virtual-time simulator: `render_token_ids(req)` -> a stream framed as the
   sims' (and Qwen's) ChatML template frames the text rendering, token for token in count: for each
   message a 3-token role header (`<|im_start|>role\n`), its segments' synthetic ids (exactly
@@ -17,9 +18,10 @@ Renderings
   token between two segments (the blank line), and a 2-token end (`<|im_end|>\n`); then the
   3-token assistant header (the generation prompt). Why the count must match: on the busy regime
   four framing tokens more per request (+4% prefill) multiply the Zipf TTFT p50 several times, so
-  a virtual-time run with lighter framing than the wall clock's predicts a different regime. The salt is not in the tokens: it is `req.salt` (block 0's
-  extras, as the gateway passes it). `output_token_ids(req)` are the ids a simulated engine
-  "generates" (the assistant answer that a multi-turn follow-up quotes), so a sim can cache them.
+  a virtual-time run with lighter framing than the wall clock's predicts a different regime. The
+  salt is not in the tokens: it is `req.salt` (block 0's extras, as the gateway passes it).
+  `output_token_ids(req)` are the ids a simulated engine "generates" (the assistant answer that a
+  multi-turn follow-up quotes), so a sim can cache them.
 
 Workloads (`WORKLOADS` maps names to builders; every builder takes `n_requests`, `seed`, `rate_rps`
 or `concurrency`, and its own shape parameters with defaults):
@@ -153,7 +155,8 @@ def render_messages(req: WorkloadRequest, words_per_token: float = 1.0,
     """OpenAI chat messages for the HTTP benchmark (text; see segment_text for the token count);
     `words`: seg_id -> word count (exact_word_counts), for the segments it names."""
     words = words or {}
-    return [{"role": role, "content": "\n\n".join(segment_text(s, words_per_token, words.get(s.seg_id)) for s in segs)}
+    return [{"role": role,
+             "content": "\n\n".join(segment_text(s, words_per_token, words.get(s.seg_id)) for s in segs)}
             for role, segs in _messages(req)]
 
 
