@@ -61,8 +61,8 @@ def bench_requests(workload, model: str, api_keys: dict[str, str] | None, words_
     out = []
     last_turn: dict[str, int] = {}  # conversation -> index of its latest turn so far
     for r in workload.requests if requests is None else requests:
-        body = {"model": model, "messages": render_messages(r, words_per_token, words), "max_tokens": r.max_output_tokens,
-                "ignore_eos": True, "temperature": 0}
+        body = {"model": model, "messages": render_messages(r, words_per_token, words),
+                "max_tokens": r.max_output_tokens, "ignore_eos": True, "temperature": 0}
         after = last_turn.get(r.conversation, -1) if r.conversation and r.turn > 0 else -1
         if r.conversation:
             last_turn[r.conversation] = len(out)

@@ -28,6 +28,7 @@ import json
 import statistics
 from dataclasses import dataclass
 
+from loadtests.runner import percentiles
 from loadtests.sim.scheduler import EngineConfig, SimEngine, SimRequest, TimeModel
 from loadtests.vtime_regimes import REGIMES, build_case
 from loadtests.workloads import render_token_ids
@@ -100,17 +101,13 @@ def replay(samples: list[dict], case, params) -> dict[str, list[Replayed]]:
     return out
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def report(rows: dict[str, list[Replayed]], window_s: float = 5.0) -> str:
     lines = []
     for rid, rs in rows.items():
-        eng, mea = [r.engine_ttft_s for r in rs], [r.measured_ttft_s for r in rs]
-        lines.append(f"{rid}: {len(rs)} requests; TTFT p50 / p99 s: engine alone {statistics.median(eng):.2f} / "
-                     f"{_pct(eng, 0.99):.2f}, measured {statistics.median(mea):.2f} / {_pct(mea, 0.99):.2f}; "
+        eng = percentiles((r.engine_ttft_s for r in rs), (50, 99))
+        mea = percentiles((r.measured_ttft_s for r in rs), (50, 99))
+        lines.append(f"{rid}: {len(rs)} requests; TTFT p50 / p99 s: engine alone {eng['p50']:.2f} / "
+                     f"{eng['p99']:.2f}, measured {mea['p50']:.2f} / {mea['p99']:.2f}; "
                      f"long misses "
                      f"{sum(2 * r.engine_uncached > r.prompt_tokens for r in rs)} / "
                      f"{sum(2 * r.measured_uncached > r.prompt_tokens for r in rs)}; prefill tokens "

@@ -171,8 +171,12 @@ def exact_word_counts(requests, encode, words_per_token: float) -> dict[str, int
         for seg in r.segments:
             if seg.seg_id in out:
                 continue
-            n = seg.n_tokens
-            count = lambda k: len(encode(segment_text(seg, n_words=k)))  # noqa: E731 - local search key
+            n, seen = seg.n_tokens, {}
+
+            def count(k: int, seg=seg, seen=seen) -> int:  # tokens of the first k words, each k encoded once
+                if k not in seen:
+                    seen[k] = len(encode(segment_text(seg, n_words=k)))
+                return seen[k]
             lo, hi = 1, max(2, 2 * round(n * words_per_token) + 8)
             while lo < hi:  # the fewest words reaching n tokens (token counts grow with the prefix)
                 mid = (lo + hi) // 2
