@@ -180,11 +180,32 @@ def markdown(rows: list[dict], command: str, util: float) -> str:
     return "\n".join(lines)
 
 
+def parse_seeds(text: str) -> list[int]:
+    """`--seeds`: comma-separated seeds and inclusive ranges ("0,1,2", "0-19", "0-4,9"), in order,
+    each seed once; ValueError on anything else (an empty list too)."""
+    out: list[int] = []
+    for part in (x.strip() for x in text.split(",")):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            a, b = (int(lo), int(hi)) if sep else (int(part), int(part))
+        except ValueError:
+            raise ValueError(f"--seeds: {part!r} is not a seed (an integer >= 0) or a range a-b") from None
+        if a < 0 or b < a:
+            raise ValueError(f"--seeds: {part!r} is not a seed (an integer >= 0) or a range a-b with a <= b")
+        out += [x for x in range(a, b + 1) if x not in out]
+    if not out:
+        raise ValueError("--seeds: no seed given")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small table: 4 and 16 replicas, fewer requests")
     ap.add_argument("--regime", default=None, help="run a named regime of loadtests/vtime_regimes.py instead of the table (busy, busy_wallclock_cold)")
-    ap.add_argument("--seeds", default="0,1,2", help="seeds of a --regime run (comma list; default 0,1,2)")
+    ap.add_argument("--seeds", default="0,1,2", help="seeds of a --regime run: a comma list of seeds and ranges "
+                                                       "(0,1,2; 0-19; 0-4,9; default 0,1,2)")
     ap.add_argument("--workload", action="append", default=[], choices=sorted(WORKLOAD_SETUPS), help="repeatable (default: the five of the issue)")
     ap.add_argument("--policy", action="append", default=[], help="repeatable (default: all; a --regime also takes sglang_cache_aware, static_plan)")
     ap.add_argument("--replicas", type=int, action="append", default=[], help="repeatable (default 4 16 64; --quick: 4 16)")
@@ -227,8 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.regime:
         from loadtests.vtime_regimes import regime_main
 
+        try:
+            seeds = parse_seeds(args.seeds)
+        except ValueError as exc:
+            ap.error(str(exc))
+
         command = "python -m loadtests.vtime_report " + " ".join(argv if argv is not None else sys.argv[1:])
-        return regime_main(args.regime, [int(x) for x in args.seeds.split(",") if x.strip()], args.workload, args.policy,
+        return regime_main(args.regime, seeds, args.workload, args.policy,
                            command.strip(), args.md, args.json,
                            Pacing(args.pace_min or None, args.pace_chunk, not args.pace_no_follow)
                            if args.pace_min > 0 or args.copy_in_background else None,

@@ -99,3 +99,41 @@ def test_zipf_with_keep_alive_keeps_cold_documents_and_the_tail_short(uniform, z
     assert misses <= 12  # a few copies and evictions, no thrash (the plan alone: 24, cache_aware: 14)
     assert s["ttft_p50_s"] <= 1.0  # the plan alone: 3.3 s, cache_aware: 2.8 s
     assert s["ttft_p99_s"] <= 6.0  # the plan alone: 14.9 s, cache_aware: 7.0 s
+
+
+# -- the report over many seeds --------------------------------------------------------------------
+def test_seeds_take_lists_and_ranges_and_reject_the_rest():
+    from loadtests.vtime_report import main, parse_seeds
+
+    assert parse_seeds("0,1,2") == [0, 1, 2]
+    assert parse_seeds("0-4,9") == [0, 1, 2, 3, 4, 9]
+    assert parse_seeds("3, 1-3") == [3, 1, 2]  # in order, each seed once
+    for bad in ("", "a", "3-1", "-2", "1-x"):
+        with pytest.raises(ValueError):
+            parse_seeds(bad)
+    with pytest.raises(SystemExit):  # the CLI says so before running anything
+        main(["--regime", "busy", "--seeds", "5-2"])
+
+
+def _row(case, seed, policy, p50, p99, unfinished=0, hit=0.96):
+    return dict(case=case, seed=seed, policy=policy, ttft_p50_s=p50, ttft_p90_s=p99, ttft_p99_s=p99, e2e_p50_s=p50,
+                unfinished=unfinished, hit_ratio=hit, rate_rps=24.0, offered_util=0.7, oracle_hit_ratio=0.965,
+                evicted_blocks=0, preemptions=0, misses_copy=0, misses_evicted=0, per_replica_requests=[1, 1, 1, 1])
+
+
+def test_the_summary_gives_each_policys_median_and_worst_seed_and_how_many_seeds_met_each_goal():
+    from loadtests.vtime_regimes import regime_goals, regime_markdown
+
+    # uniform: ours 0.2/1.0 on every seed; Zipf: two good seeds, one bad (the mean hides the spread)
+    rows = [_row("shared_docs", s, "cache_plan", 0.2, 1.0) for s in range(3)]
+    rows += [_row("shared_docs_zipf", 0, "cache_plan", 0.25, 1.2), _row("shared_docs_zipf", 1, "cache_plan", 0.28, 1.4),
+             _row("shared_docs_zipf", 2, "cache_plan", 3.0, 15.0)]
+    rows += [_row("shared_docs", s, "sglang_cache_aware", 0.3, 1.0) for s in range(3)]
+    goals = regime_goals(rows)
+    assert "shared_docs_zipf: cache_plan p50 and p99 <= 1.5x its uniform's, hit within 0.03, nothing unfinished: met on 2 of 3 seeds" in goals
+    assert "shared_docs: cache_plan p50 and p99 <= 0.9x sglang_cache_aware's: met on 0 of 3 seeds" in goals  # p99 ties
+    md = regime_markdown("busy", rows, "cmd")
+    zipf_line = next(ln for ln in md.splitlines() if ln.startswith("| shared_docs_zipf | cache_plan | 3 |"))
+    cells = [c.strip() for c in zipf_line.strip("|").split("|")]
+    # seeds, p50 mean / median / worst, p99 mean / median / worst
+    assert cells[2:9] == ["3", "1.177", "0.280", "3.000", "5.867", "1.400", "15.000"]
