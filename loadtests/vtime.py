@@ -59,7 +59,7 @@ from loadtests.vtime_replica import ReplicaModel, SimReq
 from loadtests.vtime_keepalive import KEEPALIVE, KeepAlive, Retainer, queue_refresh, refresh_request
 from loadtests.workloads import _END_IDS, _JOIN_IDS, _ROLE_IDS, Workload, WorkloadRequest, segment_token_ids
 from loadtests.vtime_pacing import PaceChains, Pacing
-from loadtests.vtime_router import SimRouter, VClock
+from loadtests.vtime_router import SimGateways, SimRouter, VClock
 from policies.registry import get_policy
 
 __all__ = ["SimParams", "SimResult", "simulate", "prepare_keys", "RequestKeys"]
@@ -285,6 +285,7 @@ def simulate(
     pacing: Pacing | None = None,
     keep_alive: KeepAlive | None = None,
     refresh_first: bool = False,
+    gateways: int = 1,
 ) -> SimResult:
     """Run `workload` through `policy_name` on `n_replicas` modelled replicas (module header).
 
@@ -300,9 +301,14 @@ def simulate(
     `keep_alive`: the keep-alive design probe (loadtests/vtime_keepalive.py); `refresh_first`: its
     refreshes wait ahead of every request (the gateway's keep_alive.engine_priority on engines run
     with vLLM's priority policy), else at the back of the queue.
+    `gateways`: that many gateway processes, each with its own policy instance (built from
+    `policy_name`, which must then be a registry name), index and in-flight counts, each request
+    routed by one of them at random (loadtests/vtime_router.SimGateways: what is modelled).
     """
     if n_replicas < 1:
         raise ValueError("n_replicas must be >= 1")
+    if gateways < 1:
+        raise ValueError("gateways must be >= 1")
     wall0 = time.perf_counter()
     p = params
     wreqs = workload.requests
@@ -325,14 +331,21 @@ def simulate(
         pp = dict(policy_params or {})
         if policy_name in ("cache_aware", "cache_plan"):
             pp.setdefault("max_num_seqs", p.max_num_seqs)  # the operator's setting mirrors the engines'
-        policy = get_policy(policy_name, **pp)
+        policies = [get_policy(policy_name, **pp) for _ in range(gateways)]
     else:
         if policy_params:
             raise ValueError("policy_params go with a policy name, not a policy object")
-        policy = policy_name
-        policy_name = getattr(policy, "name", type(policy).__name__)
+        if gateways > 1:
+            raise ValueError("several gateways need a policy name (one instance each), not a policy object")
+        policies = [policy_name]
+        policy_name = getattr(policy_name, "name", type(policy_name).__name__)
+    policy = policies[0]
     clock = VClock()
-    router = SimRouter(n_replicas, p, policy, random.Random(seed), clock)
+    if gateways == 1:
+        router = SimRouter(n_replicas, p, policy, random.Random(seed), clock)
+    else:
+        router = SimGateways([SimRouter(n_replicas, p, pol, random.Random(seed * 1000 + i), clock)
+                              for i, pol in enumerate(policies)], random.Random(seed + 7))
     reps = [ReplicaModel(i, p, p.cache_answers) for i in range(n_replicas)]
 
     chains = PaceChains(pacing, p.block_size)  # paced requests (pacing) and background warms (cache_plan)

@@ -179,11 +179,13 @@ def build_case(regime: str, case_name: str, seed: int, n_requests: int | None = 
 
 def run_regime(regime: str, seeds, cases=None, policies=None, progress=None, pacing=None,
                plan_params: dict | None = None, engine: dict | None = None, keep_alive=None,
-               refresh_first: bool = False) -> list[dict]:
+               refresh_first: bool = False, gateways: int = 1) -> list[dict]:
     """`plan_params`: extra cache_plan parameters (design probes such as copy_in_background);
     `engine`: SimParams fields that replace the regime's (e.g. long_prefill_token_threshold);
     `keep_alive`: the keep-alive probe's parameters (loadtests/vtime_keepalive.py), every policy;
-    `refresh_first`: its refreshes wait ahead of every request (vtime.simulate)."""
+    `refresh_first`: its refreshes wait ahead of every request (vtime.simulate); `gateways`: that
+    many gateway processes, each planning on its own share of the stream (vtime.simulate), for the
+    registry's policies (the peers' emulation and the static plan run as one)."""
     reg = REGIMES[regime]
     p = dataclasses.replace(reg.params, **engine) if engine else reg.params
     rows = []
@@ -196,8 +198,10 @@ def run_regime(regime: str, seeds, cases=None, policies=None, progress=None, pac
                 if pol == "static_plan" and not case.warm:
                     continue  # documents only
                 pp = plan_params if pol == "cache_plan" and plan_params else None
-                res = simulate(w, _policy(pol, w, keys, reg.replicas), reg.replicas, p, policy_params=pp, seed=seed, keys=keys,
-                               warmup=warm or None, pacing=pacing, keep_alive=keep_alive, refresh_first=refresh_first)
+                obj = _policy(pol, w, keys, reg.replicas)
+                res = simulate(w, obj, reg.replicas, p, policy_params=pp, seed=seed, keys=keys,
+                               warmup=warm or None, pacing=pacing, keep_alive=keep_alive, refresh_first=refresh_first,
+                               gateways=gateways if isinstance(obj, str) else 1)
                 s = res.summary()
                 s.update(case=case_name, seed=seed, rate_rps=rate, offered_util=util, oracle_hit_ratio=bel.hit_ratio,
                          oracle_inf_hit_ratio=inf.hit_ratio, per_replica_requests=res.per_replica_requests, policy=pol)
@@ -295,7 +299,7 @@ def regime_markdown(regime: str, rows: list[dict], command: str) -> str:
 
 def regime_main(regime: str, seeds, cases, policies, command: str, md: str | None, js: str | None, pacing=None,
                 plan_params: dict | None = None, engine: dict | None = None, keep_alive=None,
-                refresh_first: bool = False) -> int:
+                refresh_first: bool = False, gateways: int = 1) -> int:
     if regime not in REGIMES:
         raise SystemExit(f"unknown regime {regime!r}; choose one of {', '.join(REGIMES)}")
     t0 = time.perf_counter()
@@ -308,7 +312,7 @@ def regime_main(regime: str, seeds, cases, policies, command: str, md: str | Non
               + f" misses {s['misses_copy']}/{s['misses_evicted']} ({s['wall_s']:.1f}s)", file=sys.stderr, flush=True)
 
     rows = run_regime(regime, seeds, cases or None, policies or None, progress, pacing, plan_params, engine, keep_alive,
-                      refresh_first=refresh_first)
+                      refresh_first=refresh_first, gateways=gateways)
     text = regime_markdown(regime, rows, command) + f"\n\n(total wall time {time.perf_counter() - t0:.0f} s)\n"
     print(text, end="")
     if md:

@@ -232,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-alive-priority", action="store_true",
                     help="with --keep-alive: refreshes wait ahead of every request (the gateway's keep_alive.engine_priority "
                          "on engines run with vLLM's --scheduling-policy priority); default: at the back of the queue")
+    ap.add_argument("--gateways", type=int, default=1, metavar="N",
+                    help="with --regime: N gateway processes (workers or pods), each with its own policy instance, index "
+                         "and in-flight counts, each request routed by one at random (loadtests/vtime_router.SimGateways; "
+                         "the peers' emulation and the static plan run as one; default 1)")
     ap.add_argument("--md", default=None, metavar="FILE", help="also write the markdown (with the total wall time) to FILE")
     args = ap.parse_args(argv)
     if args.pace_min < 0 or args.pace_chunk < 1:
@@ -242,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--keep-alive-priority goes with --keep-alive")
     if args.keep_alive < 0 or not 0 < args.keep_alive_kv_frac <= 1:
         ap.error("--keep-alive takes seconds >= 0 (0: off) and --keep-alive-kv-frac a share in (0, 1]")
+    if args.gateways < 1:
+        ap.error("--gateways takes a count >= 1")
+    if args.gateways > 1 and not args.regime:
+        ap.error("--gateways goes with --regime")
     if (args.pace_min or args.copy_in_background or args.long_prefill_threshold or args.keep_alive) and not args.regime:
         ap.error("--pace-min, --copy-in-background, --long-prefill-threshold and --keep-alive go with --regime "
                  "(the probes run on the named regimes)")
@@ -261,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                            {"copy_in_background": True} if args.copy_in_background else None,
                            {"long_prefill_token_threshold": args.long_prefill_threshold} if args.long_prefill_threshold else None,
                            KeepAlive(idle_s=args.keep_alive, kv_frac=args.keep_alive_kv_frac) if args.keep_alive else None,
-                           refresh_first=args.keep_alive_priority)
+                           refresh_first=args.keep_alive_priority, gateways=args.gateways)
     bad = [x for x in args.policy if x not in POLICY_NAMES]
     if bad:
         ap.error(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICY_NAMES)}")

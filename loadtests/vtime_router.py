@@ -27,7 +27,7 @@ from policies.base import RequestView
 from policies.calibration import Calibrator
 from replica_agent.feed import FeedEvent, LoadReport
 
-__all__ = ["VClock", "SimRouter"]
+__all__ = ["VClock", "SimRouter", "SimGateways"]
 
 _STALE_AFTER_S = 10.0  # the gateway's feed.stale_after_s default
 
@@ -125,3 +125,69 @@ class SimRouter:
                  "prompt_tokens_details": {"cached_tokens": max(0, r.cached)}}
         learn(Outcome(base.replica_id, r.first_s - r.arrival, base.predicted_cached_tokens, base.uncached_tokens,
                       base.backlog_tokens, base.running_reqs, usage, decode), self.cal, self.policy)
+
+
+class SimGateways:
+    """Several gateway processes in front of the same replicas (`--workers N`, or N gateway pods),
+    each a SimRouter with its own policy instance, index, calibration and in-flight counts, fed
+    the same KV events and load reports (each process reads the whole feed). Each request goes to
+    one of them at random (a fresh connection per request, spread by the kernel's SO_REUSEPORT or
+    the Service), which routes, tracks and learns from it alone. The gateways' exchange of
+    in-flight counts through the feed's shared counters runs with every load report (the gateway's
+    `run_inflight_exchange`, through the same LoadTracker calls: take_pending, set_shared), so the
+    others' requests weigh on a gateway's view at most a report old (the gateway exchanges every
+    `feed.inflight_poll_s`, 0.1 s, while others are active: this is a little staler). Not shared,
+    as in the gateway: each one's speculative index entries (another gateway's copy in progress is
+    seen when its blocks are stored) and its policy's plan. Keep-alive, when on, runs one retainer
+    for all (as if one process kept every planned root) and reads the first gateway's index."""
+
+    def __init__(self, routers: list, rng: random.Random) -> None:
+        if not routers:
+            raise ValueError("SimGateways needs at least one router")
+        self.routers = routers
+        self.rng = rng
+        self.of: dict = {}  # id(request) -> the router that routed it
+        self.rids = routers[0].rids
+        self.routing = routers[0].routing  # keep-alive's held_blocks (every index sees the same feed)
+        self.warm = None
+        self.root_blocks = 0
+        self.shared: dict = {}  # the feed's in-flight counters: replica -> (reqs, tokens, open), all gateways
+
+    @property
+    def cal(self) -> Calibrator:
+        return self.routers[0].cal
+
+    def _exchange(self) -> None:
+        for g in self.routers:
+            for rid, delta in g.routing.load.take_pending().items():
+                self.shared[rid] = tuple(a + b for a, b in zip(self.shared.get(rid, (0, 0, 0)), delta))
+        for g in self.routers:
+            g.routing.load.set_shared(self.shared)
+
+    def apply_events(self, ri: int, stored: list, removed: list) -> None:
+        for g in self.routers:
+            g.apply_events(ri, stored, removed)
+
+    def report(self, reps: list, now: float) -> None:
+        self._exchange()
+        for g in self.routers:
+            g.report(reps, now)
+
+    def route(self, now: float, r) -> int:
+        g = self.routers[self.rng.randrange(len(self.routers))]
+        self.of[id(r)] = g
+        ri = g.route(now, r)
+        self.warm, self.root_blocks = g.warm, g.root_blocks
+        return ri
+
+    def warm_dispatched(self, ri: int, prefix: tuple):
+        return self.routers[0].warm_dispatched(ri, prefix)
+
+    def first_token(self, r) -> None:
+        self.of[id(r)].first_token(r)
+
+    def aborted(self, r) -> None:
+        self.of.pop(id(r)).aborted(r)
+
+    def finished(self, r) -> None:
+        self.of.pop(id(r)).finished(r)

@@ -137,3 +137,59 @@ def test_the_summary_gives_each_policys_median_and_worst_seed_and_how_many_seeds
     cells = [c.strip() for c in zipf_line.strip("|").split("|")]
     # seeds, p50 mean / median / worst, p99 mean / median / worst
     assert cells[2:9] == ["3", "1.177", "0.280", "3.000", "5.867", "1.400", "15.000"]
+
+
+# -- several gateway processes (loadtests/vtime_router.SimGateways) ---------------------------------
+def test_several_gateways_each_route_a_share_and_see_the_others_in_flight_work():
+    """Every request is routed, tracked and finished by one gateway; the in-flight exchange at the
+    load reports makes each gateway's view carry the others' requests (through the gateway's own
+    LoadTracker calls), and one gateway is the plain router (same figures as before)."""
+    from gateway.load import LoadTracker
+    from loadtests.vtime import SimParams
+
+    w = build_workload("shared_docs", 300, seed=3, rate_rps=30.0, n_docs=8)
+    p = SimParams(num_blocks=3000, report_interval_s=0.1)
+    one = simulate(w, "cache_aware", 3, p, seed=3).summary()
+    also_one = simulate(w, "cache_aware", 3, p, seed=3, gateways=1).summary()
+    one.pop("wall_s"), also_one.pop("wall_s")
+    assert one == also_one
+
+    seen_others = []
+    routed = collections.Counter()
+    orig_set, orig_route = LoadTracker.set_shared, SimRouter.route
+
+    def set_shared(self, shared):
+        orig_set(self, shared)
+        seen_others.append(sum(ld.others_reqs for ld in self._loads.values()))
+
+    def route(self, now, r):
+        routed[id(self)] += 1
+        return orig_route(self, r=r, now=now)
+
+    LoadTracker.set_shared, SimRouter.route = set_shared, route
+    try:
+        two = simulate(w, "cache_aware", 3, p, seed=3, gateways=2).summary()
+    finally:
+        LoadTracker.set_shared, SimRouter.route = orig_set, orig_route
+    assert two["completed"] == 300 and two["unfinished"] == 0  # every request finished by the gateway that sent it
+    assert len(routed) == 2 and min(routed.values()) > 100  # both gateways routed a share (300, at random)
+    assert max(seen_others) > 0  # a gateway saw the other's requests in flight
+    assert seen_others[-1] == 0  # and none once everything finished (the counters balance)
+    with pytest.raises(ValueError):  # a policy object cannot be split between gateways
+        simulate(w, object(), 3, p, gateways=2)
+
+
+def test_cache_plan_holds_the_busy_uniform_case_with_two_gateways():
+    """Two gateway processes, each planning on its own half of the stream and seeing the other's
+    requests only through the in-flight exchange and the engines' reports: on the busy regime's
+    uniform case (seed 1) cache_plan keeps every document on its holder (nothing unfinished, the
+    tail as with one gateway); cache_aware spills there (README: several gateways)."""
+    reg = REGIMES["busy"]
+    case = reg.cases["shared_docs"]
+    w = build_workload(case.builder, case.n_requests, seed=1, rate_rps=case.rate_rps, **case.shape)
+    memo = _KeyMemo(reg.params.model, reg.params.block_size)
+    keys = [memo.keys(r) for r in w.requests]
+    s = simulate(w, "cache_plan", reg.replicas, reg.params, seed=1, keys=keys, warmup=warmup_requests(w), gateways=2).summary()
+    assert s["unfinished"] == 0
+    assert s["hit_ratio"] > 0.96
+    assert s["ttft_p99_s"] < 2.5, s["ttft_p99_s"]
