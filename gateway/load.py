@@ -12,10 +12,18 @@ flushed by the server's poll loop every `inflight_poll_s`, so no feed call sits 
 path); `others = shared - own_flushed`, and the view is `others + own_now`: always fresh for our
 own work and at most one poll stale for theirs.
 
-Per replica it also keeps a moving mean of the uncached prefill tokens of requests sent there
+Per replica it also keeps a mean of the uncached prefill tokens of requests sent there
 (`mean_uncached_tokens`), which the cache-aware policy uses to price a waiting request, and a
 moving mean of their max_tokens (`mean_output_tokens`, requests that give one), with which it
 prices the wait on a replica whose sequence slots are full (a wait for completions).
+`mean_uncached_tokens` weighs each request by its age, e^(-age / SIZE_TAU_S), when dispatch is
+given the time (the gateway always gives it), else by count (weight _EWMA_ALPHA for the newest).
+Why by age: the mean moves only when this gateway sends a request there, so after one miss (a
+3,000-token document) a replica it then avoids kept the miss in its mean, its queue looked that
+much longer, and it was avoided on; with several gateway processes, each seeing only its share of
+the requests, that fed a collapse on the busy regime (cache_aware, two processes, uniform
+popularity: seeds 0-9, 4,795 requests unfinished; by age, none). By age, the first request sent
+there after a lull outweighs what was sent long before it.
 """
 from __future__ import annotations
 
@@ -25,7 +33,8 @@ from typing import Mapping
 
 __all__ = ["LoadTracker", "ReplicaLoad", "Flight"]
 
-_EWMA_ALPHA = 0.1  # weight of a new request in the mean uncached tokens
+_EWMA_ALPHA = 0.1  # weight of a new request in the means (by count: mean_output_tokens; dispatch without a time)
+SIZE_TAU_S = 5.0  # age at which a request's weight in mean_uncached_tokens has fallen to 1/e (seconds)
 
 
 ROUTED_TAU_S = 10.0  # default time constant of the routed-rate EWMA (a policy that reads the rate may set its own)
@@ -38,11 +47,13 @@ class ReplicaLoad:
     active_reqs: int = 0  # this gateway: first token seen, not finished
     others_reqs: int = 0  # other gateways' in-flight requests (last poll)
     others_tokens: int = 0  # other gateways' in-flight uncached tokens (last poll)
-    mean_uncached_tokens: float = -1.0  # moving mean; -1 until the first request
+    mean_uncached_tokens: float = -1.0  # mean by age (module header); -1 until the first request
     mean_output_tokens: float = -1.0  # moving mean of max_tokens (requests that set it); -1 until one
     routed_rps: float = 0.0  # EWMA of requests this gateway routed here per second (at routed_t)
     routed_t: float = 0.0  # clock reading routed_rps was last decayed to
     others_open: int = 0  # other gateways' requests sent here and not finished (last poll)
+    size_weight: float = 0.0  # total weight of the requests in mean_uncached_tokens, at size_t
+    size_t: float = 0.0  # clock reading size_weight was last decayed to
 
 
 class Flight:
@@ -147,7 +158,12 @@ class LoadTracker:
         ld.inflight_reqs += 1
         ld.inflight_tokens += uncached_tokens
         m = ld.mean_uncached_tokens
-        ld.mean_uncached_tokens = float(uncached_tokens) if m < 0 else m + _EWMA_ALPHA * (uncached_tokens - m)
+        if now is None:
+            ld.mean_uncached_tokens = float(uncached_tokens) if m < 0 else m + _EWMA_ALPHA * (uncached_tokens - m)
+        else:  # by age (module header): the earlier requests' weight decayed to now, this one's is 1
+            w = ld.size_weight * math.exp(-max(0.0, now - ld.size_t) / SIZE_TAU_S) if m >= 0 else 0.0
+            ld.mean_uncached_tokens = (max(m, 0.0) * w + uncached_tokens) / (w + 1.0)
+            ld.size_weight, ld.size_t = w + 1.0, now
         if max_tokens > 0:
             o = ld.mean_output_tokens
             ld.mean_output_tokens = float(max_tokens) if o < 0 else o + _EWMA_ALPHA * (max_tokens - o)

@@ -128,6 +128,29 @@ def test_load_tracker_inflight_and_shared():
     assert lt.take_pending() == {"r": (-1, -50, -2)}  # the in-flight one's three counts, the active one's open
 
 
+def test_mean_uncached_tokens_weighs_requests_by_age():
+    """With the time given (the gateway's dispatch always gives it), each request's weight in the
+    mean uncached tokens falls by e per SIZE_TAU_S: right after a miss the mean carries it, and
+    the first request after a lull outweighs it (by count, one request would move it 10%)."""
+    from gateway.load import SIZE_TAU_S
+
+    lt = LoadTracker()
+    for i in range(10):
+        lt.dispatch("r", 100, now=i * 0.1)
+    assert lt.get("r").mean_uncached_tokens == pytest.approx(100.0)
+    lt.dispatch("r", 3000, now=1.0)  # a miss: ten requests of weight ~0.9 each against 1
+    after_miss = lt.get("r").mean_uncached_tokens
+    assert 300.0 < after_miss < 500.0
+    # after a lull of 4 x SIZE_TAU_S the eleven earlier requests together weigh ~0.2 against this
+    # one: under a quarter of the miss's excess is left (by count, 90% would be)
+    lt.dispatch("r", 100, now=1.0 + 4 * SIZE_TAU_S)
+    assert lt.get("r").mean_uncached_tokens < 100.0 + 0.25 * (after_miss - 100.0)
+    by_count = LoadTracker()  # no time given: a moving mean by count, as before
+    for n in (100, 100, 3000, 100):
+        by_count.dispatch("r", n)
+    assert by_count.get("r").mean_uncached_tokens == pytest.approx((100 + 0.1 * 2900) * 0.9 + 10)
+
+
 def _ev(obj) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 

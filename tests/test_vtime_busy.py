@@ -179,17 +179,19 @@ def test_several_gateways_each_route_a_share_and_see_the_others_in_flight_work()
         simulate(w, object(), 3, p, gateways=2)
 
 
-def test_cache_plan_holds_the_busy_uniform_case_with_two_gateways():
-    """Two gateway processes, each planning on its own half of the stream and seeing the other's
-    requests only through the in-flight exchange and the engines' reports: on the busy regime's
-    uniform case (seed 1) cache_plan keeps every document on its holder (nothing unfinished, the
-    tail as with one gateway); cache_aware spills there (README: several gateways)."""
+@pytest.mark.parametrize("policy, p99_max", [("cache_plan", 2.5), ("cache_aware", 6.0)])
+def test_the_busy_uniform_case_holds_with_two_gateways(policy, p99_max):
+    """Two gateway processes, each routing on its own half of the stream and seeing the other's
+    requests only through the in-flight exchange and the engines' reports, on the busy regime's
+    uniform case (seed 1): cache_plan keeps every document on its holder; cache_aware no longer
+    collapses (before the mean request size went by age, gateway/load.py, this seed left 729
+    requests unfinished and its p99 was 103 s: README "Several gateway processes")."""
     reg = REGIMES["busy"]
     case = reg.cases["shared_docs"]
     w = build_workload(case.builder, case.n_requests, seed=1, rate_rps=case.rate_rps, **case.shape)
     memo = _KeyMemo(reg.params.model, reg.params.block_size)
     keys = [memo.keys(r) for r in w.requests]
-    s = simulate(w, "cache_plan", reg.replicas, reg.params, seed=1, keys=keys, warmup=warmup_requests(w), gateways=2).summary()
+    s = simulate(w, policy, reg.replicas, reg.params, seed=1, keys=keys, warmup=warmup_requests(w), gateways=2).summary()
     assert s["unfinished"] == 0
-    assert s["hit_ratio"] > 0.96
-    assert s["ttft_p99_s"] < 2.5, s["ttft_p99_s"]
+    assert s["hit_ratio"] > 0.955
+    assert s["ttft_p99_s"] < p99_max, s["ttft_p99_s"]
