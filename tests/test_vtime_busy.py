@@ -21,7 +21,8 @@ from loadtests.vtime_regimes import REGIMES
 from loadtests.workloads import build_workload, warmup_requests
 
 
-def _run(case_name: str, policy: str = "cache_plan", seed: int = 0, keep_alive: KeepAlive | None = None):
+def _run(case_name: str, policy: str = "cache_plan", seed: int = 0, keep_alive: KeepAlive | None = None,
+         gateways: int = 1):
     reg = REGIMES["busy"]
     case = reg.cases[case_name]
     w = build_workload(case.builder, case.n_requests, seed=seed, rate_rps=case.rate_rps, **case.shape)
@@ -37,7 +38,7 @@ def _run(case_name: str, policy: str = "cache_plan", seed: int = 0, keep_alive: 
     SimRouter.finished = spy
     try:
         res = simulate(w, policy, reg.replicas, reg.params, seed=seed, keys=keys, warmup=warmup_requests(w),
-                       keep_alive=keep_alive)
+                       keep_alive=keep_alive, gateways=gateways)
     finally:
         SimRouter.finished = orig
     holders = collections.defaultdict(set)
@@ -186,12 +187,7 @@ def test_the_busy_uniform_case_holds_with_two_gateways(policy, p99_max):
     uniform case (seed 1): cache_plan keeps every document on its holder; cache_aware no longer
     collapses (before the mean request size went by age, gateway/load.py, this seed left 729
     requests unfinished and its p99 was 103 s: README "Several gateway processes")."""
-    reg = REGIMES["busy"]
-    case = reg.cases["shared_docs"]
-    w = build_workload(case.builder, case.n_requests, seed=1, rate_rps=case.rate_rps, **case.shape)
-    memo = _KeyMemo(reg.params.model, reg.params.block_size)
-    keys = [memo.keys(r) for r in w.requests]
-    s = simulate(w, policy, reg.replicas, reg.params, seed=1, keys=keys, warmup=warmup_requests(w), gateways=2).summary()
+    s, _, _ = _run("shared_docs", policy, seed=1, gateways=2)
     assert s["unfinished"] == 0
     assert s["hit_ratio"] > 0.955
     assert s["ttft_p99_s"] < p99_max, s["ttft_p99_s"]
