@@ -4,7 +4,8 @@ constructor), and how they report trouble.
 - `run_index_sync`: keeps the KV index current from the feed (gateway.index_sync), restarting it
   with backoff when the feed fails.
 - `run_inflight_exchange`: every `inflight_poll_s`, adds this gateway's in-flight changes to the
-  feed's shared counters and reads everyone's, in one round trip (`exchange_inflight`: so
+  feed's shared counters, sets its dispatch gauges (gateway.load: routed rates and request sizes
+  per replica) and reads everyone's, in one round trip (`exchange_inflight`: so
   active-active gateways see each other's load, and each exchange refreshes our counters' TTL, after
   which a killed gateway's stop weighing on the replicas); every QUIET_EXCHANGE_S instead while no
   other gateway has anything in flight (idle CPU: each exchange wakes Redis and this process).
@@ -88,11 +89,12 @@ async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health:
         pending = load.take_pending()
         try:
             try:
-                got = await board.exchange_inflight(pending)
+                got = await board.exchange_inflight(pending, load.gauges(time.monotonic()))
             except BaseException:
                 load.restore_pending(pending)  # not applied (as far as we know): sent again next time
                 raise
-            shared = {rid: (v.reqs, v.prefill_tokens, v.open_reqs) for rid, v in got.items()}
+            shared = {rid: (v.reqs, v.prefill_tokens, v.open_reqs, v.routed_rps, v.size_weight, v.size_tokens)
+                      for rid, v in got.items()}
             if load.lost_by_feed(shared):
                 # the feed had none of ours before this exchange: it holds `pending` of ours now
                 log.warning("the feed lost this gateway's in-flight counters: publishing them again")

@@ -24,6 +24,18 @@ much longer, and it was avoided on; with several gateway processes, each seeing 
 the requests, that fed a collapse on the busy regime (cache_aware, two processes, uniform
 popularity: seeds 0-9, 4,795 requests unfinished; by age, none). By age, the first request sent
 there after a lull outweighs what was sent long before it.
+
+Both per-replica rates of dispatch (`routed_rps`, the requests routed there per second, which the
+balance guard compares) and the by-age size mean are this gateway's own, and several gateway
+processes each see only their share of the requests: a quarter of the sample with four, so the
+guard's rate test fired on noise and one process's single miss priced a replica's whole queue.
+So each gateway also publishes them as *dispatch gauges* with every exchange (`gauges`: per
+replica its rate, its size weight and weight x mean, decayed to the exchange) and reads the
+others' sums back (`set_shared` with six-field counters); `pool_routed_rps` and
+`pool_mean_uncached` are what every gateway's dispatches give, which the views carry. Virtual time,
+busy regime, four processes exchanging every 0.1 s, cache_aware, uniform popularity, seeds 0-19:
+3,794 requests unfinished without them (six seeds collapsed), none with them
+(loadtests/results/vtime_busy_4gateways_20seeds.md).
 """
 from __future__ import annotations
 
@@ -54,6 +66,9 @@ class ReplicaLoad:
     others_open: int = 0  # other gateways' requests sent here and not finished (last poll)
     size_weight: float = 0.0  # total weight of the requests in mean_uncached_tokens, at size_t
     size_t: float = 0.0  # clock reading size_weight was last decayed to
+    others_rps: float = 0.0  # other gateways' routed_rps here, summed (their gauges at the last exchange)
+    others_size_weight: float = 0.0  # their size weights, summed (same)
+    others_size_tokens: float = 0.0  # their weight x mean uncached tokens, summed (same)
 
 
 class Flight:
@@ -88,6 +103,7 @@ class LoadTracker:
         # replica -> [reqs, tokens, open] (the feed's three counters, module header)
         self._pending: dict[str, list[int]] = {}  # not yet flushed to the feed
         self._flushed: dict[str, list[int]] = {}  # flushed so far (net)
+        self._published: dict[str, tuple[float, float, float]] = {}  # our dispatch gauges at the last exchange
 
     def _shared_delta(self, rid: str, reqs: int, tokens: int, opened: int) -> None:
         p = self._pending.get(rid)
@@ -187,18 +203,63 @@ class LoadTracker:
             ld.active_reqs = max(0, ld.active_reqs - 1)
             self._shared_delta(f.replica_id, 0, 0, -1)
 
-    def set_shared(self, shared: Mapping[str, tuple[int, int, int]]) -> None:
-        """The feed's counters (replica -> (reqs, tokens, open), all gateways including this one)."""
+    def gauges(self, now: float) -> dict[str, tuple[float, float, float]]:
+        """This gateway's dispatch gauges to publish with the exchange (module header): replica ->
+        (routed_rps, size weight, size weight x mean uncached tokens), decayed to `now`; remembered,
+        so that `set_shared` can take them out of the sums it is given."""
+        out = {}
+        for rid, ld in self._loads.items():
+            w = self._size_weight(ld, now)
+            out[rid] = (self.routed_rps(rid, now), w, w * max(ld.mean_uncached_tokens, 0.0))
+        self._published = out
+        return out
+
+    def set_shared(self, shared: Mapping[str, tuple]) -> None:
+        """The feed's counters, all gateways including this one: replica -> (reqs, tokens, open),
+        optionally followed by the summed dispatch gauges (routed_rps, size weight, weight x mean)
+        when the exchange published ours (`gauges`)."""
         for rid, ld in self._loads.items():
             if rid not in shared:
                 ld.others_reqs = ld.others_tokens = ld.others_open = 0
-        for rid, (reqs, tokens, opened) in shared.items():
+                ld.others_rps = ld.others_size_weight = ld.others_size_tokens = 0.0
+        for rid, counts in shared.items():
+            reqs, tokens, opened = counts[:3]
             ld = self._get(rid)
             mine = self._flushed.get(rid, (0, 0, 0))
             ld.others_reqs = max(0, int(reqs) - mine[0])
             ld.others_tokens = max(0, int(tokens) - mine[1])
             # a gateway of the version before the open counter adds none: its in-flight ones at least
             ld.others_open = max(ld.others_reqs, int(opened) - mine[2])
+            if len(counts) >= 6:
+                own = self._published.get(rid, (0.0, 0.0, 0.0))
+                ld.others_rps, ld.others_size_weight, ld.others_size_tokens = (
+                    max(0.0, float(t) - o) for t, o in zip(counts[3:6], own))
+            else:  # no gauges in this exchange: only ours are known
+                ld.others_rps = ld.others_size_weight = ld.others_size_tokens = 0.0
+
+    @staticmethod
+    def _size_weight(ld: ReplicaLoad, now: float) -> float:
+        if ld.mean_uncached_tokens < 0 or ld.size_weight <= 0.0:
+            return 0.0
+        return ld.size_weight * math.exp(-max(0.0, now - ld.size_t) / SIZE_TAU_S)
+
+    def pool_routed_rps(self, replica_id: str, now: float) -> float:
+        """Requests every gateway routes to the replica per second: ours now, the others' as of the
+        last exchange (only ours when the exchange carries no gauges)."""
+        return self.routed_rps(replica_id, now) + self.get(replica_id).others_rps
+
+    def pool_mean_uncached(self, replica_id: str, now: float) -> float:
+        """Mean uncached prompt tokens of the requests every gateway sent the replica, by age (ours
+        weighed at `now`, the others' at the last exchange); -1 when none is known. A gateway whose
+        dispatches carry no time (by-count mean) counts its mean alone."""
+        ld = self.get(replica_id)
+        if ld.size_weight <= 0.0 and ld.mean_uncached_tokens >= 0:
+            return ld.mean_uncached_tokens  # by count (dispatch without a time)
+        w = self._size_weight(ld, now)
+        total_w = w + ld.others_size_weight
+        if total_w <= 0.0:
+            return -1.0
+        return (w * max(ld.mean_uncached_tokens, 0.0) + ld.others_size_tokens) / total_w
 
     def others_active(self) -> bool:
         """Another gateway had requests in flight at the last exchange."""
@@ -217,6 +278,7 @@ class LoadTracker:
 
     def forget(self, replica_id: str) -> None:
         self._loads.pop(replica_id, None)
+        self._published.pop(replica_id, None)
         self._pending.pop(replica_id, None)
         self._flushed.pop(replica_id, None)
 

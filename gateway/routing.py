@@ -67,7 +67,8 @@ class RoutingState:
             rates={rid: (cal.prefill_s_per_token(rid), cal.decode_step_s(rid)) for rid in replica_ids},
             cached_frac={rid: min(1.0, index.entries_of(rid) / rep.num_gpu_blocks)
                          for rid, rep in reports.items() if rep is not None and rep.num_gpu_blocks},
-            routed_rps={rid: load.routed_rps(rid, now) for rid in replica_ids},
+            routed_rps={rid: load.pool_routed_rps(rid, now) for rid in replica_ids},
+            mean_uncached={rid: load.pool_mean_uncached(rid, now) for rid in replica_ids},
         )
 
     def decide(self, request: RequestView, available: Mapping[str, bool], policy: Policy,
@@ -120,6 +121,7 @@ def build_views(
     rates: Mapping[str, tuple[float, float]],
     cached_frac: Mapping[str, float] | None = None,
     routed_rps: Mapping[str, float] | None = None,
+    mean_uncached: Mapping[str, float] | None = None,
 ) -> list[ReplicaView]:
     """One ReplicaView per replica id, in the given order.
 
@@ -127,7 +129,9 @@ def build_views(
     live: rid -> the replica's feed is current; reports: rid -> LoadReport or None;
     loads: rid -> gateway.load.ReplicaLoad; rates: rid -> (prefill_s_per_token, decode_step_s);
     cached_frac: rid -> indexed blocks / the engine's KV blocks (absent: unknown);
-    routed_rps: rid -> requests routed there per second (absent: unknown).
+    routed_rps: rid -> requests routed there per second (absent: unknown);
+    mean_uncached: rid -> mean uncached tokens of the requests sent there, < 0 unknown (absent: the
+    load's own `mean_uncached_tokens`).
     """
     views = []
     for rid in replica_ids:
@@ -135,6 +139,8 @@ def build_views(
         rep = reports.get(rid)
         ld = loads.get(rid)
         prefill, decode = rates[rid]
+        mean_unc = mean_uncached.get(rid, -1.0) if mean_uncached is not None else (
+            ld.mean_uncached_tokens if ld is not None else -1.0)
         if rep is not None:
             running, waiting, kv = rep.running_reqs, rep.waiting_reqs, rep.kv_usage
         else:
@@ -154,7 +160,7 @@ def build_views(
             decode_step_s=decode,
             kv_capacity_blocks=rep.num_gpu_blocks if rep is not None else 0,
             kv_cached_frac=cached_frac.get(rid) if cached_frac else None,
-            mean_uncached_prefill_tokens=ld.mean_uncached_tokens if ld is not None and ld.mean_uncached_tokens >= 0 else None,
+            mean_uncached_prefill_tokens=mean_unc if mean_unc >= 0 else None,
             mean_output_tokens=ld.mean_output_tokens if ld is not None and ld.mean_output_tokens >= 0 else None,
             routed_rps=routed_rps.get(rid, 0.0) if routed_rps is not None else None,
         ))

@@ -30,6 +30,7 @@ from replica_agent.feed import FeedEvent, LoadReport
 __all__ = ["VClock", "SimRouter", "SimGateways"]
 
 _STALE_AFTER_S = 10.0  # the gateway's feed.stale_after_s default
+INFLIGHT_POLL_S = 0.1  # the gateway's feed.inflight_poll_s default: its in-flight exchange period
 
 
 class VClock:
@@ -132,11 +133,10 @@ class SimGateways:
     each a SimRouter with its own policy instance, index, calibration and in-flight counts, fed
     the same KV events and load reports (each process reads the whole feed). Each request goes to
     one of them at random (a fresh connection per request, spread by the kernel's SO_REUSEPORT or
-    the Service), which routes, tracks and learns from it alone. The gateways' exchange of
-    in-flight counts through the feed's shared counters runs with every load report (the gateway's
-    `run_inflight_exchange`, through the same LoadTracker calls: take_pending, set_shared), so the
-    others' requests weigh on a gateway's view at most a report old (the gateway exchanges every
-    `feed.inflight_poll_s`, 0.1 s, while others are active: this is a little staler). Not shared,
+    the Service), which routes, tracks and learns from it alone. The gateways' exchange through
+    the feed's shared counters (the gateway's `run_inflight_exchange`, through the same LoadTracker
+    calls: take_pending, gauges, set_shared: in-flight counts and dispatch gauges) runs every
+    `feed.inflight_poll_s` (0.1 s; at the first arrival after it) and with every load report. Not shared,
     as in the gateway: each one's speculative index entries (another gateway's copy in progress is
     seen when its blocks are stored) and its policy's plan. Keep-alive, when on, runs one retainer
     for all (as if one process kept every planned root) and reads the first gateway's index."""
@@ -152,28 +152,39 @@ class SimGateways:
         self.warm = None
         self.root_blocks = 0
         self.shared: dict = {}  # the feed's in-flight counters: replica -> (reqs, tokens, open), all gateways
+        self.exchange_s = INFLIGHT_POLL_S
+        self.exchanged_t = 0.0
 
     @property
     def cal(self) -> Calibrator:
         return self.routers[0].cal
 
-    def _exchange(self) -> None:
+    def _exchange(self, now: float) -> None:
+        self.exchanged_t = now
+        gauges: dict = {}  # replica -> every gateway's dispatch gauges, summed (each publishes its own)
         for g in self.routers:
-            for rid, delta in g.routing.load.take_pending().items():
+            load = g.routing.load
+            for rid, delta in load.take_pending().items():
                 self.shared[rid] = tuple(a + b for a, b in zip(self.shared.get(rid, (0, 0, 0)), delta))
+            for rid, gs in load.gauges(now).items():
+                gauges[rid] = tuple(a + b for a, b in zip(gauges.get(rid, (0.0, 0.0, 0.0)), gs))
+        board = {rid: self.shared.get(rid, (0, 0, 0)) + gauges.get(rid, (0.0, 0.0, 0.0))
+                 for rid in set(self.shared) | set(gauges)}
         for g in self.routers:
-            g.routing.load.set_shared(self.shared)
+            g.routing.load.set_shared(board)
 
     def apply_events(self, ri: int, stored: list, removed: list) -> None:
         for g in self.routers:
             g.apply_events(ri, stored, removed)
 
     def report(self, reps: list, now: float) -> None:
-        self._exchange()
+        self._exchange(now)
         for g in self.routers:
             g.report(reps, now)
 
     def route(self, now: float, r) -> int:
+        if now - self.exchanged_t >= self.exchange_s:
+            self._exchange(now)  # the gateways' own exchange period (on the next arrival after it)
         g = self.routers[self.rng.randrange(len(self.routers))]
         self.of[id(r)] = g
         ri = g.route(now, r)

@@ -142,6 +142,23 @@ async def test_inflight_counters_are_shared(make_feed):
     await g2.close()
 
 
+async def test_dispatch_gauges_replace_and_sum(make_feed):
+    """Each process's gauges (routed rate, size weight, weight x mean) replace its previous ones;
+    the read sums every process's; a replica it no longer publishes drops out of its share."""
+    g1, g2 = make_feed(), make_feed()
+    await g1.exchange_inflight({}, {"r": (1.5, 2.0, 200.0), "q": (0.5, 1.0, 30.0)})
+    seen = await g2.exchange_inflight({"r": (1, 10)}, {"r": (0.25, 1.0, 3000.0)})
+    assert (seen["r"].routed_rps, seen["r"].size_weight, seen["r"].size_tokens) == (1.75, 3.0, 3200.0)
+    assert seen["r"].reqs == 1 and seen["q"].routed_rps == 0.5
+    seen = await g1.exchange_inflight({}, {"r": (1.0, 2.0, 100.0)})  # replaced, not added; q dropped
+    assert (seen["r"].routed_rps, seen["r"].size_tokens) == (1.25, 3100.0)
+    assert "q" not in seen or seen["q"].routed_rps == 0.0
+    seen = await g1.exchange_inflight({})  # an exchange without gauges leaves ours as they were
+    assert seen["r"].routed_rps == 1.25
+    await g1.close()
+    await g2.close()
+
+
 async def _until(pred, timeout_s=5.0):
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not pred():

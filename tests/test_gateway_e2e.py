@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 
 import aiohttp
 import pytest
@@ -517,9 +518,12 @@ async def test_gateways_share_inflight_load_through_redis(tok, redis_server):
                     seen = (ld.others_reqs, ld.others_tokens)
                     break
             assert seen is not None and seen[0] == 1 and seen[1] > 100, seen
-            # g2's routing view of the replica includes g1's in-flight request.
+            # g2's routing view of the replica includes g1's in-flight request, and g1's dispatch
+            # gauges: its routed rate and the request's uncached size (g2 has sent nothing there)
             views = g2.gateway.routing.views(["r"], [], {"r": True})
             assert views[0].inflight_reqs == 1
+            assert views[0].routed_rps > 0 and views[0].mean_uncached_prefill_tokens == pytest.approx(seen[1], rel=0.01)
+            assert g2.gateway.load.routed_rps("r", time.monotonic()) == 0.0
             assert g2.gateway.readiness() == (True, []), g2.gateway.readiness()  # the exchange counts as healthy
             release.set()
             r = await pending

@@ -6,6 +6,7 @@ import base64
 import hashlib
 import hmac
 import json
+import math
 
 import pytest
 
@@ -149,6 +150,34 @@ def test_mean_uncached_tokens_weighs_requests_by_age():
     for n in (100, 100, 3000, 100):
         by_count.dispatch("r", n)
     assert by_count.get("r").mean_uncached_tokens == pytest.approx((100 + 0.1 * 2900) * 0.9 + 10)
+
+
+def test_dispatch_gauges_give_every_gateways_rates_and_sizes():
+    """Each gateway publishes its routed rate and by-age size mean per replica with the exchange;
+    the sums it reads back include its own, which it takes out: its views then carry what all the
+    gateways sent (a process seeing a quarter of the requests no longer judges on its quarter)."""
+    from gateway.load import SIZE_TAU_S
+
+    lt = LoadTracker(routed_tau_s=10.0)
+    for i in range(4):
+        lt.dispatch("r", 100, now=i * 0.5)
+    g = lt.gauges(2.0)
+    rate, w, wt = g["r"]
+    assert rate == pytest.approx(lt.routed_rps("r", 2.0)) and wt == pytest.approx(100.0 * w) and 3.0 < w < 4.0
+    assert lt.pool_routed_rps("r", 2.0) == pytest.approx(rate)  # nothing from the others yet
+    # the feed's sums: ours plus another gateway's 0.9 requests/s of 3,000-token misses (weight 2)
+    lt.set_shared({"r": (0, 0, 0, rate + 0.9, w + 2.0, wt + 2.0 * 3000.0)})
+    ld = lt.get("r")
+    assert (ld.others_rps, ld.others_size_weight, ld.others_size_tokens) == pytest.approx((0.9, 2.0, 6000.0))
+    assert lt.pool_routed_rps("r", 2.0) == pytest.approx(rate + 0.9)
+    assert lt.pool_mean_uncached("r", 2.0) == pytest.approx((w * 100.0 + 6000.0) / (w + 2.0))
+    # ours keep aging between exchanges; theirs stay as they were read
+    later = lt.pool_mean_uncached("r", 2.0 + SIZE_TAU_S)
+    assert later == pytest.approx((w / math.e * 100.0 + 6000.0) / (w / math.e + 2.0))
+    # a three-field exchange (no gauges: one gateway, or a feed of the earlier version) keeps ours alone
+    lt.set_shared({"r": (0, 0, 0)})
+    assert lt.pool_routed_rps("r", 2.0) == pytest.approx(rate) and lt.pool_mean_uncached("r", 2.0) == pytest.approx(100.0)
+    assert LoadTracker().pool_mean_uncached("r", 0.0) == -1.0  # nothing known
 
 
 def _ev(obj) -> bytes:

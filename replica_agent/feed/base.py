@@ -22,7 +22,9 @@ Rules every transport keeps (tests/test_feed_conformance.py checks them on each,
     continues the sequence and a consumer can see that a feed was wiped (last_offset < its position).
   - in-flight counters (`incr_inflight`, `inflight`, both at once: `exchange_inflight`) are shared
     by every process using the same feed, and a process's own counts expire when it stops
-    exchanging them (Redis: a TTL refreshed by every exchange).
+    exchanging them (Redis: a TTL refreshed by every exchange). `exchange_inflight` may also carry
+    the process's dispatch gauges (per replica: routed rate, size weight, weight x mean), which
+    replace its previous ones; `inflight()` returns every process's gauges summed.
 Constructors do no I/O; connections open on first use, in the caller's event loop.
 """
 from __future__ import annotations
@@ -78,9 +80,12 @@ class InflightBoard(Protocol):
 
     async def inflight(self) -> dict[str, Inflight]: ...
 
-    async def exchange_inflight(self, changes: Mapping[str, tuple[int, ...]]) -> dict[str, Inflight]:
+    async def exchange_inflight(self, changes: Mapping[str, tuple[int, ...]],
+                                gauges: Mapping[str, tuple[float, float, float]] | None = None) -> dict[str, Inflight]:
         """`incr_inflight` for every replica -> (reqs, tokens[, open_reqs]) change, this process's
-        counters kept alive, then `inflight()`: what a gateway does every poll, in one round trip."""
+        dispatch gauges (replica -> (routed_rps, size_weight, size_tokens)) set in place of its
+        previous ones when given, its counters kept alive, then `inflight()`: what a gateway does
+        every poll, in one round trip."""
         ...
 
     async def close(self) -> None: ...

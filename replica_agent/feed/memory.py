@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import replace
 from typing import Mapping, Sequence
@@ -28,6 +29,7 @@ class _Hub:
         self.snapshots: dict[str, Snapshot] = {}
         self.live: dict[str, tuple[float, LoadReport | None]] = {}  # replica -> (expires monotonic, load)
         self.inflight: dict[str, list[int]] = {}
+        self.gauges: dict[str, dict[str, tuple[float, float, float]]] = {}  # owner -> its dispatch gauges
         self.waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
 
     def wake(self) -> None:
@@ -61,6 +63,7 @@ class MemoryFeed:
         self.url = url
         self.name = url.split("://", 1)[1] if "://" in url else ""
         self._hub = _hub(self.name, maxlen)
+        self.owner = uuid.uuid4().hex[:12]  # whose dispatch gauges (exchange_inflight)
 
     async def publish(self, replica_id: str, drafts: Sequence[FeedEvent]) -> list[FeedEvent]:
         hub = self._hub
@@ -147,14 +150,28 @@ class MemoryFeed:
             c[1] += tokens
             c[2] += open_reqs
 
-    async def exchange_inflight(self, changes: Mapping[str, tuple[int, ...]]) -> dict[str, Inflight]:
+    async def exchange_inflight(self, changes: Mapping[str, tuple[int, ...]],
+                                gauges: Mapping[str, tuple[float, float, float]] | None = None) -> dict[str, Inflight]:
         for rid, change in changes.items():
             await self.incr_inflight(rid, *change)
+        if gauges is not None:
+            with self._hub.lock:
+                self._hub.gauges[self.owner] = dict(gauges)
         return await self.inflight()
 
     async def inflight(self) -> dict[str, Inflight]:
         with self._hub.lock:
-            return {r: Inflight(c[0], c[1], c[2]) for r, c in self._hub.inflight.items()}
+            sums: dict[str, list[float]] = {}
+            for own in self._hub.gauges.values():
+                for rid, g in own.items():
+                    acc = sums.setdefault(rid, [0.0, 0.0, 0.0])
+                    for i, x in enumerate(g):
+                        acc[i] += x
+            out = {}
+            for r in set(self._hub.inflight) | set(sums):
+                c = self._hub.inflight.get(r, (0, 0, 0))
+                out[r] = Inflight(c[0], c[1], c[2], *sums.get(r, (0.0, 0.0, 0.0)))
+            return out
 
     async def close(self) -> None:
         return None
@@ -168,3 +185,4 @@ class MemoryFeed:
             hub.snapshots.clear()
             hub.live.clear()
             hub.inflight.clear()
+            hub.gauges.clear()

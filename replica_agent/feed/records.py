@@ -103,6 +103,10 @@ class Inflight:
     reqs: int  # requests in flight (sent, no first token yet)
     prefill_tokens: int  # their uncached prompt tokens
     open_reqs: int = 0  # requests sent and not finished (in flight or decoding): sequence slots they hold
+    # dispatch gauges, each gateway's own replaced at every exchange and summed here (gateway.load):
+    routed_rps: float = 0.0  # requests routed here per second
+    size_weight: float = 0.0  # by-age weight of the requests in their mean uncached tokens
+    size_tokens: float = 0.0  # that weight x that mean
 
 
 def fresh_stream_base() -> int:

@@ -118,22 +118,46 @@ def _field(fields, name: bytes):
 
 
 _INFLIGHT_FIELDS = {"reqs": 0, "tokens": 1, "open": 2}  # hash field suffix -> Inflight position
+_GAUGE_FIELDS = {"rps": 0, "szw": 1, "szt": 2}  # dispatch gauges (HSET, not HINCRBY): suffix -> position
 
 
 def _incr_cmds(key: str, rid: str, reqs: int, tokens: int, open_reqs: int = 0) -> list[tuple]:
     return [("HINCRBY", key, f"{rid}\x00{what}", n) for what, n in (("reqs", reqs), ("tokens", tokens), ("open", open_reqs)) if n]
 
 
+def _gauge_cmds(key: str, gauges: Mapping[str, tuple[float, float, float]], gone: set[str]) -> list[tuple]:
+    """Set this gateway's dispatch gauges in its hash; drop those of replicas it no longer has."""
+    cmds: list[tuple] = []
+    fields: list = []
+    for rid, g in gauges.items():
+        for what, i in _GAUGE_FIELDS.items():
+            fields += [f"{rid}\x00{what}", repr(float(g[i]))]
+    if fields:
+        cmds.append(("HSET", key, *fields))
+    if gone:
+        cmds.append(("HDEL", key, *(f"{rid}\x00{what}" for rid in sorted(gone) for what in _GAUGE_FIELDS)))
+    return cmds
+
+
 def _sum_inflight(hashes) -> dict[str, Inflight]:
     """Every gateway's in-flight hashes (flat [field, value, ...] lists) summed per replica."""
     acc: dict[str, list[int]] = {}
+    gauges: dict[str, list[float]] = {}
     for flat in hashes or ():
         for f, v in zip(flat[::2], flat[1::2]):
             rid, _, what = f.decode().rpartition("\x00")
             i = _INFLIGHT_FIELDS.get(what)
-            if i is not None:  # a field of a later version: not ours to sum
+            if i is not None:
                 acc.setdefault(rid, [0, 0, 0])[i] += int(v)
-    return {rid: Inflight(max(0, c[0]), max(0, c[1]), max(0, c[2])) for rid, c in acc.items()}
+                continue
+            i = _GAUGE_FIELDS.get(what)
+            if i is not None:  # else a field of a later version: not ours to sum
+                gauges.setdefault(rid, [0.0, 0.0, 0.0])[i] += max(0.0, float(v))
+    out = {}
+    for rid in set(acc) | set(gauges):
+        c = acc.get(rid, (0, 0, 0))
+        out[rid] = Inflight(max(0, c[0]), max(0, c[1]), max(0, c[2]), *gauges.get(rid, (0.0, 0.0, 0.0)))
+    return out
 
 
 class RedisFeed:
@@ -147,6 +171,7 @@ class RedisFeed:
         self._r: aioredis.Redis | None = None
         self._reader: _Direct | None = None  # XREAD (may block: its own connection)
         self._board: _Direct | None = None  # in-flight increments and reads
+        self._gauge_rids: set[str] = set()  # replicas whose dispatch gauges our hash holds
         self._next: dict[str, int] = {}  # replica -> last offset assigned
 
     def _redis(self) -> aioredis.Redis:
@@ -295,13 +320,17 @@ class RedisFeed:
         (hashes,) = await self._call(self._direct("_board").run(("EVAL", _READ_INFLIGHT_LUA, 0, f"{self.prefix}inflight:*")))
         return _sum_inflight(hashes)
 
-    async def exchange_inflight(self, changes: Mapping[str, tuple[int, ...]]) -> dict[str, Inflight]:
-        """`incr_inflight` for every (replica -> (reqs, tokens[, open_reqs])) change, our counters'
-        TTL refreshed, and then `inflight()`, in one round trip."""
+    async def exchange_inflight(self, changes: Mapping[str, tuple[int, ...]],
+                                gauges: Mapping[str, tuple[float, float, float]] | None = None) -> dict[str, Inflight]:
+        """`incr_inflight` for every (replica -> (reqs, tokens[, open_reqs])) change, our dispatch
+        gauges set when given, our counters' TTL refreshed, and then `inflight()`, in one round trip."""
         key = f"{self.prefix}inflight:{self.owner}"
         cmds: list[tuple] = []
         for rid, change in changes.items():
             cmds += _incr_cmds(key, rid, *change)
+        if gauges is not None:
+            cmds += _gauge_cmds(key, gauges, self._gauge_rids - set(gauges))
+            self._gauge_rids = set(gauges)
         cmds.append(("PEXPIRE", key, int(self.inflight_ttl_s * 1000)))
         cmds.append(("EVAL", _READ_INFLIGHT_LUA, 0, f"{self.prefix}inflight:*"))
         replies = await self._call(self._direct("_board").run(*cmds))
