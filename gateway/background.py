@@ -5,7 +5,8 @@ constructor), and how they report trouble.
   with backoff when the feed fails.
 - `run_inflight_exchange`: every `inflight_poll_s`, adds this gateway's in-flight changes to the
   feed's shared counters, sets its dispatch gauges (gateway.load: routed rates and request sizes
-  per replica) and reads everyone's, in one round trip (`exchange_inflight`: so
+  per replica) and reads everyone's, in one round trip, then trades copies in progress with the
+  other gateways (gateway.routing: a second round trip) (`exchange_inflight`: so
   active-active gateways see each other's load, and each exchange refreshes our counters' TTL, after
   which a killed gateway's stop weighing on the replicas); every QUIET_EXCHANGE_S instead while no
   other gateway has anything in flight (idle CPU: each exchange wakes Redis and this process).
@@ -50,6 +51,7 @@ from replica_agent.feed import FailureLog, FairShareBoard, InflightBoard
 
 if TYPE_CHECKING:  # gateway.flow imports this module (file_mtime)
     from gateway.flow import FlowControl
+    from gateway.routing import RoutingState
 
 __all__ = ["trouble", "run_index_sync", "run_inflight_exchange", "run_keys_reload", "discover_model",
            "run_model_discovery", "file_mtime", "run_keep_alive", "MAX_REFRESHES_IN_FLIGHT"]
@@ -81,7 +83,8 @@ async def run_index_sync(sync: IndexSync, health: FailureLog) -> None:
 QUIET_EXCHANGE_S = 1.0  # the exchange period while no other gateway has work in flight
 
 
-async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health: FailureLog, period_s: float) -> None:
+async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health: FailureLog, period_s: float,
+                                routing: "RoutingState | None" = None) -> None:
     while True:
         # while the other gateways have nothing in flight (or there are none), a slower exchange:
         # their first requests then weigh on our view at most QUIET_EXCHANGE_S late
@@ -100,6 +103,9 @@ async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health:
                 log.warning("the feed lost this gateway's in-flight counters: publishing them again")
                 load.rebase(held=pending)
             load.set_shared(shared)
+            if routing is not None:  # copies in progress, both ways (gateway.routing); lost on a failure:
+                # they only matter for the seconds until the engines' events say the same
+                routing.apply_shared(await board.exchange_copies(routing.take_shared()))
             health.ok()
         except asyncio.CancelledError:
             raise

@@ -179,8 +179,9 @@ class Gateway:
         self.index_sync = IndexSync(self.feed, self.routing.index, replicas=self.membership.ids(), health=self.feed_health)
         self.routing.freshen = self.index_sync.wake
         self._spawn(run_index_sync(self.index_sync, self.feed_health), "index-sync")
-        self._spawn(run_inflight_exchange(self.feed, self.routing.load, self.board_health, self.cfg.feed.inflight_poll_s),
-                    "inflight")
+        self.routing.share_copies = True
+        self._spawn(run_inflight_exchange(self.feed, self.routing.load, self.board_health, self.cfg.feed.inflight_poll_s,
+                                          routing=self.routing), "inflight")
         if self.cfg.flow.enabled:
             self._spawn(run_share_exchange(self.flow, fair_share_board(self.feed), self.share_health,
                                            self.cfg.flow.share_interval_s), "flow-shares")

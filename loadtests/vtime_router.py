@@ -135,10 +135,11 @@ class SimGateways:
     one of them at random (a fresh connection per request, spread by the kernel's SO_REUSEPORT or
     the Service), which routes, tracks and learns from it alone. The gateways' exchange through
     the feed's shared counters (the gateway's `run_inflight_exchange`, through the same LoadTracker
-    calls: take_pending, gauges, set_shared: in-flight counts and dispatch gauges) runs every
-    `feed.inflight_poll_s` (0.1 s; at the first arrival after it) and with every load report. Not shared,
-    as in the gateway: each one's speculative index entries (another gateway's copy in progress is
-    seen when its blocks are stored) and its policy's plan. Keep-alive, when on, runs one retainer
+    calls: take_pending, gauges, set_shared: in-flight counts and dispatch gauges; take_shared,
+    apply_shared: copies in progress) runs every `feed.inflight_poll_s` (0.1 s; at the first
+    arrival after it) and with every load report. Not shared, as in the gateway: speculative
+    index entries of short new parts (under gateway.routing.SHARE_MIN_NEW_BLOCKS), calibration and
+    the policy's plan. Keep-alive, when on, runs one retainer
     for all (as if one process kept every planned root) and reads the first gateway's index."""
 
     def __init__(self, routers: list, rng: random.Random) -> None:
@@ -152,6 +153,8 @@ class SimGateways:
         self.warm = None
         self.root_blocks = 0
         self.shared: dict = {}  # the feed's in-flight counters: replica -> (reqs, tokens, open), all gateways
+        for g in routers:
+            g.routing.share_copies = True  # as a gateway with a feed does
         self.exchange_s = INFLIGHT_POLL_S
         self.exchanged_t = 0.0
 
@@ -170,8 +173,12 @@ class SimGateways:
                 gauges[rid] = tuple(a + b for a, b in zip(gauges.get(rid, (0.0, 0.0, 0.0)), gs))
         board = {rid: self.shared.get(rid, (0, 0, 0)) + gauges.get(rid, (0.0, 0.0, 0.0))
                  for rid in set(self.shared) | set(gauges)}
+        copies = [(g, g.routing.take_shared()) for g in self.routers]
         for g in self.routers:
             g.routing.load.set_shared(board)
+            for src, entries in copies:
+                if src is not g:
+                    g.routing.apply_shared(entries)
 
     def apply_events(self, ri: int, stored: list, removed: list) -> None:
         for g in self.routers:

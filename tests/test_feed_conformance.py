@@ -159,6 +159,22 @@ async def test_dispatch_gauges_replace_and_sum(make_feed):
     await g2.close()
 
 
+async def test_copies_in_progress_reach_every_other_process_once(make_feed):
+    g1, g2, g3 = make_feed(), make_feed(), make_feed()
+    big = (2**64 - 1, 0, 12345678901234567890)  # block keys are unsigned 64-bit
+    assert await g1.exchange_copies([("r", big, 5.0), ("s", (1, 2), 0.05)]) == []  # none of its own
+    await asyncio.sleep(0.1)
+    got = await g2.exchange_copies([("q", (7,), 5.0)])
+    assert [(rid, keys) for rid, keys, _ in got] == [("r", big)]  # s's expired on the way
+    assert 4.5 < got[0][2] < 5.0  # the TTL left
+    assert await g2.exchange_copies([]) == []  # each entry once
+    got = await g3.exchange_copies([])
+    assert sorted(rid for rid, _, _ in got) == ["q", "r"]
+    assert [rid for rid, _, _ in await g1.exchange_copies([])] == ["q"]
+    for g in (g1, g2, g3):
+        await g.close()
+
+
 async def _until(pred, timeout_s=5.0):
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not pred():

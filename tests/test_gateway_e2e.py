@@ -524,6 +524,14 @@ async def test_gateways_share_inflight_load_through_redis(tok, redis_server):
             assert views[0].inflight_reqs == 1
             assert views[0].routed_rps > 0 and views[0].mean_uncached_prefill_tokens == pytest.approx(seen[1], rel=0.01)
             assert g2.gateway.load.routed_rps("r", time.monotonic()) == 0.0
+            # and g1's copy in progress (the document is new to r): g2, which routed nothing, holds
+            # its blocks speculatively on r until the engine's events would say so
+            from gateway.routing import SHARE_MIN_NEW_BLOCKS
+            for _ in range(40):
+                if g2.gateway.routing.index.stats().speculative_entries:
+                    break
+                await asyncio.sleep(0.05)
+            assert g2.gateway.routing.index.stats().speculative_entries >= SHARE_MIN_NEW_BLOCKS
             assert g2.gateway.readiness() == (True, []), g2.gateway.readiness()  # the exchange counts as healthy
             release.set()
             r = await pending

@@ -165,6 +165,40 @@ def test_dispatched_counts_work_and_speculates_until_the_ttl():
     assert (ld.inflight_reqs, ld.active_reqs) == (0, 0)
 
 
+def test_long_new_prefixes_are_shared_with_the_other_gateways_until_their_ttl():
+    """A dispatch that brings a replica SHARE_MIN_NEW_BLOCKS or more blocks it is not known to hold
+    is queued for the other gateways (with the TTL left when taken); a shorter new tail is not; an
+    applied entry counts on the receiving gateway's index like its own speculation."""
+    from gateway.routing import SHARE_MIN_NEW_BLOCKS
+
+    clock = _Clock()
+    st, other = _state(clock), _state(clock)
+    st.share_copies = True
+    doc = list(range(1, SHARE_MIN_NEW_BLOCKS + 9))  # 8 held + the threshold
+    st.index.apply(FeedEvent("a", 1, "stored", tuple(doc[:8])))  # a holds the first 8 blocks
+    rv = RequestView(prompt_tokens=16 * len(doc), block_size=16, keys=tuple(doc))
+    held = st.decide(rv, {"a": True}, get_policy("cache_aware"), random.Random(0)).view_of("a")
+    st.dispatched("a", doc, 16 * SHARE_MIN_NEW_BLOCKS, 16, held)  # exactly the threshold of new blocks
+    st.dispatched("b", doc[:SHARE_MIN_NEW_BLOCKS - 1], 16, 16)  # one block short: stays ours
+    clock.t += 0.5
+    taken = st.take_shared()
+    assert [(rid, len(keys)) for rid, keys, _ in taken] == [("a", len(doc))]
+    # speculative_ttl_s plus the request's own prefill there, less the time it waited to be taken
+    assert taken[0][2] == pytest.approx(2.0 + 16 * SHARE_MIN_NEW_BLOCKS * held.prefill_s_per_token - 0.5)
+    assert st.take_shared() == []  # taken once
+    assert "a" not in other.index.match(doc)
+    other.apply_shared(taken)
+    assert other.index.match(doc)["a"].gpu_blocks == len(doc)
+    clock.t += 1.6
+    assert "a" not in other.index.match(doc)  # its TTL ran out there too
+    st.dispatched("a", list(range(100, 200)), 1600, 16)
+    clock.t += 3.0
+    assert st.take_shared() == []  # expired before it was taken
+    quiet = _state(clock)  # share_copies off (no feed): nothing is queued
+    quiet.dispatched("a", doc, 1000, 16)
+    assert quiet.take_shared() == []
+
+
 # ----------------------------------------------------------------------------------- learn
 
 

@@ -25,6 +25,9 @@ Rules every transport keeps (tests/test_feed_conformance.py checks them on each,
     exchanging them (Redis: a TTL refreshed by every exchange). `exchange_inflight` may also carry
     the process's dispatch gauges (per replica: routed rate, size weight, weight x mean), which
     replace its previous ones; `inflight()` returns every process's gauges summed.
+  - copies in progress (`exchange_copies`): each process's entries (replica, block keys, TTL) reach
+    every other process using the feed once, with the TTL left (none of its own, none expired);
+    the feed keeps only the latest ~COPIES_KEPT of them.
 Constructors do no I/O; connections open on first use, in the caller's event loop.
 """
 from __future__ import annotations
@@ -32,6 +35,8 @@ from __future__ import annotations
 from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 from .records import FeedEvent, Inflight, Snapshot
+
+COPIES_KEPT = 1000  # copies in progress a feed keeps for late readers (older ones are dropped)
 
 __all__ = ["Feed", "FeedReader", "FeedWriter", "InflightBoard", "FeedUnavailable", "open_feed"]
 
@@ -86,6 +91,11 @@ class InflightBoard(Protocol):
         dispatch gauges (replica -> (routed_rps, size_weight, size_tokens)) set in place of its
         previous ones when given, its counters kept alive, then `inflight()`: what a gateway does
         every poll, in one round trip."""
+        ...
+
+    async def exchange_copies(self, entries: Sequence[tuple[str, Sequence[int], float]]) -> list[tuple[str, tuple[int, ...], float]]:
+        """Publish this process's copies in progress (replica, block keys, ttl_s) and return the
+        other processes' published since the last call, with their TTL left (expired ones dropped)."""
         ...
 
     async def close(self) -> None: ...

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Mapping, Sequence
 
+from .base import COPIES_KEPT
 from .records import FeedEvent, Inflight, LoadReport, Snapshot, fresh_stream_base
 
 __all__ = ["MemoryFeed", "reset_memory_feeds"]
@@ -30,6 +31,8 @@ class _Hub:
         self.live: dict[str, tuple[float, LoadReport | None]] = {}  # replica -> (expires monotonic, load)
         self.inflight: dict[str, list[int]] = {}
         self.gauges: dict[str, dict[str, tuple[float, float, float]]] = {}  # owner -> its dispatch gauges
+        self.copies: deque = deque(maxlen=COPIES_KEPT)  # (seq, owner, replica, keys, expires monotonic)
+        self.copies_seq = 0
         self.waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
 
     def wake(self) -> None:
@@ -63,7 +66,8 @@ class MemoryFeed:
         self.url = url
         self.name = url.split("://", 1)[1] if "://" in url else ""
         self._hub = _hub(self.name, maxlen)
-        self.owner = uuid.uuid4().hex[:12]  # whose dispatch gauges (exchange_inflight)
+        self.owner = uuid.uuid4().hex[:12]  # whose dispatch gauges and copies (exchange_inflight, exchange_copies)
+        self._copies_seen = 0  # the hub's copies_seq at our last exchange_copies
 
     async def publish(self, replica_id: str, drafts: Sequence[FeedEvent]) -> list[FeedEvent]:
         hub = self._hub
@@ -173,6 +177,18 @@ class MemoryFeed:
                 out[r] = Inflight(c[0], c[1], c[2], *sums.get(r, (0.0, 0.0, 0.0)))
             return out
 
+    async def exchange_copies(self, entries: Sequence[tuple[str, Sequence[int], float]]) -> list[tuple[str, tuple[int, ...], float]]:
+        now = time.monotonic()
+        hub = self._hub
+        with hub.lock:
+            for rid, keys, ttl in entries:
+                hub.copies_seq += 1
+                hub.copies.append((hub.copies_seq, self.owner, rid, tuple(keys), now + ttl))
+            out = [(rid, keys, until - now) for seq, owner, rid, keys, until in hub.copies
+                   if seq > self._copies_seen and owner != self.owner and until > now]
+            self._copies_seen = hub.copies_seq
+        return out
+
     async def close(self) -> None:
         return None
 
@@ -186,3 +202,4 @@ class MemoryFeed:
             hub.live.clear()
             hub.inflight.clear()
             hub.gauges.clear()
+            hub.copies.clear()

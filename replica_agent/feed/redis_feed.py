@@ -8,7 +8,11 @@ Keys (prefix "wr:" by default):
   {p}{rid}:live               HASH (load report fields), EXPIRE ttl_s: liveness + last load
   {p}inflight:{owner}         HASH "<rid>\\x00reqs" / "<rid>\\x00tokens" / "<rid>\\x00open" -> int, one per feed instance
                               (each gateway), EXPIRE inflight_ttl_s refreshed on every change, so a
-                              gateway that dies stops counting instead of leaking in-flight work
+                              gateway that dies stops counting instead of leaking in-flight work;
+                              and its dispatch gauges "<rid>\\x00rps" / "szw" / "szt" -> float (HSET)
+  {p}copies                   STREAM of copies in progress, fields o (owner), r (replica), t (ttl_s),
+                              w (wall-clock publish time), k (keys, uint64 little-endian), trimmed
+                              to ~COPIES_KEPT entries
 Rule: offsets are assigned here, per replica: the next after the stream's last id (read once, then
 kept in memory; re-read if Redis refuses an id; an empty stream starts at records.fresh_stream_base()). After a Redis restart without persistence the
 publisher's counter keeps going, so consumers never see offsets go backwards; they see a wiped
@@ -25,13 +29,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from array import array
 from urllib.parse import urlsplit, urlunsplit
 from typing import Mapping, Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from .base import FeedUnavailable
+from .base import COPIES_KEPT, FeedUnavailable
 from .records import INVALID_KIND, FeedDecodeError, FeedEvent, Inflight, LoadReport, Snapshot, fresh_stream_base, decode_event, decode_snapshot, encode_event, encode_snapshot
 
 __all__ = ["RedisFeed", "redact_url"]
@@ -172,6 +177,7 @@ class RedisFeed:
         self._reader: _Direct | None = None  # XREAD (may block: its own connection)
         self._board: _Direct | None = None  # in-flight increments and reads
         self._gauge_rids: set[str] = set()  # replicas whose dispatch gauges our hash holds
+        self._copies_last: bytes | None = None  # id of the last copies entry read (None: none yet)
         self._next: dict[str, int] = {}  # replica -> last offset assigned
 
     def _redis(self) -> aioredis.Redis:
@@ -335,6 +341,39 @@ class RedisFeed:
         cmds.append(("EVAL", _READ_INFLIGHT_LUA, 0, f"{self.prefix}inflight:*"))
         replies = await self._call(self._direct("_board").run(*cmds))
         return _sum_inflight(replies[-1])
+
+    async def exchange_copies(self, entries: Sequence[tuple[str, Sequence[int], float]]) -> list[tuple[str, tuple[int, ...], float]]:
+        """XADD ours, then XRANGE everything after the last entry read, in one round trip. The TTL
+        left is counted by wall clock from the publisher's time (gateways' clocks agree to well under
+        a TTL); the first call reads the whole kept stream, of which only unexpired entries count."""
+        key = f"{self.prefix}copies"
+        now = time.time()
+        cmds: list[tuple] = []
+        for rid, keys, ttl in entries:
+            try:
+                packed = array("Q", keys).tobytes()
+            except (OverflowError, TypeError):
+                continue  # not 64-bit block keys: nothing another gateway could match
+            cmds.append(("XADD", key, "MAXLEN", "~", COPIES_KEPT, "*", "o", self.owner, "r", rid,
+                         "t", repr(float(ttl)), "w", repr(now), "k", packed))
+        start = "-" if self._copies_last is None else b"(" + self._copies_last
+        cmds.append(("XRANGE", key, start, "+", "COUNT", COPIES_KEPT))
+        replies = await self._call(self._direct("_board").run(*cmds))
+        out = []
+        owner = self.owner.encode()
+        for entry_id, fields in replies[-1] or ():
+            self._copies_last = entry_id
+            try:
+                if _field(fields, b"o") == owner:
+                    continue
+                left = float(_field(fields, b"t")) - (now - float(_field(fields, b"w")))
+                if left > 0:
+                    keys = array("Q")
+                    keys.frombytes(_field(fields, b"k"))
+                    out.append((_field(fields, b"r").decode(), tuple(keys), left))
+            except (TypeError, ValueError, AttributeError):
+                continue  # a malformed entry (another version's): skip it, never the exchange
+        return out
 
     async def close(self) -> None:
         directs, self._reader, self._board = (self._reader, self._board), None, None
