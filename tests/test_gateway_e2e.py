@@ -14,6 +14,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from gateway.config import config_from_dict
+from gateway.routing import SHARE_MIN_NEW_BLOCKS
 from gateway.salt import derive_salt
 from gateway.server import start_gateway
 from loadtests.sim.scheduler import TimeModel
@@ -526,7 +527,6 @@ async def test_gateways_share_inflight_load_through_redis(tok, redis_server):
             assert g2.gateway.load.routed_rps("r", time.monotonic()) == 0.0
             # and g1's copy in progress (the document is new to r): g2, which routed nothing, holds
             # its blocks speculatively on r until the engine's events would say so
-            from gateway.routing import SHARE_MIN_NEW_BLOCKS
             for _ in range(40):
                 if g2.gateway.routing.index.stats().speculative_entries:
                     break

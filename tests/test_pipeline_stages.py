@@ -22,7 +22,7 @@ from gateway.parse import check_context_length, check_model, parse_body, parse_r
 from gateway.proxy import Attempt, SseRelay, UpstreamFailure
 from gateway.relay import relay, send_whole
 from gateway.rewrite import upstream_body
-from gateway.routing import RoutingState
+from gateway.routing import SHARE_MIN_NEW_BLOCKS, RoutingState
 from gateway.telemetry import Metrics
 from gateway.tracing import NO_SPAN
 from gateway.upstream import UpstreamError
@@ -169,8 +169,6 @@ def test_long_new_prefixes_are_shared_with_the_other_gateways_until_their_ttl():
     """A dispatch that brings a replica SHARE_MIN_NEW_BLOCKS or more blocks it is not known to hold
     is queued for the other gateways (with the TTL left when taken); a shorter new tail is not; an
     applied entry counts on the receiving gateway's index like its own speculation."""
-    from gateway.routing import SHARE_MIN_NEW_BLOCKS
-
     clock = _Clock()
     st, other = _state(clock), _state(clock)
     st.share_copies = True
