@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,12 +26,7 @@ import time
 from pathlib import Path
 
 from loadtests.runner import wait_http
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import free_port as _free_port
 
 
 def _rss_kib(pid: int) -> tuple[int, int]:
