@@ -92,7 +92,7 @@ def _prepare(wl, kw, n_req, R, num_blocks, params, util, seed):
     return w, keys, inf, bel, util * R / per_req_s
 
 
-def run_table(workloads, replicas, policies, n_requests_for, util: float, seed: int, progress=None, collapse_ttft_s: float | None = COLLAPSE_TTFT_S, policy_params: dict | None = None) -> list[dict]:
+def run_table(workloads, replicas, policies, n_requests_for, util: float, seed: int, progress=None, collapse_ttft_s: float | None = COLLAPSE_TTFT_S, policy_params: dict | None = None, gateways: int = 1) -> list[dict]:
     rows = []
     for wl in workloads:
         kw_of, num_blocks = WORKLOAD_SETUPS[wl]
@@ -110,7 +110,8 @@ def run_table(workloads, replicas, policies, n_requests_for, util: float, seed: 
             base_rate = len(w.requests) / w.requests[-1].arrival_s  # realised rate at rate_rps=1 (multi-turn differs)
             w = _scaled(w, base_rate / rate, rate)
             for pol in policies:
-                res = simulate(w, pol, R, params, policy_params=(policy_params or {}).get(pol), seed=seed, keys=keys, collapse_ttft_s=collapse_ttft_s)
+                res = simulate(w, pol, R, params, policy_params=(policy_params or {}).get(pol), seed=seed, keys=keys,
+                               collapse_ttft_s=collapse_ttft_s, gateways=gateways)
                 s = res.summary()
                 s.update(
                     rate_rps=rate,
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --keep-alive: refreshes wait ahead of every request (the gateway's keep_alive.engine_priority "
                          "on engines run with vLLM's --scheduling-policy priority); default: at the back of the queue")
     ap.add_argument("--gateways", type=int, default=1, metavar="N",
-                    help="with --regime: N gateway processes (workers or pods), each with its own policy instance, index "
+                    help="N gateway processes (workers or pods), each with its own policy instance, index "
                          "and in-flight counts, each request routed by one at random (loadtests/vtime_router.SimGateways; "
                          "the peers' emulation and the static plan run as one; default 1)")
     ap.add_argument("--md", default=None, metavar="FILE", help="also write the markdown (with the total wall time) to FILE")
@@ -248,8 +249,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--keep-alive takes seconds >= 0 (0: off) and --keep-alive-kv-frac a share in (0, 1]")
     if args.gateways < 1:
         ap.error("--gateways takes a count >= 1")
-    if args.gateways > 1 and not args.regime:
-        ap.error("--gateways goes with --regime")
     if (args.pace_min or args.copy_in_background or args.long_prefill_threshold or args.keep_alive) and not args.regime:
         ap.error("--pace-min, --copy-in-background, --long-prefill-threshold and --keep-alive go with --regime "
                  "(the probes run on the named regimes)")
@@ -283,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     def progress(s):
         print(f"  {s['workload']:>14} R={s['replicas']:<3} {s['policy']:>12}: p99 {s['ttft_p99_s']:.3f}s hit {s['hit_ratio']:.3f} frac {s['frac_of_oracle']:.3f} load {s['load_max_over_mean']:.2f}{' COLLAPSED' if s['collapsed'] else ''} ({s['wall_s']:.1f}s)", file=sys.stderr, flush=True)
 
-    rows = run_table(wls, reps, pols, lambda R: max(floor, per * R), args.util, args.seed, progress)
+    rows = run_table(wls, reps, pols, lambda R: max(floor, per * R), args.util, args.seed, progress, gateways=args.gateways)
     command = "python -m loadtests.vtime_report " + " ".join(argv if argv is not None else sys.argv[1:])
     text = markdown(rows, command.strip(), args.util) + f"\n\n(total wall time {time.perf_counter() - t0:.0f} s)\n"
     print(text, end="")
