@@ -89,7 +89,8 @@ def run_values(ports: dict, otlp_port: int, **over) -> dict:
                            "auth": {"enabled": True, "password": REDIS_PASSWORD}}},
         "tracing": {"otlpEndpoint": f"http://127.0.0.1:{otlp_port}", "samplerRatio": 1.0,
                     "extraEnv": {"OTEL_BSP_SCHEDULE_DELAY": "200"}},
-        "config": {"model": {"name": MODEL}, "policy": {"params": {"w_cache": W_CACHE, "w_queue": W_QUEUE}},
+        # cache_aware named (the chart's default is cache_plan): its score is the formula checked below
+        "config": {"model": {"name": MODEL}, "policy": {"name": "cache_aware", "params": {"w_cache": W_CACHE, "w_queue": W_QUEUE}},
                    "membership": {"health_interval_s": 0.5}},
     }
     return deep_merge(values, over)

@@ -99,3 +99,12 @@ def test_every_policy_name_and_its_own_parameters_pass():
     render(deep_merge(BASE, {"config": {"policy": {"name": "prefix_hash", "params": {"prefix_blocks": 8}}}}))
     msg = _refusal({"config": {"policy": {"name": "prefix_hash", "params": {"w_cache": 2.0}}}})
     assert "w_cache" in msg
+
+
+def test_cache_plan_takes_its_own_and_cache_awares_parameters():
+    """cache_plan (the chart's default) passes its keywords to an embedded cache_aware: the schema
+    accepts both sets, with its flag as a boolean, and refuses a name neither has."""
+    ok = {"hot_min": 0.3, "window_reqs": 100, "copy_in_background": False, "w_queue": 2.0, "balance_rel": 1.5}
+    render(deep_merge(BASE, {"config": {"policy": {"name": "cache_plan", "params": ok}}}))
+    assert "hot_mni" in _refusal({"config": {"policy": {"name": "cache_plan", "params": {"hot_mni": 0.3}}}})
+    assert "copy_in_background" in _refusal({"config": {"policy": {"name": "cache_plan", "params": {"copy_in_background": 1}}}})
