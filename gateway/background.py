@@ -5,11 +5,12 @@ constructor), and how they report trouble.
   with backoff when the feed fails.
 - `run_inflight_exchange`: every `inflight_poll_s`, adds this gateway's in-flight changes to the
   feed's shared counters, sets its dispatch gauges (gateway.load: routed rates and request sizes
-  per replica) and reads everyone's, in one round trip, then trades copies in progress with the
-  other gateways (gateway.routing: a second round trip) (`exchange_inflight`: so
-  active-active gateways see each other's load, and each exchange refreshes our counters' TTL, after
-  which a killed gateway's stop weighing on the replicas); every QUIET_EXCHANGE_S instead while no
-  other gateway has anything in flight (idle CPU: each exchange wakes Redis and this process).
+  per replica) and reads everyone's, in one round trip (`exchange_inflight`: so active-active
+  gateways see each other's load, and each exchange refreshes our counters' TTL, after which a
+  killed gateway's stop weighing on the replicas); then trades copies in progress with the other
+  gateways (`exchange_copies`, gateway.routing: a second round trip); every QUIET_EXCHANGE_S
+  instead while no other gateway has anything in flight (idle CPU: each exchange wakes Redis and
+  this process).
   Counters the feed lost (Redis restarted empty, or our key expired while it was unreachable) are
   noticed in the exchange's reply and published again whole; changes a failed exchange did not
   apply are sent again with the next one.

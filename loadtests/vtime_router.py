@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 
+from gateway.config import FeedConfig
 from gateway.context import Outcome
 from gateway.index import KVIndex
 from gateway.keepalive import planned_root
@@ -30,7 +31,7 @@ from replica_agent.feed import FeedEvent, LoadReport
 __all__ = ["VClock", "SimRouter", "SimGateways"]
 
 _STALE_AFTER_S = 10.0  # the gateway's feed.stale_after_s default
-INFLIGHT_POLL_S = 0.1  # the gateway's feed.inflight_poll_s default: its in-flight exchange period
+INFLIGHT_POLL_S = FeedConfig().inflight_poll_s  # the gateway's in-flight exchange period (0.1 s)
 
 
 class VClock:
@@ -139,8 +140,8 @@ class SimGateways:
     apply_shared: copies in progress) runs every `feed.inflight_poll_s` (0.1 s; at the first
     arrival after it) and with every load report. Not shared, as in the gateway: speculative
     index entries of short new parts (under gateway.routing.SHARE_MIN_NEW_BLOCKS), calibration and
-    the policy's plan. Keep-alive, when on, runs one retainer
-    for all (as if one process kept every planned root) and reads the first gateway's index."""
+    the policy's plan. Keep-alive, when on, runs one retainer for all (as if one process kept every
+    planned root) and reads the first gateway's index."""
 
     def __init__(self, routers: list, rng: random.Random) -> None:
         if not routers:

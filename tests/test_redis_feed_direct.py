@@ -103,6 +103,25 @@ async def test_board_read_sees_every_owner_across_scan_pages(redis_server):
             await f.close()
 
 
+async def test_bad_gauges_and_copies_from_another_gateway_are_skipped_not_fatal(redis_server):
+    """A gauge that is not a number, or a copies entry without its fields (another version, or a
+    bad writer), loses that value only: the exchange goes on with everything else."""
+    g1 = open_feed(redis_server.url, owner="g1")
+    raw = aioredis.from_url(redis_server.url)
+    try:
+        await raw.hset("wr:inflight:bad", mapping={"r\x00rps": "fast", "r\x00szw": "inf", "r\x00reqs": 2})
+        await raw.xadd("wr:copies", {"o": "bad", "r": "r"})  # no keys, no TTL
+        await raw.xadd("wr:copies", {"o": "g2", "r": "r", "t": "5.0", "w": "1e12", "k": b"\x01" + b"\x00" * 7})
+        seen = await g1.exchange_inflight({"r": (1, 10)}, {"r": (0.5, 1.0, 100.0)})
+        assert (seen["r"].reqs, seen["r"].routed_rps, seen["r"].size_weight) == (3, 0.5, 1.0)
+        got = await g1.exchange_copies([])
+        assert [(rid, keys) for rid, keys, _ in got] == [("r", (1,))]
+        assert got[0][2] <= 5.0  # a publish time ahead of ours adds nothing to the TTL
+    finally:
+        await raw.aclose()
+        await g1.close()
+
+
 async def test_exchange_inflight_is_increments_then_read(redis_server):
     g1, g2 = open_feed(redis_server.url, owner="g1"), open_feed(redis_server.url, owner="g2")
     raw = aioredis.from_url(redis_server.url)

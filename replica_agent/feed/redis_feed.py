@@ -27,6 +27,7 @@ instead of SCAN plus a pipeline); a gateway is otherwise woken and charged for e
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import uuid
 from array import array
@@ -124,6 +125,7 @@ def _field(fields, name: bytes):
 
 _INFLIGHT_FIELDS = {"reqs": 0, "tokens": 1, "open": 2}  # hash field suffix -> Inflight position
 _GAUGE_FIELDS = {"rps": 0, "szw": 1, "szt": 2}  # dispatch gauges (HSET, not HINCRBY): suffix -> position
+_BIG_ENDIAN = sys.byteorder == "big"  # copies' keys travel little-endian
 
 
 def _incr_cmds(key: str, rid: str, reqs: int, tokens: int, open_reqs: int = 0) -> list[tuple]:
@@ -157,7 +159,12 @@ def _sum_inflight(hashes) -> dict[str, Inflight]:
                 continue
             i = _GAUGE_FIELDS.get(what)
             if i is not None:  # else a field of a later version: not ours to sum
-                gauges.setdefault(rid, [0.0, 0.0, 0.0])[i] += max(0.0, float(v))
+                try:
+                    x = float(v)
+                except ValueError:
+                    continue  # not a number: that gateway's gauge is skipped, never the exchange
+                if x > 0.0 and x != float("inf"):
+                    gauges.setdefault(rid, [0.0, 0.0, 0.0])[i] += x
     out = {}
     for rid in set(acc) | set(gauges):
         c = acc.get(rid, (0, 0, 0))
@@ -351,9 +358,12 @@ class RedisFeed:
         cmds: list[tuple] = []
         for rid, keys, ttl in entries:
             try:
-                packed = array("Q", keys).tobytes()
+                arr = array("Q", keys)
             except (OverflowError, TypeError):
                 continue  # not 64-bit block keys: nothing another gateway could match
+            if _BIG_ENDIAN:
+                arr.byteswap()
+            packed = arr.tobytes()
             cmds.append(("XADD", key, "MAXLEN", "~", COPIES_KEPT, "*", "o", self.owner, "r", rid,
                          "t", repr(float(ttl)), "w", repr(now), "k", packed))
         start = "-" if self._copies_last is None else b"(" + self._copies_last
@@ -366,10 +376,13 @@ class RedisFeed:
             try:
                 if _field(fields, b"o") == owner:
                     continue
-                left = float(_field(fields, b"t")) - (now - float(_field(fields, b"w")))
+                # never more than it was published with (a clock ahead of ours gives no credit)
+                left = float(_field(fields, b"t")) - max(0.0, now - float(_field(fields, b"w")))
                 if left > 0:
                     keys = array("Q")
                     keys.frombytes(_field(fields, b"k"))
+                    if _BIG_ENDIAN:
+                        keys.byteswap()
                     out.append((_field(fields, b"r").decode(), tuple(keys), left))
             except (TypeError, ValueError, AttributeError):
                 continue  # a malformed entry (another version's): skip it, never the exchange
