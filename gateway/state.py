@@ -89,6 +89,7 @@ def _replica(gw, s, st) -> dict:
     now = gw.membership.clock()
     ld = load.get(s.replica_id)
     rep = index.last_load(s.replica_id)
+    t = gw.routing.clock()  # the load tracker's clock
     return {
         "replica_id": s.replica_id, "url": s.url, "available": s.available(now), "probe_ok": s.probe_ok,
         "failures": s.failures, "ejected_for_s": max(0.0, s.ejected_until - now), "last_error": s.last_error,
@@ -100,6 +101,11 @@ def _replica(gw, s, st) -> dict:
                                                  "kv_usage": rep.kv_usage},
         "inflight_reqs": ld.inflight_reqs, "inflight_tokens": ld.inflight_tokens, "active_reqs": ld.active_reqs,
         "others_inflight_reqs": ld.others_reqs,
+        # requests routed there per second, by this gateway and by every gateway (gateway.load's
+        # dispatch gauges), and the mean uncached tokens of those requests (by age; None: none yet)
+        "routed_rps": round(load.routed_rps(s.replica_id, t), 4),
+        "pool_routed_rps": round(load.pool_routed_rps(s.replica_id, t), 4),
+        "pool_mean_uncached_tokens": (round(m, 1) if (m := load.pool_mean_uncached(s.replica_id, t)) >= 0 else None),
         "prefill_s_per_token": cal.prefill_s_per_token(s.replica_id),
         "decode_step_s": cal.decode_step_s(s.replica_id),
     }

@@ -525,6 +525,10 @@ async def test_gateways_share_inflight_load_through_redis(tok, redis_server):
             assert views[0].inflight_reqs == 1
             assert views[0].routed_rps > 0 and views[0].mean_uncached_prefill_tokens == pytest.approx(seen[1], rel=0.01)
             assert g2.gateway.load.routed_rps("r", time.monotonic()) == 0.0
+            async with s.get(g2.admin_url + "/debug/index") as r:  # and an operator sees both
+                rep = next(x for x in (await r.json())["replicas"] if x["replica_id"] == "r")
+            assert rep["routed_rps"] == 0.0 and rep["pool_routed_rps"] > 0
+            assert rep["pool_mean_uncached_tokens"] == pytest.approx(seen[1], rel=0.01)
             # and g1's copy in progress (the document is new to r): g2, which routed nothing, holds
             # its blocks speculatively on r until the engine's events would say so
             for _ in range(40):
