@@ -177,7 +177,7 @@ class LoadTracker:
         if now is None:
             ld.mean_uncached_tokens = float(uncached_tokens) if m < 0 else m + _EWMA_ALPHA * (uncached_tokens - m)
         else:  # by age (module header): the earlier requests' weight decayed to now, this one's is 1
-            w = ld.size_weight * math.exp(-max(0.0, now - ld.size_t) / SIZE_TAU_S) if m >= 0 else 0.0
+            w = self._size_weight(ld, now)
             ld.mean_uncached_tokens = (max(m, 0.0) * w + uncached_tokens) / (w + 1.0)
             ld.size_weight, ld.size_t = w + 1.0, now
         if max_tokens > 0:

@@ -30,7 +30,7 @@ from replica_agent.feed import FeedEvent, LoadReport
 
 __all__ = ["VClock", "SimRouter", "SimGateways"]
 
-_STALE_AFTER_S = 10.0  # the gateway's feed.stale_after_s default
+_STALE_AFTER_S = FeedConfig().stale_after_s  # the gateway's default (10 s)
 INFLIGHT_POLL_S = FeedConfig().inflight_poll_s  # the gateway's in-flight exchange period (0.1 s)
 
 
