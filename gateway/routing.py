@@ -200,6 +200,7 @@ def build_views(
             mean_uncached_prefill_tokens=mean_unc if mean_unc >= 0 else None,
             mean_output_tokens=ld.mean_output_tokens if ld is not None and ld.mean_output_tokens >= 0 else None,
             routed_rps=routed_rps.get(rid, 0.0) if routed_rps is not None else None,
+            others_routed_rps=ld.others_rps if ld is not None else 0.0,
         ))
     return views
 

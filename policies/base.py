@@ -59,6 +59,7 @@ class ReplicaView:
     mean_uncached_prefill_tokens: float | None = None  # moving mean of the uncached prompt tokens of requests sent there (None: none yet)
     mean_output_tokens: float | None = None  # moving mean of the max_tokens of requests sent there (None: none gave one)
     routed_rps: float | None = None  # requests the gateway routed there per second, a moving mean (None: not tracked)
+    others_routed_rps: float = 0.0  # of those, the other gateways' (as of the last exchange; 0: none known)
 
 
 @dataclass(frozen=True, slots=True)

@@ -171,6 +171,9 @@ def test_dispatch_gauges_give_every_gateways_rates_and_sizes():
     assert (ld.others_rps, ld.others_size_weight, ld.others_size_tokens) == pytest.approx((0.9, 2.0, 6000.0))
     assert lt.pool_routed_rps("r", 2.0) == pytest.approx(rate + 0.9)
     assert lt.pool_mean_uncached("r", 2.0) == pytest.approx((w * 100.0 + 6000.0) / (w + 2.0))
+    (v,) = build_views(["r"], matches={}, available={"r": True}, live={"r": True}, reports={}, loads={"r": ld},
+                       rates={"r": (1e-3, 0.015)}, routed_rps={"r": lt.pool_routed_rps("r", 2.0)})
+    assert v.routed_rps == pytest.approx(rate + 0.9) and v.others_routed_rps == pytest.approx(0.9)  # the others' part
     # ours keep aging between exchanges; theirs stay as they were read
     later = lt.pool_mean_uncached("r", 2.0 + SIZE_TAU_S)
     assert later == pytest.approx((w / math.e * 100.0 + 6000.0) / (w / math.e + 2.0))

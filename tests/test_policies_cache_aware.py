@@ -289,3 +289,29 @@ def test_balance_guard_sheds_free_requests_on_either_signal_and_keeps_sole_copie
     # a severe, structural overload (40 vs mean 20: 2 x) does
     t, win = terms(history, 20.0, holder_load=41)
     assert t["holder"]["balance_guard"] == 1.0 and win != "holder"
+
+
+def _new_prefix_pool(others_rps: float) -> list[ReplicaView]:
+    """Four idle-ish replicas whose queues differ by a few tokens (r0 least), none holding the
+    prompt, each routed 2 requests/s of which `others_rps` by other gateways; r3's queue is a
+    second longer."""
+    toks = (794, 799, 804, 1800)
+    return [ReplicaView(f"r{i}", inflight_reqs=1, inflight_prefill_tokens=t, prefill_s_per_token=1e-3,
+                        routed_rps=2.0, others_routed_rps=others_rps) for i, t in enumerate(toks)]
+
+
+def test_a_new_prefix_beside_other_gateways_is_drawn_among_the_near_best():
+    """With one gateway (no others' rate) a new prefix goes to the exact best every time; when
+    other gateways route most of the pool's requests it is drawn among the replicas within the
+    slack (r0-r2, 10 ms apart), never to one a second worse (r3); a prompt some replica holds
+    keeps the exact order."""
+    pol, req = CacheAwarePolicy(), RequestView(prompt_tokens=800, block_size=16)
+    alone = {CacheAwarePolicy().rank(req, _new_prefix_pool(0.0), random.Random(s)).winner for s in range(200)}
+    assert alone == {"r0"}
+    shared = [pol.rank(req, _new_prefix_pool(1.5), random.Random(s)).winner for s in range(300)]
+    assert set(shared) == {"r0", "r1", "r2"} and min(shared.count(r) for r in ("r0", "r1", "r2")) > 60
+    held = [dataclasses.replace(v, matched_blocks_gpu=2, matched_blocks_cpu=2) if v.replica_id == "r1" else v
+            for v in _new_prefix_pool(1.5)]
+    assert {pol.rank(req, held, random.Random(s)).winner for s in range(100)} == {"r1"}
+    exact = CacheAwarePolicy(new_prefix_slack_s=0.0)
+    assert {exact.rank(req, _new_prefix_pool(1.5), random.Random(s)).winner for s in range(100)} == {"r0"}
