@@ -8,7 +8,8 @@ constructor), and how they report trouble.
   per replica) and reads everyone's, in one round trip (`exchange_inflight`: so active-active
   gateways see each other's load, and each exchange refreshes our counters' TTL, after which a
   killed gateway's stop weighing on the replicas); then trades copies in progress with the other
-  gateways (`exchange_copies`, gateway.routing: a second round trip); every QUIET_EXCHANGE_S
+  gateways (`exchange_copies`, gateway.routing: a second round trip) and, for a policy that shares
+  them (cache_plan), placements (`exchange_placements`: a third); every QUIET_EXCHANGE_S
   instead while no other gateway has anything in flight (idle CPU: each exchange wakes Redis and
   this process).
   Counters the feed lost (Redis restarted empty, or our key expired while it was unreachable) are
@@ -53,6 +54,7 @@ from replica_agent.feed import FailureLog, FairShareBoard, InflightBoard
 if TYPE_CHECKING:  # gateway.flow imports this module (file_mtime)
     from gateway.flow import FlowControl
     from gateway.routing import RoutingState
+    from policies.base import Policy
 
 __all__ = ["trouble", "run_index_sync", "run_inflight_exchange", "run_keys_reload", "discover_model",
            "run_model_discovery", "file_mtime", "run_keep_alive", "MAX_REFRESHES_IN_FLIGHT"]
@@ -85,7 +87,7 @@ QUIET_EXCHANGE_S = 1.0  # the exchange period while no other gateway has work in
 
 
 async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health: FailureLog, period_s: float,
-                                routing: "RoutingState | None" = None) -> None:
+                                routing: "RoutingState | None" = None, policy: "Policy | None" = None) -> None:
     while True:
         # while the other gateways have nothing in flight (or there are none), a slower exchange:
         # their first requests then weigh on our view at most QUIET_EXCHANGE_S late
@@ -107,6 +109,8 @@ async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health:
             if routing is not None:  # copies in progress, both ways (gateway.routing); lost on a failure:
                 # they only matter for the seconds until the engines' events say the same
                 routing.apply_shared(await board.exchange_copies(routing.take_shared()))
+                if policy is not None and getattr(policy, "shares_placements", False):  # the plan's inputs
+                    routing.apply_placements(policy, await board.exchange_placements(routing.take_placements()))
             health.ok()
         except asyncio.CancelledError:
             raise

@@ -164,7 +164,7 @@ class Pipeline:
         ctx.span.decision(routing, ctx.flow.span_attrs() if ctx.flow is not None and self.tracing.enabled else None)
         if not routing.decision.ranked:
             raise ApiError(503, "no replica available", code="no_replica_available", headers={"Retry-After": "1"})
-        self.policy.placed(routing.request, routing.decision)  # once, as sent (rank may have run twice)
+        self.routing.placed(self.policy, routing.request, routing.decision)  # once, as sent (rank may have run twice)
         p = self.cfg.proxy
         prio = (0 if ctx.flow.light else 1) if self.cfg.flow.engine_priority and ctx.flow is not None else None
         ctx.body = upstream_body(ctx.payload, ctx.request, salt=ctx.salt, model_name=self.model.name,

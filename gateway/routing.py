@@ -30,6 +30,12 @@ Virtual time, busy regime, cache_aware, Zipf popularity, seeds 0-19, four gatewa
 median TTFT p50 / p99 13.8 / 62.9 s, 290 requests unfinished, without it; with it see the README
 ("Several gateway processes"). A request's shorter uncached tail (a question) is nobody else's
 prefix: not shared.
+
+Placements, shared (with `share_copies`, for a policy with `shares_placements`: cache_plan): the
+record the policy's `placed` returns is queued for the other gateways (`take_placements`), whose
+instances apply it (`apply_placements`), so each plan measures the whole stream, not its
+process's share. Virtual time, busy regime, cache_plan, four processes, seeds 0-19, median TTFT
+p50 / p99: see the README ("Several gateway processes").
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ from policies.base import Decision, Policy, ReplicaView, RequestView
 from policies.calibration import Calibrator
 
 SHARE_MIN_NEW_BLOCKS = 32  # new blocks (512 tokens at 16 per block) from which a dispatch is shared
-MAX_SHARED_PENDING = 1024  # dispatches queued for the others between two exchanges (oldest dropped beyond)
+MAX_SHARED_PENDING = 1024  # dispatches (and placements) queued for the others between two exchanges (oldest dropped beyond)
 
 __all__ = ["RoutingState", "build_views", "explain", "predicted_matched_tokens", "queued_prefill_tokens",
            "PRIOR_UNCACHED_TOKENS"]
@@ -67,6 +73,7 @@ class RoutingState:
         self.freshen: Callable[[], None] = lambda: None
         self.share_copies = False  # queue long new prefixes for the other gateways (module header)
         self._shared: list[tuple[str, tuple[int, ...], float]] = []  # (replica, keys, expiry by clock) not yet taken
+        self._placements: list = []  # the policy's placement records not yet taken
 
     def views(self, replica_ids: Sequence[str], keys: Sequence[int], available: Mapping[str, bool]) -> list[ReplicaView]:
         """One view per replica for a request with `keys`; `available`: rid -> passes health."""
@@ -131,6 +138,32 @@ class RoutingState:
         for rid, keys, ttl in entries:
             if ttl > 0:
                 self.index.insert_speculative(rid, keys, ttl)
+
+    def placed(self, policy: Policy, request: RequestView, decision: Decision) -> None:
+        """The request goes where `decision` ranks it first: the policy's `placed` hook, and its
+        record queued for the other gateways (when shared: module header)."""
+        record = policy.placed(request, decision)
+        if record is not None and self.share_copies and getattr(policy, "shares_placements", False):
+            self._placements.append(record)
+            if len(self._placements) > MAX_SHARED_PENDING:
+                del self._placements[0]
+
+    def take_placements(self) -> list:
+        """The placement records queued since the last call."""
+        out, self._placements = self._placements, []
+        return out
+
+    def apply_placements(self, policy: Policy, records: Sequence) -> int:
+        """Other gateways' placement records into `policy`; a malformed one (another version's) is
+        skipped. Returns how many were applied."""
+        applied = 0
+        for record in records:
+            try:
+                policy.placed_elsewhere(record)
+                applied += 1
+            except ValueError:
+                continue
+        return applied
 
     def checked(self, replica_id: str, predicted_tokens: int, reported_tokens: int, queued_s: float = 0.0) -> None:
         """The engine reported a request's cached tokens: check the index's prediction

@@ -181,7 +181,7 @@ class Gateway:
         self._spawn(run_index_sync(self.index_sync, self.feed_health), "index-sync")
         self.routing.share_copies = True
         self._spawn(run_inflight_exchange(self.feed, self.routing.load, self.board_health, self.cfg.feed.inflight_poll_s,
-                                          routing=self.routing), "inflight")
+                                          routing=self.routing, policy=self.policy), "inflight")
         if self.cfg.flow.enabled:
             self._spawn(run_share_exchange(self.flow, fair_share_board(self.feed), self.share_health,
                                            self.cfg.flow.share_interval_s), "flow-shares")

@@ -88,7 +88,7 @@ class SimRouter:
         """Decide where request `r` goes (the gateway's plan + dispatch accounting); its replica index."""
         rv = RequestView(r.prompt, self.p.block_size, tuple(r.keys), r.max_out, "", r.wr.request_id)
         routing = self.routing.decide(rv, self.available, self.policy, self.rng)
-        self.policy.placed(rv, routing.decision)
+        self.routing.placed(self.policy, rv, routing.decision)
         cand = routing.decision.ranked[0]
         view = routing.view_of(cand.replica_id)
         predicted = predicted_matched_tokens(rv, view)
@@ -137,10 +137,10 @@ class SimGateways:
     the Service), which routes, tracks and learns from it alone. The gateways' exchange through
     the feed's shared counters (the gateway's `run_inflight_exchange`, through the same LoadTracker
     calls: take_pending, gauges, set_shared: in-flight counts and dispatch gauges; take_shared,
-    apply_shared: copies in progress) runs every `feed.inflight_poll_s` (0.1 s; at the first
-    arrival after it) and with every load report. Not shared, as in the gateway: speculative
-    index entries of short new parts (under gateway.routing.SHARE_MIN_NEW_BLOCKS), calibration and
-    the policy's plan. Keep-alive, when on, runs one retainer for all (as if one process kept every
+    apply_shared: copies in progress; take_placements, apply_placements: the plan's placements)
+    runs every `feed.inflight_poll_s` (0.1 s; at the first arrival after it) and with every load
+    report. Not shared, as in the gateway: speculative index entries of short new parts (under
+    gateway.routing.SHARE_MIN_NEW_BLOCKS) and calibration. Keep-alive, when on, runs one retainer for all (as if one process kept every
     planned root) and reads the first gateway's index."""
 
     def __init__(self, routers: list, rng: random.Random) -> None:
@@ -174,12 +174,13 @@ class SimGateways:
                 gauges[rid] = tuple(a + b for a, b in zip(gauges.get(rid, (0.0, 0.0, 0.0)), gs))
         board = {rid: self.shared.get(rid, (0, 0, 0)) + gauges.get(rid, (0.0, 0.0, 0.0))
                  for rid in set(self.shared) | set(gauges)}
-        copies = [(g, g.routing.take_shared()) for g in self.routers]
+        copies = [(g, g.routing.take_shared(), g.routing.take_placements()) for g in self.routers]
         for g in self.routers:
             g.routing.load.set_shared(board)
-            for src, entries in copies:
+            for src, entries, placements in copies:
                 if src is not g:
                     g.routing.apply_shared(entries)
+                    g.routing.apply_placements(g.policy, placements)
 
     def apply_events(self, ri: int, stored: list, removed: list) -> None:
         for g in self.routers:

@@ -15,6 +15,10 @@ Rules every policy keeps (tests/test_policies_conformance.py checks them for all
   per request, while `rank` may run more than once for one request or for none sent, as flow
   control's late binding and /debug/route do) and the `observe` hook (its outcome); both default
   to doing nothing.
+- a policy whose state should span several gateways (cache_plan's plan) returns from `placed` a
+  small JSON-able record of the placement and applies the other gateways' records in
+  `placed_elsewhere` (`shares_placements` True); the gateway trades them through the feed. Others
+  return None and ignore them.
 Units live in names: `*_tokens`, `*_blocks`, `*_s`, `*_reqs`.
 """
 from __future__ import annotations
@@ -89,8 +93,13 @@ class Policy(Protocol):
         """Rank the healthy replicas for `request`; see the module rules."""
         ...
 
-    def placed(self, request: RequestView, decision: Decision) -> None:
-        """Lifecycle hook: `request` was sent to `decision`'s first candidate (default: ignore)."""
+    def placed(self, request: RequestView, decision: Decision) -> list | None:
+        """Lifecycle hook: `request` was sent to `decision`'s first candidate (default: ignore).
+        Returns the record the other gateways' instances should apply, or None."""
+        ...
+
+    def placed_elsewhere(self, record: list) -> None:
+        """Lifecycle hook: another gateway's `placed` returned `record` (default: ignore)."""
         ...
 
     def observe(self, replica_id: str, ttft_s: float, uncached_tokens: int) -> None:
@@ -102,8 +111,12 @@ class PolicyBase:
     """Convenience base with the no-op hooks."""
 
     name: ClassVar[str] = "base"
+    shares_placements: ClassVar[bool] = False  # placed() returns records for the other gateways
 
-    def placed(self, request: RequestView, decision: Decision) -> None:
+    def placed(self, request: RequestView, decision: Decision) -> list | None:
+        return None
+
+    def placed_elsewhere(self, record: list) -> None:
         return None
 
     def observe(self, replica_id: str, ttft_s: float, uncached_tokens: int) -> None:

@@ -67,6 +67,27 @@ async def serve_app(app, *, ssl_context=None, shutdown_timeout: float = 60.0):
     return runner, f"{scheme}://127.0.0.1:{runner.addresses[0][1]}"
 
 
+async def serve_chat(before=None):
+    """A minimal replica on a free port: `/health` answers 200 and `/v1/chat/completions` a JSON
+    completion with usage, after awaiting `before(body)` when given (the parsed request body: hold
+    the first byte, pick by content). (runner, base URL); `await runner.cleanup()`."""
+    from aiohttp import web
+
+    async def chat(request):
+        body = await request.json()
+        if before is not None:
+            await before(body)
+        return web.json_response({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+
+    async def health(request):
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    return await serve_app(app, shutdown_timeout=0.1)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir() -> Path:
     """The built-in Qwen/ChatML tokenizer directory (built offline on first use)."""

@@ -271,24 +271,14 @@ async def test_shared_inflight_counts_survive_a_redis_restart(tok, redis_server)
     """Two gateways share in-flight counts through Redis; Redis restarts empty while gateway 1 has
     4 requests in flight. Afterwards each gateway still sees exactly the other's work: the 2 that
     finished do not push gateway 1's counters negative, the 2 still in flight are counted again."""
-    from aiohttp import web
-
-    from tests.conftest import serve_app
+    from tests.conftest import serve_chat
 
     gates = {name: asyncio.Event() for name in ("first", "second", "third")}
-    app = web.Application()
 
-    async def chat(request):
-        body = await request.json()
+    async def hold(body):
         await gates[body["messages"][0]["content"].split()[0]].wait()  # no first byte until released
-        return web.json_response({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
 
-    async def health(request):
-        return web.Response()
-
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    runner, url = await serve_app(app, shutdown_timeout=0.1)
+    runner, url = await serve_chat(hold)
     g1 = await start_gateway(_cfg([f"r={url}"], redis_server.url), tokenizer=tok)
     g2 = await start_gateway(_cfg([f"r={url}"], redis_server.url), tokenizer=tok)
 

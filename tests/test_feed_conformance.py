@@ -175,6 +175,22 @@ async def test_copies_in_progress_reach_every_other_process_once(make_feed):
         await g.close()
 
 
+async def test_placements_reach_every_other_process_once(make_feed):
+    """A process's batch of placement records (JSON-able lists, 64-bit keys intact) reaches every
+    other process once, in order, never its own; an empty batch publishes nothing."""
+    g1, g2, g3 = make_feed(), make_feed(), make_feed()
+    a = [2**64 - 1, 188, "r0", 412.5, True, ["r0", "r2"]]
+    b = [7, 3, "r1", 0.0, False, []]
+    assert await g1.exchange_placements([a, b]) == []  # none of its own
+    assert await g2.exchange_placements([]) == [a, b]
+    assert await g2.exchange_placements([]) == []  # each once
+    assert await g2.exchange_placements([b]) == []
+    assert await g3.exchange_placements([]) == [a, b, b]
+    assert await g1.exchange_placements([]) == [b]
+    for g in (g1, g2, g3):
+        await g.close()
+
+
 async def _until(pred, timeout_s=5.0):
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not pred():

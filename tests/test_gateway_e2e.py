@@ -19,7 +19,7 @@ from gateway.salt import derive_salt
 from gateway.server import start_gateway
 from loadtests.sim.scheduler import TimeModel
 from loadtests.sim.server import SimConfig, start_sim_server
-from tests.conftest import serve_app
+from tests.conftest import serve_app, serve_chat
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -491,19 +491,11 @@ async def test_failure_after_first_byte_ends_stream_with_error_event(tok, mode):
 async def test_gateways_share_inflight_load_through_redis(tok, redis_server):
     """Two gateways on one Redis feed: work one sends a replica shows in the other's view of it."""
     release = asyncio.Event()
-    app = web.Application()
 
-    async def chat(request):
-        await request.read()
+    async def hold(body):
         await release.wait()  # no first byte until released: the request stays "in flight"
-        return web.json_response({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
 
-    async def health(request):
-        return web.Response()
-
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    runner, url = await serve_app(app, shutdown_timeout=0.1)
+    runner, url = await serve_chat(hold)
     over = {"model": {"name": MODEL, "max_model_len": 4096}, "feed": {"url": redis_server.url, "inflight_poll_s": 0.05}}
     g1 = await start_gateway(_cfg([f"r={url}"], **over), tokenizer=tok)
     g2 = await start_gateway(_cfg([f"r={url}"], **over), tokenizer=tok)
@@ -546,6 +538,48 @@ async def test_gateways_share_inflight_load_through_redis(tok, redis_server):
                 if g2.gateway.load.get("r").others_reqs == 0:
                     break
             assert g2.gateway.load.get("r").others_reqs == 0
+    finally:
+        await g1.close()
+        await g2.close()
+        await runner.cleanup()
+
+
+@pytest.mark.redis
+async def test_gateways_share_the_plans_placements_through_redis(tok, redis_server):
+    """Two cache_plan gateways on one Redis feed: a planned request through one counts in the
+    other's plan (its root and the replica it went to), so each plan measures the whole stream."""
+    from replica_agent.feed import open_feed
+    from replica_agent.feed.records import FeedEvent, LoadReport
+
+    runner, url = await serve_chat()
+    over = {"model": {"name": MODEL, "max_model_len": 4096}, "feed": {"url": redis_server.url, "inflight_poll_s": 0.05},
+            "policy": {"name": "cache_plan"}}
+    g1 = await start_gateway(_cfg([f"r={url}", f"q={url}"], **over), tokenizer=tok)
+    g2 = await start_gateway(_cfg([f"r={url}", f"q={url}"], **over), tokenizer=tok)
+    try:
+        p1, p2 = g1.gateway.policy, g2.gateway.policy
+        # the replicas' feeds are live (a load report each, as an agent sends): their matches count
+        feed = open_feed(redis_server.url)
+        for rid in ("r", "q"):
+            await feed.publish(rid, [FeedEvent("", 0, "load", load=LoadReport(0, 0, 0.0, 0, 0, 0, 16, 0.0))])
+        await feed.close()
+        for _ in range(100):
+            if all(g.gateway.routing.index.is_live(rid) for g in (g1, g2) for rid in ("r", "q")):
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s:
+            for question in ("first?", "second?", "third?"):  # the first is new (unplanned); the others extend it
+                body = {"model": MODEL, "messages": [{"role": "user", "content": LONG_DOC + " " + question}]}
+                async with s.post(g1.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200
+        assert p1._now == 2 and len(p1._groups) == 1
+        for _ in range(100):
+            if p2._now >= 2:
+                break
+            await asyncio.sleep(0.05)
+        assert p2._now == 2 and set(p2._groups) == set(p1._groups)  # g2 routed nothing, yet plans the same root
+        assert {r: p2.load_share(r) for r in ("r", "q")} == pytest.approx({r: p1.load_share(r) for r in ("r", "q")})
+        assert p1._now == 2  # and its own records never came back to g1
     finally:
         await g1.close()
         await g2.close()

@@ -197,6 +197,33 @@ def test_long_new_prefixes_are_shared_with_the_other_gateways_until_their_ttl():
     assert quiet.take_shared() == []
 
 
+def test_a_sharing_policys_placements_are_queued_and_applied_elsewhere():
+    """With a feed, the record cache_plan's placed() returns is queued once for the other
+    gateways, whose instance applies it (a malformed one, another version's, is skipped); a policy
+    that shares nothing (cache_aware) queues nothing, nor does a gateway without a feed."""
+    clock = _Clock()
+    st, other, quiet = _state(clock), _state(clock), _state(clock)
+    st.share_copies = other.share_copies = True
+    doc = list(range(1, 41))
+    for s_ in (st, quiet):
+        s_.index.apply(FeedEvent("a", 1, "stored", tuple(doc)))
+        s_.index.apply(FeedEvent("b", 1, "load", (), load=LoadReport(0, 0, 0.1, 0.0, 0.0, 1000, 16, 0.0)))
+    rv = RequestView(prompt_tokens=16 * 42, block_size=16, keys=tuple(doc) + (98, 99))
+    plan, there, aware = get_policy("cache_plan"), get_policy("cache_plan"), get_policy("cache_aware")
+    r = st.decide(rv, {"a": True, "b": True}, plan, random.Random(0))
+    assert r.decision.ranked[0].terms["plan"] == 1.0 and r.decision.winner == "a"
+    st.placed(plan, rv, r.decision)
+    st.placed(aware, rv, st.decide(rv, {"a": True, "b": True}, aware, random.Random(0)).decision)
+    records = st.take_placements()
+    assert len(records) == 1 and records[0][0] == doc[39] and records[0][2] == "a"  # its root, where it went
+    assert st.take_placements() == []  # taken once
+    assert other.apply_placements(there, records + [["not", "a", "record"]]) == 1
+    assert there.load_share("a") > 0.0 and there.load_share("a") == pytest.approx(plan.load_share("a"))
+    r = quiet.decide(rv, {"a": True, "b": True}, get_policy("cache_plan"), random.Random(0))
+    quiet.placed(get_policy("cache_plan"), rv, r.decision)
+    assert quiet.take_placements() == []  # no feed: nothing queued
+
+
 # ----------------------------------------------------------------------------------- learn
 
 

@@ -241,3 +241,37 @@ def test_a_copy_is_planned_again_when_its_request_went_elsewhere():
     again = pol.rank(nxt, w.views(0), random.Random(0))
     assert again.winner == target and again.ranked[0].terms["spread"] == 1.0
     assert again.ranked[0].terms["group_holders"] == 2.0  # the old holder and the copy it plans again
+
+
+def test_two_gateways_sharing_placements_plan_as_one():
+    """Two instances splitting the stream, each applying the other's placement records as they
+    come, hold exactly the measures of one instance that placed every request (each plan sees the
+    whole stream, not its half); a malformed record raises ValueError and changes nothing."""
+    w = World(24, _placement(24))
+    a, b, one = CachePlanPolicy(), CachePlanPolicy(), CachePlanPolicy()
+    rng, draws = random.Random(0), random.Random(3)
+    spreads = 0
+    for i in range(1500):
+        doc = 0 if draws.random() < 0.25 else draws.randrange(1, 24)
+        here, there = (a, b) if i % 2 else (b, a)
+        req = w.request(doc)
+        d = here.rank(req, w.views(doc), rng)
+        record = here.placed(req, d)
+        assert (record is None) == (not d.ranked[0].terms.get("plan"))
+        if record is not None:
+            there.placed_elsewhere(record)
+        one.placed(req, d)
+        spreads += bool(d.ranked[0].terms.get("spread"))
+        if d.ranked[0].terms.get("plan") and d.winner not in w.holders[doc]:
+            w.holders[doc].add(d.winner)
+    assert spreads >= 1  # the hot document was copied: the plans had something to agree on
+    for pol in (a, b):
+        assert pol._now == one._now == 1500
+        assert [pol.load_share(r) for r in w.ids] == pytest.approx([one.load_share(r) for r in w.ids], rel=1e-12)
+        assert {k: (g.holders, g.last_spread) for k, g in pol._groups.items()} == {
+            k: (g.holders, g.last_spread) for k, g in one._groups.items()}
+    for bad in ([1, 2, 3], [1, 0, "r0", 1.0, False, []], [1, 3, "r0", float("nan"), False, []], ["k", 3, "r0", 1.0, False, []],
+                [1, 3, "r0", 1.0, False, "r0"], "nonsense"):
+        with pytest.raises(ValueError):
+            a.placed_elsewhere(bad)
+    assert a._now == 1500

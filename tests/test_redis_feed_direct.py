@@ -103,9 +103,10 @@ async def test_board_read_sees_every_owner_across_scan_pages(redis_server):
             await f.close()
 
 
-async def test_bad_gauges_and_copies_from_another_gateway_are_skipped_not_fatal(redis_server):
-    """A gauge that is not a number, or a copies entry without its fields (another version, or a
-    bad writer), loses that value only: the exchange goes on with everything else."""
+async def test_bad_gauges_copies_and_placements_from_another_gateway_are_skipped_not_fatal(redis_server):
+    """A gauge that is not a number, a copies entry without its fields or a placements entry that
+    is not a JSON list (another version, or a bad writer), loses that value only: the exchange goes
+    on with everything else."""
     g1 = open_feed(redis_server.url, owner="g1")
     raw = aioredis.from_url(redis_server.url)
     try:
@@ -117,6 +118,11 @@ async def test_bad_gauges_and_copies_from_another_gateway_are_skipped_not_fatal(
         got = await g1.exchange_copies([])
         assert [(rid, keys) for rid, keys, _ in got] == [("r", (1,))]
         assert got[0][2] <= 5.0  # a publish time ahead of ours adds nothing to the TTL
+        await raw.xadd("wr:placements", {"o": "bad", "p": b"\xff not json"})
+        await raw.xadd("wr:placements", {"o": "bad2"})  # no batch
+        await raw.xadd("wr:placements", {"o": "bad3", "p": '{"a": 1}'})  # not a list
+        await raw.xadd("wr:placements", {"o": "g2", "p": '[[7, 3, "r", 1.5, false, ["r"]]]'})
+        assert await g1.exchange_placements([]) == [[7, 3, "r", 1.5, False, ["r"]]]
     finally:
         await raw.aclose()
         await g1.close()

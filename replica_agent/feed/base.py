@@ -28,6 +28,10 @@ Rules every transport keeps (tests/test_feed_conformance.py checks them on each,
   - copies in progress (`exchange_copies`): each process's entries (replica, block keys, TTL) reach
     every other process using the feed once, with the TTL left (none of its own, none expired);
     the feed keeps only the latest ~COPIES_KEPT of them.
+  - placements (`exchange_placements`): each process's batch of its policy's placement records
+    (JSON-able lists) reaches every other process once; the feed keeps the latest
+    ~PLACEMENT_BATCHES_KEPT batches, and a reader's first call gets those (a new gateway's plan
+    starts from the recent stream).
 Constructors do no I/O; connections open on first use, in the caller's event loop.
 """
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Mapping, Protocol, Sequence, runtime_checkable
 from .records import FeedEvent, Inflight, Snapshot
 
 COPIES_KEPT = 1000  # copies in progress a feed keeps for late readers (older ones are dropped)
+PLACEMENT_BATCHES_KEPT = 300  # placement batches (one per gateway exchange that had any) a feed keeps
 
 __all__ = ["Feed", "FeedReader", "FeedWriter", "InflightBoard", "FeedUnavailable", "open_feed"]
 
@@ -96,6 +101,11 @@ class InflightBoard(Protocol):
     async def exchange_copies(self, entries: Sequence[tuple[str, Sequence[int], float]]) -> list[tuple[str, tuple[int, ...], float]]:
         """Publish this process's copies in progress (replica, block keys, ttl_s) and return the
         other processes' published since the last call, with their TTL left (expired ones dropped)."""
+        ...
+
+    async def exchange_placements(self, records: Sequence[list]) -> list[list]:
+        """Publish this process's placement records (one batch; none published when empty) and
+        return the other processes' published since the last call, in order."""
         ...
 
     async def close(self) -> None: ...

@@ -8,6 +8,7 @@ publish. Records are stored as the immutable FeedEvents themselves (no copies, n
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 import uuid
@@ -15,7 +16,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Mapping, Sequence
 
-from .base import COPIES_KEPT
+from .base import COPIES_KEPT, PLACEMENT_BATCHES_KEPT
 from .records import FeedEvent, Inflight, LoadReport, Snapshot, fresh_stream_base
 
 __all__ = ["MemoryFeed", "reset_memory_feeds"]
@@ -33,6 +34,8 @@ class _Hub:
         self.gauges: dict[str, dict[str, tuple[float, float, float]]] = {}  # owner -> its dispatch gauges
         self.copies: deque = deque(maxlen=COPIES_KEPT)  # (seq, owner, replica, keys, expires monotonic)
         self.copies_seq = 0
+        self.placements: deque = deque(maxlen=PLACEMENT_BATCHES_KEPT)  # (seq, owner, records)
+        self.placements_seq = 0
         self.waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
 
     def wake(self) -> None:
@@ -68,6 +71,7 @@ class MemoryFeed:
         self._hub = _hub(self.name, maxlen)
         self.owner = uuid.uuid4().hex[:12]  # whose dispatch gauges and copies (exchange_inflight, exchange_copies)
         self._copies_seen = 0  # the hub's copies_seq at our last exchange_copies
+        self._placements_seen = 0  # the hub's placements_seq at our last exchange_placements
 
     async def publish(self, replica_id: str, drafts: Sequence[FeedEvent]) -> list[FeedEvent]:
         hub = self._hub
@@ -189,6 +193,17 @@ class MemoryFeed:
             self._copies_seen = hub.copies_seq
         return out
 
+    async def exchange_placements(self, records: Sequence[list]) -> list[list]:
+        hub = self._hub
+        with hub.lock:
+            if records:
+                hub.placements_seq += 1
+                hub.placements.append((hub.placements_seq, self.owner, json.loads(json.dumps(list(records)))))
+            out = [r for seq, owner, batch in hub.placements if seq > self._placements_seen and owner != self.owner
+                   for r in batch]
+            self._placements_seen = hub.placements_seq
+        return out
+
     async def close(self) -> None:
         return None
 
@@ -203,3 +218,4 @@ class MemoryFeed:
             hub.inflight.clear()
             hub.gauges.clear()
             hub.copies.clear()
+            hub.placements.clear()

@@ -13,6 +13,8 @@ Keys (prefix "wr:" by default):
   {p}copies                   STREAM of copies in progress, fields o (owner), r (replica), t (ttl_s),
                               w (wall-clock publish time), k (keys, uint64 little-endian), trimmed
                               to ~COPIES_KEPT entries
+  {p}placements               STREAM of placement batches, fields o (owner), p (JSON list of the
+                              policy's records), trimmed to ~PLACEMENT_BATCHES_KEPT entries
 Rule: offsets are assigned here, per replica: the next after the stream's last id (read once, then
 kept in memory; re-read if Redis refuses an id; an empty stream starts at records.fresh_stream_base()). After a Redis restart without persistence the
 publisher's counter keeps going, so consumers never see offsets go backwards; they see a wiped
@@ -27,6 +29,7 @@ instead of SCAN plus a pipeline); a gateway is otherwise woken and charged for e
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 import uuid
@@ -37,7 +40,7 @@ from typing import Mapping, Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from .base import COPIES_KEPT, FeedUnavailable
+from .base import COPIES_KEPT, PLACEMENT_BATCHES_KEPT, FeedUnavailable
 from .records import INVALID_KIND, FeedDecodeError, FeedEvent, Inflight, LoadReport, Snapshot, fresh_stream_base, decode_event, decode_snapshot, encode_event, encode_snapshot
 
 __all__ = ["RedisFeed", "redact_url"]
@@ -184,7 +187,7 @@ class RedisFeed:
         self._reader: _Direct | None = None  # XREAD (may block: its own connection)
         self._board: _Direct | None = None  # in-flight increments and reads
         self._gauge_rids: set[str] = set()  # replicas whose dispatch gauges our hash holds
-        self._copies_last: bytes | None = None  # id of the last copies entry read (None: none yet)
+        self._last_read: dict[str, bytes] = {}  # stream (copies, placements) -> id of the last entry read
         self._next: dict[str, int] = {}  # replica -> last offset assigned
 
     def _redis(self) -> aioredis.Redis:
@@ -366,16 +369,9 @@ class RedisFeed:
             packed = arr.tobytes()
             cmds.append(("XADD", key, "MAXLEN", "~", COPIES_KEPT, "*", "o", self.owner, "r", rid,
                          "t", repr(float(ttl)), "w", repr(now), "k", packed))
-        start = "-" if self._copies_last is None else b"(" + self._copies_last
-        cmds.append(("XRANGE", key, start, "+", "COUNT", COPIES_KEPT))
-        replies = await self._call(self._direct("_board").run(*cmds))
         out = []
-        owner = self.owner.encode()
-        for entry_id, fields in replies[-1] or ():
-            self._copies_last = entry_id
+        for fields in await self._trade(key, cmds, COPIES_KEPT):
             try:
-                if _field(fields, b"o") == owner:
-                    continue
                 # never more than it was published with (a clock ahead of ours gives no credit)
                 left = float(_field(fields, b"t")) - max(0.0, now - float(_field(fields, b"w")))
                 if left > 0:
@@ -386,6 +382,36 @@ class RedisFeed:
                     out.append((_field(fields, b"r").decode(), tuple(keys), left))
             except (TypeError, ValueError, AttributeError):
                 continue  # a malformed entry (another version's): skip it, never the exchange
+        return out
+
+    async def exchange_placements(self, records: Sequence[list]) -> list[list]:
+        """XADD our batch (when any), then XRANGE the others' after the last entry read, in one
+        round trip; a batch that is not a JSON list is skipped."""
+        key = f"{self.prefix}placements"
+        cmds = [("XADD", key, "MAXLEN", "~", PLACEMENT_BATCHES_KEPT, "*", "o", self.owner,
+                 "p", json.dumps(list(records), separators=(",", ":")))] if records else []
+        out: list[list] = []
+        for fields in await self._trade(key, cmds, PLACEMENT_BATCHES_KEPT):
+            try:
+                batch = json.loads(_field(fields, b"p"))
+            except (TypeError, ValueError):
+                continue  # another version's entry: skip it, never the exchange
+            if isinstance(batch, list):
+                out.extend(batch)
+        return out
+
+    async def _trade(self, key: str, cmds: list[tuple], count: int) -> list:
+        """Run `cmds` (our XADDs to stream `key`), then XRANGE it after the last entry read (all
+        kept, the first time), in one round trip: the other owners' entries' fields."""
+        last = self._last_read.get(key)
+        cmds.append(("XRANGE", key, "-" if last is None else b"(" + last, "+", "COUNT", count))
+        replies = await self._call(self._direct("_board").run(*cmds))
+        owner = self.owner.encode()
+        out = []
+        for entry_id, fields in replies[-1] or ():
+            self._last_read[key] = entry_id
+            if _field(fields, b"o") != owner:
+                out.append(fields)
         return out
 
     async def close(self) -> None:
