@@ -74,6 +74,7 @@ class RoutingState:
         self.share_copies = False  # queue long new prefixes for the other gateways (module header)
         self._shared: list[tuple[str, tuple[int, ...], float]] = []  # (replica, keys, expiry by clock) not yet taken
         self._placements: list = []  # the policy's placement records not yet taken
+        self.placements_traded = {"sent": 0, "applied": 0, "skipped": 0}  # for /debug/index
 
     def views(self, replica_ids: Sequence[str], keys: Sequence[int], available: Mapping[str, bool]) -> list[ReplicaView]:
         """One view per replica for a request with `keys`; `available`: rid -> passes health."""
@@ -151,6 +152,7 @@ class RoutingState:
     def take_placements(self) -> list:
         """The placement records queued since the last call."""
         out, self._placements = self._placements, []
+        self.placements_traded["sent"] += len(out)
         return out
 
     def apply_placements(self, policy: Policy, records: Sequence) -> int:
@@ -163,6 +165,8 @@ class RoutingState:
                 applied += 1
             except ValueError:
                 continue
+        self.placements_traded["applied"] += applied
+        self.placements_traded["skipped"] += len(records) - applied
         return applied
 
     def checked(self, replica_id: str, predicted_tokens: int, reported_tokens: int, queued_s: float = 0.0) -> None:

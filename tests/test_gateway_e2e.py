@@ -580,6 +580,10 @@ async def test_gateways_share_the_plans_placements_through_redis(tok, redis_serv
         assert p2._now == 2 and set(p2._groups) == set(p1._groups)  # g2 routed nothing, yet plans the same root
         assert {r: p2.load_share(r) for r in ("r", "q")} == pytest.approx({r: p1.load_share(r) for r in ("r", "q")})
         assert p1._now == 2  # and its own records never came back to g1
+        async with aiohttp.ClientSession() as s:  # what an operator sees of the trade
+            for g, want in ((g1, {"sent": 2, "applied": 0, "skipped": 0}), (g2, {"sent": 0, "applied": 2, "skipped": 0})):
+                async with s.get(g.admin_url + "/debug/index") as r:
+                    assert (await r.json())["placements"] == want
     finally:
         await g1.close()
         await g2.close()

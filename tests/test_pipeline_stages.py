@@ -218,6 +218,8 @@ def test_a_sharing_policys_placements_are_queued_and_applied_elsewhere():
     assert len(records) == 1 and records[0][0] == doc[39] and records[0][2] == "a"  # its root, where it went
     assert st.take_placements() == []  # taken once
     assert other.apply_placements(there, records + [["not", "a", "record"]]) == 1
+    assert (st.placements_traded, other.placements_traded) == (
+        {"sent": 1, "applied": 0, "skipped": 0}, {"sent": 0, "applied": 1, "skipped": 1})
     assert there.load_share("a") > 0.0 and there.load_share("a") == pytest.approx(plan.load_share("a"))
     r = quiet.decide(rv, {"a": True, "b": True}, get_policy("cache_plan"), random.Random(0))
     quiet.placed(get_policy("cache_plan"), rv, r.decision)
