@@ -52,7 +52,11 @@ multi_turn, seeds 0-19, median per-seed TTFT p50 / p99): 1.20 / 29.0 s with 25 r
 unfinished -> 1.12 / 22.4 s with none; on the worst seed the first eight system prompts had gone
 5 / 1 / 1 / 1 to the replicas, four of them to r0 from four processes within one exchange period.
 Drawing among near-best replicas for every request cost one gateway, which ranks on fresh counts,
-a longer median (0.80 -> 0.96 s): hence new prefixes only, and only beside other gateways.
+a longer median (0.80 -> 0.96 s): hence new prefixes only, and only beside other gateways. Its
+cost: where every prompt is new and queues are short (no_sharing, GPU-speed prefill, 16 replicas,
+two processes) the draw is nearly random, TTFT p99 0.195 -> 0.271 s; a slack from the others'
+unseen dispatches (their routed rate x 0.1 s x mean request) avoided that but not the herd (the
+rates start at zero).
 
 What a miss really costs. Sending a request where its prefix is not cached costs (1) its own
 prefill of the uncached tokens (what cache_benefit_s saves, counted relative to a cold replica),
