@@ -41,7 +41,10 @@ outstanding requests (`_common.load_reqs`), then a draw from `rng`.
 
 A new prefix when several gateways share the pool. A prompt no healthy replica holds any block
 of (a new document, a new system prompt's first chat) goes to a replica drawn from `rng` among
-those scoring within slack = new_prefix_slack_s x others_share of the best, where others_share =
+those scoring within slack = min(new_prefix_slack_s, own_prefill_s) x others_share of the best,
+where own_prefill_s = the request's uncached tokens x prefill_s_per_token on the best replica
+(what one such placement adds to a queue: the others' unseen placements of new prefixes are
+about that size each, and rankings closer than that are their noise) and others_share =
 sum(others_routed_rps) / sum(routed_rps) over the healthy replicas: the share of the pool's
 requests that other gateways route (0 with one gateway: the rule above, unchanged). Why: the
 gateways (pods, or `--workers` processes) learn each other's dispatches only at their exchange
@@ -52,11 +55,12 @@ multi_turn, seeds 0-19, median per-seed TTFT p50 / p99): 1.20 / 29.0 s with 25 r
 unfinished -> 1.12 / 22.4 s with none; on the worst seed the first eight system prompts had gone
 5 / 1 / 1 / 1 to the replicas, four of them to r0 from four processes within one exchange period.
 Drawing among near-best replicas for every request cost one gateway, which ranks on fresh counts,
-a longer median (0.80 -> 0.96 s): hence new prefixes only, and only beside other gateways. Its
-cost: where every prompt is new and queues are short (no_sharing, GPU-speed prefill, 16 replicas,
-two processes) the draw is nearly random, TTFT p99 0.195 -> 0.271 s; a slack from the others'
-unseen dispatches (their routed rate x 0.1 s x mean request) avoided that but not the herd (the
-rates start at zero).
+a longer median (0.80 -> 0.96 s): hence new prefixes only, and only beside other gateways. The
+own-prefill cap: without it, where every prompt is new and prefill is fast (no_sharing,
+GPU-speed prefill, 16 replicas, two processes) the draw was nearly random, TTFT p99 0.195 ->
+0.271 s (with it 0.203; the busy multi-turn figures above are the same with or without it). A
+slack from the others' unseen dispatches (their routed rate x 0.1 s x mean request) avoided that
+but not the herd (the rates start at zero).
 
 What a miss really costs. Sending a request where its prefix is not cached costs (1) its own
 prefill of the uncached tokens (what cache_benefit_s saves, counted relative to a cold replica),
@@ -182,8 +186,8 @@ balance_rate_rel     guard's share condition: routed_rps above this multiple of 
 balance_exclusive_rel  a sole copy's guard also needs load_reqs above this multiple of the mean;
                      >= 1, inf: a sole copy never moves (default 2.0)
 new_prefix_slack_s   a new prefix goes to a replica drawn among those within this much of the best
-                     score, scaled by the other gateways' share of the pool's routed requests
-                     (above); seconds, >= 0 (default 0.2; 0: the exact order)
+                     score (at most its own prefill), scaled by the other gateways' share of the
+                     pool's routed requests (above); seconds, >= 0 (default 0.2; 0: the exact order)
 routed_tau_s         time constant of the gateway's routed_rps EWMA (gateway.load.ROUTED_TAU_S): turns
                      a rate excess into requests for rate_over's absolute threshold; seconds, > 0
                      (default 10.0)
@@ -404,7 +408,8 @@ class CacheAwarePolicy(PolicyBase):
         header: a new prefix beside other gateways); nothing with one gateway."""
         pool = sum(v.routed_rps or 0.0 for v in live)
         others = sum(v.others_routed_rps for v in live)
-        slack = self.new_prefix_slack_s * min(1.0, others / pool) if pool > 0.0 else 0.0
+        own_prefill_s = keyed[0][5]["uncached_tokens"] * next(v.prefill_s_per_token for v in live if v.replica_id == keyed[0][4])
+        slack = min(self.new_prefix_slack_s, own_prefill_s) * min(1.0, others / pool) if pool > 0.0 else 0.0
         if slack <= 0.0:
             return
         floor = keyed[0][5]["score"] - slack

@@ -303,8 +303,8 @@ def _new_prefix_pool(others_rps: float) -> list[ReplicaView]:
 def test_a_new_prefix_beside_other_gateways_is_drawn_among_the_near_best():
     """With one gateway (no others' rate) a new prefix goes to the exact best every time; when
     other gateways route most of the pool's requests it is drawn among the replicas within the
-    slack (r0-r2, 10 ms apart), never to one a second worse (r3); a prompt some replica holds
-    keeps the exact order."""
+    slack (r0-r2, 10 ms apart), never to one a second worse (r3); a prompt some replica holds, or
+    one whose own prefill is shorter than the gaps, keeps the exact order."""
     pol, req = CacheAwarePolicy(), RequestView(prompt_tokens=800, block_size=16)
     alone = {CacheAwarePolicy().rank(req, _new_prefix_pool(0.0), random.Random(s)).winner for s in range(200)}
     assert alone == {"r0"}
@@ -315,3 +315,6 @@ def test_a_new_prefix_beside_other_gateways_is_drawn_among_the_near_best():
     assert {pol.rank(req, held, random.Random(s)).winner for s in range(100)} == {"r1"}
     exact = CacheAwarePolicy(new_prefix_slack_s=0.0)
     assert {exact.rank(req, _new_prefix_pool(1.5), random.Random(s)).winner for s in range(100)} == {"r0"}
+    # a short prompt's own prefill (4 ms here) caps the slack below the 5 ms between r0 and r1
+    short = RequestView(prompt_tokens=4, block_size=16)
+    assert {pol.rank(short, _new_prefix_pool(1.5), random.Random(s)).winner for s in range(100)} == {"r0"}
