@@ -204,6 +204,23 @@ def test_cache_aware_holds_the_busy_uniform_case_with_four_gateways():
     assert s["ttft_p99_s"] < 6.0, s["ttft_p99_s"]
 
 
+def test_four_cache_plan_gateways_place_new_system_prompts_apart_and_plan_as_one():
+    """Four processes, cache_plan. Busy multi-turn seed 2: the eight system prompts arrive within
+    the first second; ranking the same view between two exchanges, the processes put four of them
+    on one replica (25 requests unfinished, p99 94 s) until a new prefix was drawn among the
+    near-best replicas (policies/cache_aware.py). Busy Zipf seed 0: each process planned the hot
+    document's copies on its quarter of the stream (p99 15.3 s) until they traded placements
+    (gateway/routing.py)."""
+    from loadtests.vtime_regimes import run_regime
+
+    (s,) = run_regime("busy", [2], cases=["multi_turn"], policies=["cache_plan"], gateways=4)  # its rate from the regime's load
+    assert s["unfinished"] == 0
+    assert s["ttft_p99_s"] < 60.0, s["ttft_p99_s"]
+    s, _, _ = _run("shared_docs_zipf", "cache_plan", seed=0, gateways=4)
+    assert s["unfinished"] == 0
+    assert s["ttft_p99_s"] < 10.0, s["ttft_p99_s"]
+
+
 def test_four_gateways_share_copies_in_progress_under_skew():
     """Four processes, cache_aware, busy Zipf seed 1: each placing the hot document's spill on its
     own until the engines' events told it where the others had copied it, they made copies side by
