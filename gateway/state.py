@@ -75,8 +75,9 @@ def describe(gw) -> dict:
     st = index.stats()
     return {
         "model": gw.model.name, "block_size": gw.cfg.model.block_size, "policy": gw.cfg.policy.name, "pid": os.getpid(),
-        # placement records traded with the other gateways (cache_plan's plan): sent, applied, and
-        # skipped as malformed (another version's)
+        # placement records traded with the other gateways (cache_plan's plan): sent (taken for an
+        # exchange; lost with it if it fails, like copies in progress), applied, and skipped as
+        # malformed (another version's)
         "placements": dict(gw.routing.placements_traded),
         "feed": {"ok": gw.cfg.feed.load_only or gw.feed_ok, "failed_polls": gw.board_health.failures,
                  "sync": dict(gw.index_sync.stats) if gw.index_sync else None},

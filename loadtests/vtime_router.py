@@ -174,10 +174,10 @@ class SimGateways:
                 gauges[rid] = tuple(a + b for a, b in zip(gauges.get(rid, (0.0, 0.0, 0.0)), gs))
         board = {rid: self.shared.get(rid, (0, 0, 0)) + gauges.get(rid, (0.0, 0.0, 0.0))
                  for rid in set(self.shared) | set(gauges)}
-        copies = [(g, g.routing.take_shared(), g.routing.take_placements()) for g in self.routers]
+        trades = [(g, g.routing.take_shared(), g.routing.take_placements()) for g in self.routers]
         for g in self.routers:
             g.routing.load.set_shared(board)
-            for src, entries, placements in copies:
+            for src, entries, placements in trades:
                 if src is not g:
                     g.routing.apply_shared(entries)
                     g.routing.apply_placements(g.policy, placements)
