@@ -275,3 +275,46 @@ def test_two_gateways_sharing_placements_plan_as_one():
         with pytest.raises(ValueError):
             a.placed_elsewhere(bad)
     assert a._now == 1500
+
+
+@pytest.mark.parametrize("holder_queue, copies", [(20_000, True), (2_000, False)])
+def test_a_holder_far_over_the_mean_is_copied_onto_a_busy_replica_only_when_its_queue_is_longer(holder_queue, copies):
+    """Doc 0 carries half the requests, all on r0 (2.5x the mean load), while every other replica
+    prefills 4,000 tokens (more than half a document: 'building a copy'). A copy waits for a quiet
+    replica unless r0's queue (20 s of prefill) is longer than the busy replica's (4 s); with r0's
+    queue at 2 s it waits. (At a cold start on 16 replicas the hot prefix's only holder waited 380
+    requests at 14x the mean.)"""
+    w = World(24, _placement(24))
+    w.inflight = {"r0": holder_queue, "r1": 4_000, "r2": 4_000, "r3": 4_000}
+    pol, rng = CachePlanPolicy(), random.Random(0)
+    spreads = []
+    for i in range(400):
+        doc = 0 if i % 2 == 0 else 1 + (i // 2) % 23
+        winner, t = w.route(pol, doc, rng)
+        if t.get("spread"):
+            spreads.append(winner)
+    assert bool(spreads) == copies
+    assert all(r != "r0" for r in spreads)
+
+
+def test_a_copy_pays_by_the_work_it_takes_off_many_holders():
+    """64 replicas, doc 0 on 32 of them with 40% of the requests (its holders at 1.4x the mean), one
+    other document per replica. A 33rd holder lowers the busiest holder's load by about 0.02x the
+    mean only, but takes about 0.8x the mean of doc 0's work off the holders: the plan keeps
+    copying until the holders are under 1.2x the mean (spread_rel). A rule on the peak's drop
+    (spread_gain 0.05) made one copy, in the first 60 requests' noise, and then none: the holders
+    stayed at 1.3-1.45x the mean (and on the hot_prefix workload took 1.7x the mean number of
+    requests)."""
+    n = 64
+    w = World(n + 1, {0: {f"r{i}" for i in range(32)}, **{d: {f"r{d - 1}"} for d in range(1, n + 1)}}, n_replicas=n)
+    pol, rng = CachePlanPolicy(), random.Random(0)
+    spreads, peaks = [], []
+    for i in range(2000):
+        doc = 0 if i % 5 < 2 else 1 + (i - 2 * (i // 5 + 1)) % n
+        winner, t = w.route(pol, doc, rng)
+        if t.get("spread"):
+            spreads.append(winner)
+        if doc == 0 and i >= 1500:
+            peaks.append(t["peak_share"])
+    assert len(spreads) >= 5 and not set(spreads) & {f"r{i}" for i in range(32)}
+    assert max(peaks) < 1.2 * 1.05  # the holders' measured load near the mean, not 1.3-1.45x
