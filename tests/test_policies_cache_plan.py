@@ -84,9 +84,10 @@ def test_requests_without_a_planned_prefix_are_ranked_by_cache_aware():
 
 def test_a_typical_document_never_leaves_its_holder_for_balance():
     """Uniform popularity over 24 documents, one holder each: every request goes to its holder,
-    even when that holder's queue is long and another replica is idle."""
+    even when that holder's queue is long (15 s, where cache_aware spills) and another replica is
+    idle, as long as it is under leave_factor (6) x the 3 s a miss costs elsewhere."""
     w = World(24, _placement(24))
-    w.inflight = {"r0": 30_000, "r1": 0, "r2": 0, "r3": 0}  # r0 30 s of queue
+    w.inflight = {"r0": 15_000, "r1": 0, "r2": 0, "r3": 0}  # r0 15 s of queue
     pol, rng = CachePlanPolicy(), random.Random(0)
     draws = random.Random(5)
     for _ in range(3000):
@@ -172,8 +173,10 @@ def test_a_conversation_stays_with_its_history_while_its_system_prompt_spreads()
     for _ in range(300):
         w.route(pol, 0, rng)
     assert len(w.holders[0]) >= 2
-    # a child whose history (doc 0 + 40 more blocks) only r0 holds goes to r0 whatever the queues
-    w.inflight = {"r0": 20_000, "r1": 0, "r2": 0, "r3": 0}
+    # a child whose history (doc 0 + 40 more blocks) only r0 holds goes to r0 through a queue of
+    # 3 s, longer than the 0.74 s its history's 46 blocks cost on another holder of doc 0 (but
+    # under leave_factor 6 x that)
+    w.inflight = {"r0": 3_000, "r1": 0, "r2": 0, "r3": 0}
     tail = tuple(7_000_000 + j for j in range(40))
     for _ in range(20):
         req = w.request(0, tail)
@@ -184,7 +187,7 @@ def test_a_conversation_stays_with_its_history_while_its_system_prompt_spreads()
 
 def test_parameters_are_validated():
     for bad in ({"match_min_frac": 1.5}, {"holder_frac": -0.1}, {"window_reqs": 0}, {"spread_rel": -1}, {"kv_room_frac": 2.0},
-                {"queue_slack_s": -1}, {"w_cache": -1}):
+                {"queue_slack_s": -1}, {"leave_factor": 0.5}, {"leave_factor": -1}, {"w_cache": -1}):
         with pytest.raises((ValueError, TypeError)):
             CachePlanPolicy(**bad)
 
@@ -318,3 +321,36 @@ def test_a_copy_pays_by_the_work_it_takes_off_many_holders():
             peaks.append(t["peak_share"])
     assert len(spreads) >= 5 and not set(spreads) & {f"r{i}" for i in range(32)}
     assert max(peaks) < 1.2 * 1.05  # the holders' measured load near the mean, not 1.3-1.45x
+
+
+@pytest.mark.parametrize("child", [False, True])
+def test_a_holder_whose_queue_is_over_leave_factor_times_a_miss_elsewhere_is_left(child):
+    """The gateway's promise, with the plan's margin: r0 holds doc 0 (and, for a child, its
+    history) with 30 s of queue; a miss on an idle replica costs 3-4 s, so 30 s is over
+    leave_factor (6) x that: the request leaves for the best other replica, which computes a
+    copy (left and spread), and the next ones go to that new holder, not back to r0's queue.
+    With leave_factor 0 (never) it stays."""
+    for factor, leaves in ((6.0, True), (0.0, False)):
+        w = World(24, _placement(24))
+        pol, rng = CachePlanPolicy(leave_factor=factor), random.Random(0)
+        tail = tuple(7_000_000 + j for j in range(40)) if child else ()
+        for i in range(240):  # uniform traffic, no queues: every document planned on its one holder
+            w.route(pol, i % 24, rng)
+        assert w.holders[0] == {"r0"}
+        w.inflight = {"r0": 30_000, "r1": 0, "r2": 500, "r3": 0}
+        req = w.request(0, tail)
+        d = pol.rank(req, w.views(0, tail_holder="r0" if child else None, tail_blocks=len(tail)), rng)
+        pol.placed(req, d)
+        first = d.ranked[0]
+        assert first.terms["plan"] == 1.0
+        if not leaves:
+            assert first.replica_id == "r0" and first.terms["left"] == 0.0
+            continue
+        assert first.replica_id in ("r1", "r3") and first.terms["left"] == first.terms["spread"] == 1.0
+        assert 0 < first.terms["predicted_ttft_s"] < 30 / 6
+        w.holders[0].add(first.replica_id)
+        assert pol._groups[req.keys[int(first.terms["root_at"])]].holders == frozenset({"r0", first.replica_id})
+        for _ in range(10):
+            winner, t = w.route(pol, 0, rng)
+            assert winner == first.replica_id and not t["left"]
+    assert w.holders[0] == {"r0"}  # leave_factor 0: no copy
