@@ -374,8 +374,11 @@ class CachePlanPolicy(PolicyBase):
         out_tokens = request.max_output_tokens or self.fallback.prior_output_tokens
         step_tokens = _median([v.decode_step_s for v in live]) / max(1e-12, _median([v.prefill_s_per_token for v in live]))
         work = max(1, request.prompt_tokens - best * bs) + out_tokens * self.fallback.running_step_share * step_tokens
-        terms = {rid: self.fallback.terms(request, by_id[rid]) for rid in holders}
-        ttft = {rid: t["queue_penalty_s"] + t["uncached_tokens"] * by_id[rid].prefill_s_per_token for rid, t in terms.items()}
+        # predicted TTFT on each replica (cache_aware's queue_penalty_s + uncached_tokens x
+        # prefill_s_per_token), from the terms cache_aware's ranking already computed
+        predicted = {c.replica_id: c.terms["queue_penalty_s"] + c.terms["uncached_tokens"] * by_id[c.replica_id].prefill_s_per_token
+                     for c in base.ranked if c.replica_id in by_id}
+        ttft = {rid: predicted[rid] for rid in holders}
         # the plan: measures without this request
         loads = {rid: self.load_share(rid, now) for rid in by_id}
         mean = sum(loads.values()) / len(loads)
@@ -418,11 +421,10 @@ class CachePlanPolicy(PolicyBase):
             winner = self._dispatch(holders, ttft, loads, gw, g_total, by_id)
         left = None
         if spread_to is None and self.leave_factor > 0:
-            away = [(c.terms["queue_penalty_s"] + c.terms["uncached_tokens"] * by_id[c.replica_id].prefill_s_per_token, c.replica_id)
-                    for c in base.ranked if c.replica_id in by_id and c.replica_id not in holders]
+            away = [(t, rid) for rid, t in predicted.items() if rid not in ttft]
             if away:
                 best_away, alt = min(away)
-                if min(ttft[r] for r in holders) > self.leave_factor * best_away:
+                if min(ttft.values()) > self.leave_factor * best_away:
                     left = spread_to = winner = alt  # it computes a copy there: a new holder
                     holders_g = holders_g | {alt}
                     ttft[alt] = best_away
