@@ -109,10 +109,16 @@ spread_rel       holders overloaded at peak >= (1 + spread_rel) x mean; >= 0 (de
 spread_gain      a copy must take spread_gain x mean of the prefix's work off its holders; >= 0
                  (default 0.05)
 hot_min          a root spreads only when its share of the work is above hot_min / R; >= 0
-                 (default 0.2: 5% of the work on 4 replicas, a document of 24 has ~4%; on the busy
-                 regime's Zipf case, three seeds, 0.3 gave TTFT p50 0.43 / 1.22 / 1.22 s and 0.2
-                 0.48 / 0.44 / 0.67 s, uniform and multi-turn unchanged; 0.1 copies typical
-                 documents by chance: uniform p99 0.97 -> 2.7 s)
+                 (default 0.5: half of one replica's share, 12.5% of the work on 4 replicas; a
+                 document of 24 has ~4%. A copy costs a whole prefill where it lands and evicts a
+                 document there, for a split that takes little off the holder of a prefix under
+                 that share. Busy regime, median per-seed TTFT p50 over seeds 0-19 / 20-39 / 40-59:
+                 Zipf 1.01 / 1.52 / 1.04 s at 0.2 (the default until 2026-12-05) -> 0.88 / 0.90 /
+                 0.77 s, mean per-seed p99 8.3 / 8.5 / 8.3 -> 6.8 / 8.2 / 6.2 s; uniform p99 mean
+                 1.39 / 1.23 -> 1.06 / 1.12 s (no chance copies); 0.3-0.8 in between. Multi-turn's
+                 8 system prompts (~12.5% each) straddle it: median p50 0.85 / 0.82 -> 0.79 / 0.79 s,
+                 p99 15.0 / 13.5 -> 13.4 / 13.6 s, but mean p50 1.28 / 1.05 -> 1.34 / 1.42 s.
+                 0.1 copies typical documents by chance: uniform p99 0.97 -> 2.7 s)
 kv_room_frac     a new holder's planned blocks stay under this share of its KV; 0..1 (default 0.85)
 cooldown_reqs    planned requests between two new holders of a root (shorter when its holders are
                  far over the mean, see above); >= 0 (default 50)
@@ -235,7 +241,7 @@ class CachePlanPolicy(PolicyBase):
         window_reqs: float = 200.0,
         spread_rel: float = 0.2,
         spread_gain: float = 0.05,
-        hot_min: float = 0.2,
+        hot_min: float = 0.5,
         kv_room_frac: float = 0.85,
         cooldown_reqs: int = 50,
         min_reqs: int = 30,

@@ -165,6 +165,32 @@ def test_no_copy_where_the_kv_has_no_room():
         assert not t.get("spread")
 
 
+def _two_warm_documents(draws: random.Random) -> int:
+    """Docs 1 and 5 (both on r1) 10% of the stream each, the other 22 sharing the rest."""
+    x = draws.random()
+    return 1 if x < 0.1 else 5 if x < 0.2 else draws.choice([d for d in range(24) if d not in (1, 5)])
+
+
+@pytest.mark.parametrize("hot_min,copies", [(None, False), (0.2, True)])
+def test_a_warm_document_under_half_a_replicas_share_is_not_copied(hot_min, copies):
+    """r1 holds two documents of 10% each: 1.4x the mean load, overloaded. Each carries under
+    half of one replica's share (12.5% of four), so at the default hot_min (0.5) neither is
+    copied (a copy costs a whole prefill and evicts a document where it lands, for a split that
+    takes little off r1); at 0.2 (5%), the default until 2026-12-05, they were."""
+    w = World(24, _placement(24))
+    pol = CachePlanPolicy() if hot_min is None else CachePlanPolicy(hot_min=hot_min)
+    rng, draws = random.Random(0), random.Random(3)
+    spread = []
+    for _ in range(2000):
+        doc = _two_warm_documents(draws)
+        _, t = w.route(pol, doc, rng)
+        if t.get("spread"):
+            spread.append(doc)
+    assert bool(spread) is copies
+    if copies:
+        assert set(spread) <= {1, 5}
+
+
 def test_a_conversation_stays_with_its_history_while_its_system_prompt_spreads():
     """Children (a longer match than their root) go to the holder of the longer match."""
     w = World(1, {0: {"r0"}})
