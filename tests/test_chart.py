@@ -302,10 +302,11 @@ def test_chart_created_secrets_hold_the_values_and_none_leaks_into_configmaps():
 
 def test_values_yaml_documents_the_policys_own_default_weights():
     text = (CHART_DIR / "values.yaml").read_text()
-    block = text.split("which are, for cache_aware:")[1].split("params: {}")[0]
-    documented = {m.group(1): float(m.group(2)) for m in re.finditer(r"#\s+(\w+): ([0-9.]+)", block)}
-    defaults = get_policy("cache_aware").params()
-    assert documented and all(defaults[k] == v for k, v in documented.items()), (documented, defaults)
+    blocks = text.split("which are, for cache_aware:")[1].split("params: {}")[0].split("and for cache_plan itself:")
+    for name, block in zip(("cache_aware", "cache_plan"), blocks, strict=True):
+        documented = {m.group(1): float(m.group(2)) for m in re.finditer(r"#\s+(\w+): ([0-9.]+)", block)}
+        defaults = get_policy(name).params()
+        assert documented and all(defaults[k] == v for k, v in documented.items()), (name, documented, defaults)
 
 
 @pytest.mark.parametrize("name", ["full", "epp-deploy"])
