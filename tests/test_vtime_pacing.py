@@ -76,21 +76,27 @@ def test_a_background_warm_sends_the_prefix_in_chunks_waits_for_nobody_and_ends_
 
 
 def test_background_copies_in_virtual_time_remove_the_copy_misses():
-    """busy_kv1.5's Zipf case, seed 1: the copies cache_plan makes are long misses sent whole
-    (the stream waits for them); warmed in the background, no request misses, and the tail drops."""
+    """busy_kv1.5's Zipf case, seeds 0-2: the copies cache_plan makes are long misses sent whole
+    (the stream waits for them); warmed in the background, no request misses, and the tail drops
+    (over the three seeds: since hot_min 0.5 seed 1 makes one copy, and its p99, 1.83 s, is no
+    longer set by it; seeds 0 and 2 drop from ~3.0 to 2.1 and 1.7 s)."""
     from loadtests.vtime_regimes import REGIMES, build_case
 
     reg = REGIMES["busy_kv1.5"]
-    c = build_case("busy_kv1.5", "shared_docs_zipf", 1)
+    p99 = {"plain": [], "bg": []}
+    for seed in (0, 1, 2):
+        c = build_case("busy_kv1.5", "shared_docs_zipf", seed)
 
-    def run(**kw):
-        return simulate(c.workload, "cache_plan", reg.replicas, reg.params, seed=1, keys=c.keys, warmup=c.warmup, **kw)
+        def run(**kw):
+            return simulate(c.workload, "cache_plan", reg.replicas, reg.params, seed=seed, keys=c.keys, warmup=c.warmup, **kw)
 
-    plain = run()
-    bg = run(policy_params={"copy_in_background": True}, pacing=Pacing(min_uncached=None, chunk=1024))
-    assert plain.misses_copy >= 1 and plain.warms == 0
-    assert bg.warms >= 1 and bg.misses_copy == 0 and bg.completed == plain.completed
-    assert bg.summary()["ttft_p99_s"] < plain.summary()["ttft_p99_s"]
+        plain = run()
+        bg = run(policy_params={"copy_in_background": True}, pacing=Pacing(min_uncached=None, chunk=1024))
+        assert plain.misses_copy >= 1 and plain.warms == 0
+        assert bg.warms >= 1 and bg.misses_copy == 0 and bg.completed == plain.completed
+        p99["plain"].append(plain.summary()["ttft_p99_s"])
+        p99["bg"].append(bg.summary()["ttft_p99_s"])
+    assert sum(p99["bg"]) < 0.85 * sum(p99["plain"]), p99
 
 
 def test_a_paced_miss_no_longer_holds_the_replica_for_its_whole_prefill():
