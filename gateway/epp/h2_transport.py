@@ -1,13 +1,13 @@
-"""The Endpoint Picker's gRPC transport on an asyncio protocol over `h2` (the default): HTTP/2
-connections from Envoy, gRPC's message framing, the `Process` bidirectional streams and the
-unary health `Check`, with nothing of ext_proc itself (that is `EppServer.serve_stream`).
+"""The Endpoint Picker's gRPC transport on an asyncio protocol over HTTP/2 (the default): Envoy's
+connections, gRPC's message framing, the `Process` bidirectional streams and the unary health
+`Check`, with nothing of ext_proc itself (that is `EppServer.serve_stream`). The HTTP/2 protocol
+state (frames, flow control, HPACK) is `gateway/epp/http2.py`'s.
 
 Why not grpcio: a streamed answer is ~35 message round trips, and grpc.aio spends ~120-150 us of
 the picker's CPU on each (its C core hands every message to the event loop through a task
 wake-up); at 64 streams that kept the picker's one loop busy and added milliseconds to every
-request. Here a connection's frames are handled in one callback, replies are queued on the
-`h2` connection and written once per loop turn, and a message that needs no wait costs no task
-switch.
+request. Here a connection's frames are handled in one callback, replies are queued and written
+once per loop turn, and a message that needs no wait costs no task switch.
 
 gRPC over HTTP/2 as served here: requests are POSTs with `content-type: application/grpc...`;
 each message is a 5-byte prefix (compressed flag 0, big-endian length) and the protobuf bytes;
@@ -30,15 +30,9 @@ from collections import deque
 from typing import Awaitable, Callable
 from urllib.parse import quote
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
 from grpc_health.v1 import health_pb2
-from hyperframe.frame import GoAwayFrame
 
+from gateway.epp import http2
 from gateway.epp.extproc import ProtocolError
 from gateway.epp.wire import ext_proc_pb2 as pb
 
@@ -52,9 +46,6 @@ _OK, _CANCELLED, _INVALID_ARGUMENT, _NOT_FOUND, _RESOURCE_EXHAUSTED, _UNIMPLEMEN
 _WINDOW = 1 << 20  # per-stream receive window we advertise (BUFFERED bodies arrive in one message)
 _CONNECTION_WINDOW = 16 << 20
 _MAX_STREAMS = 4096
-_H2_CONFIG = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=False,
-                                       normalize_inbound_headers=False, validate_outbound_headers=False,
-                                       normalize_outbound_headers=False)
 _RESPONSE_HEADERS = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 
 Handler = Callable[[Callable[[], Awaitable[pb.ProcessingRequest | None]],
@@ -119,30 +110,25 @@ class _Stream:
 
 
 class _Connection(asyncio.Protocol):
-    """One HTTP/2 connection (from one Envoy worker, typically): all its streams."""
+    """One HTTP/2 connection (from one Envoy worker, typically): all its streams. The protocol
+    state is `http2.Http2Server`'s; this class is its handler (gRPC on top) and its I/O."""
 
     def __init__(self, server: "H2GrpcServer") -> None:
         self.server = server
         self.loop = asyncio.get_running_loop()
-        self.h2 = h2.connection.H2Connection(config=_H2_CONFIG)
+        self.h2 = http2.Http2Server(self, stream_window=_WINDOW, connection_window=_CONNECTION_WINDOW,
+                                    max_streams=_MAX_STREAMS, max_header_list=64 * 1024)
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, _Stream] = {}
         self.flush_scheduled = False
         self.draining = False
         self.last_stream_id = 0  # after GOAWAY: the last stream we serve
         self.closed = asyncio.Event()
-        self.acks: dict[int, int] = {}  # stream id -> received bytes to acknowledge after this read
 
     # -- asyncio.Protocol
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.h2.local_settings = h2.settings.Settings(client=False, initial_values={
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: _MAX_STREAMS,
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW,
-            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 64 * 1024,
-        })
-        self.h2.initiate_connection()
-        self.h2.increment_flow_control_window(_CONNECTION_WINDOW - 65535)
+        self.h2.initiate()
         self.server.connections.add(self)
         self.flush()
 
@@ -155,61 +141,21 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            events = self.h2.receive_data(data)
-        except h2.exceptions.ProtocolError as exc:
-            log.warning("ext_proc HTTP/2 protocol error from the peer: %s", exc)
-            self.flush()
-            self.transport.close()
-            return
-        try:
-            self._events(events)
-        except h2.exceptions.ProtocolError as exc:  # e.g. a frame for a stream h2 no longer allows
+            self.h2.receive(data)
+        except http2.ConnectionError_ as exc:
             log.warning("ext_proc HTTP/2 connection closed: %s", exc)
             self.flush()
             self.transport.close()
             return
-        if self.acks:  # one window update per stream per read, not one per frame
-            for sid, n in self.acks.items():
-                self._ack(sid, n)
-            self.acks.clear()
         self.flush()
 
-    def _events(self, events: list) -> None:
-        for ev in events:
-            t = type(ev)
-            if t is h2.events.DataReceived:
-                self._data(ev)
-            elif t is h2.events.RequestReceived:
-                self._request(ev)
-            elif t is h2.events.StreamEnded:
-                st = self.streams.get(ev.stream_id)
-                if st is not None:
-                    self._remote_end(st)
-            elif t is h2.events.StreamReset:
-                st = self.streams.pop(ev.stream_id, None)
-                if st is not None:
-                    self._lose(st)
-            elif t is h2.events.WindowUpdated:
-                if ev.stream_id == 0:
-                    for st in self.streams.values():
-                        st.wake_window()
-                elif (st := self.streams.get(ev.stream_id)) is not None:
-                    st.wake_window()
-            elif t is h2.events.ConnectionTerminated:
-                self.flush()
-                self.transport.close()
-                return
-            elif t is h2.events.TrailersReceived:  # a gRPC client sends none; end of stream comes as StreamEnded
-                pass
-
-    # -- inbound
-    def _request(self, ev: h2.events.RequestReceived) -> None:
-        sid = ev.stream_id
+    # -- http2.Handler: inbound
+    def on_request(self, sid: int, headers: list, end_stream: bool) -> None:
         if self.draining and sid > self.last_stream_id:
-            self.h2.reset_stream(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
+            self.h2.reset(sid, http2.REFUSED_STREAM)
             return
         path = ctype = None
-        for k, v in ev.headers:
+        for k, v in headers:
             if k == b":path":
                 path = v
             elif k == b"content-type":
@@ -222,34 +168,50 @@ class _Connection(asyncio.Protocol):
             self.streams[sid] = st
             st.task = self.loop.create_task(self.server.run_process(st))
         elif path == HEALTH_CHECK_METHOD:
-            self.streams[sid] = _Stream(self, sid, "check")
+            st = _Stream(self, sid, "check")
+            self.streams[sid] = st
         else:
             self._trailers_only(sid, _UNIMPLEMENTED, f"unknown method {path.decode('latin-1') if path else ''}")
-
-    def _data(self, ev: h2.events.DataReceived) -> None:
-        st = self.streams.get(ev.stream_id)
-        n = ev.flow_controlled_length
-        if st is None or st.finished:  # a stream we are done with: keep the window open, drop the data
-            if n:
-                self.acks[ev.stream_id] = self.acks.get(ev.stream_id, 0) + n
             return
-        st.buf += ev.data
-        buf, limit = st.buf, self.server.max_message_bytes
-        while len(buf) >= 5:
-            flag, size = _PREFIX.unpack_from(buf)
+        if end_stream:
+            self.on_end(sid)
+
+    def on_data(self, sid: int, data: bytes, n: int, end_stream: bool) -> None:
+        st = self.streams.get(sid)
+        if st is None or st.finished:  # a stream we are done with: keep the window open, drop the data
+            self.h2.ack(sid, n)
+        else:
+            self._data(st, data, n)
+        if end_stream:
+            self.on_end(sid)
+
+    def _data(self, st: _Stream, data: bytes, n: int) -> None:
+        if st.buf:
+            st.buf += data
+            buf = st.buf
+        else:
+            buf = data
+        limit = self.server.max_message_bytes
+        pos, size_buf = 0, len(buf)
+        while size_buf - pos >= 5:
+            flag, size = _PREFIX.unpack_from(buf, pos)
             if flag != 0:
                 self._fail(st, _UNIMPLEMENTED, "compressed gRPC messages are not supported")
                 return
             if size > limit:
                 self._fail(st, _RESOURCE_EXHAUSTED, f"message of {size} bytes over the limit of {limit}")
                 return
-            if len(buf) < 5 + size:
+            if size_buf - pos < 5 + size:
                 break
-            st.inbox.append(bytes(buf[5:5 + size]))
-            del buf[:5 + size]
+            st.inbox.append(bytes(buf[pos + 5:pos + 5 + size]))
+            pos += 5 + size
+        if buf is st.buf:
+            del buf[:pos]
+        elif pos < size_buf:
+            st.buf += buf[pos:]
         if n:
             if st.buffered() <= limit:
-                self.acks[ev.stream_id] = self.acks.get(ev.stream_id, 0) + n
+                self.h2.ack(st.sid, n)
             else:
                 st.unacked += n  # released as the messages are read
         if st.inbox:
@@ -258,7 +220,10 @@ class _Connection(asyncio.Protocol):
             else:
                 st.wake()
 
-    def _remote_end(self, st: _Stream) -> None:
+    def on_end(self, sid: int) -> None:
+        st = self.streams.get(sid)
+        if st is None:
+            return
         st.remote_closed = True
         if st.kind == "check":
             if not st.finished:
@@ -270,17 +235,27 @@ class _Connection(asyncio.Protocol):
         if st.finished:
             self.streams.pop(st.sid, None)
 
-    def _ack(self, sid: int, n: int) -> None:
-        try:
-            self.h2.acknowledge_received_data(n, sid)
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-            pass
+    def on_reset(self, sid: int) -> None:
+        st = self.streams.pop(sid, None)
+        if st is not None:
+            self._lose(st)
+
+    def on_window(self, sid: int) -> None:
+        if sid == 0:
+            for st in self.streams.values():
+                st.wake_window()
+        elif (st := self.streams.get(sid)) is not None:
+            st.wake_window()
+
+    def on_goaway(self) -> None:
+        self.flush()
+        self.transport.close()
 
     def release(self, st: _Stream) -> None:
         """The reader consumed messages: give back the window held for them."""
         if st.buffered() <= self.server.max_message_bytes and st.unacked and not st.gone:
             n, st.unacked = st.unacked, 0
-            self._ack(st.sid, n)
+            self.h2.ack(st.sid, n)
             self.flush_soon()
 
     def _lose(self, st: _Stream) -> None:
@@ -293,23 +268,28 @@ class _Connection(asyncio.Protocol):
         if st.gone or st.finished:
             raise StreamGone(f"stream {st.sid} is closed")
         h = self.h2
-        data = memoryview(_PREFIX.pack(0, len(payload)) + payload)
+        data = _PREFIX.pack(0, len(payload)) + payload
         try:
             if not st.headers_sent:
                 h.send_headers(st.sid, _RESPONSE_HEADERS)
                 st.headers_sent = True
             while data:
-                room = min(h.local_flow_control_window(st.sid), h.max_outbound_frame_size)
-                if room <= 0:
+                room = h.room(st.sid)
+                if room < 0:
+                    raise StreamGone(f"stream {st.sid} is closed")
+                if room == 0:
                     self.flush()
                     st.window = self.loop.create_future()
                     await st.window
                     if st.gone or st.finished:
                         raise StreamGone(f"stream {st.sid} is closed")
                     continue
-                h.send_data(st.sid, data[:room].tobytes())
+                if room >= len(data):
+                    h.send_data(st.sid, data)
+                    break
+                h.send_data(st.sid, data[:room])
                 data = data[room:]
-        except h2.exceptions.ProtocolError as exc:  # the stream or the connection closed under us
+        except KeyError as exc:  # the stream closed under us
             raise StreamGone(f"stream {st.sid} is closed") from exc
         self.flush_soon()
 
@@ -326,7 +306,7 @@ class _Connection(asyncio.Protocol):
                 self.h2.send_headers(st.sid, trailers, end_stream=True)
             else:
                 self.h2.send_headers(st.sid, list(_RESPONSE_HEADERS) + trailers, end_stream=True)
-        except h2.exceptions.ProtocolError:  # the peer reset it, or the connection is closing
+        except KeyError:  # the peer reset it, or the connection is closing
             pass
         if st.remote_closed:
             self.streams.pop(st.sid, None)
@@ -343,7 +323,7 @@ class _Connection(asyncio.Protocol):
                                           (b"grpc-message", quote(message).encode())]
         try:
             self.h2.send_headers(sid, hdrs, end_stream=True)
-        except h2.exceptions.ProtocolError:
+        except KeyError:
             pass
 
     def _answer_check(self, st: _Stream) -> None:
@@ -362,8 +342,12 @@ class _Connection(asyncio.Protocol):
         payload = health_pb2.HealthCheckResponse(status=status).SerializeToString()
         self.h2.send_headers(st.sid, _RESPONSE_HEADERS)
         st.headers_sent = True
-        self.h2.send_data(st.sid, _PREFIX.pack(0, len(payload)) + payload)  # tiny: always within the window
-        self.finish(st, _OK)
+        data = _PREFIX.pack(0, len(payload)) + payload
+        if self.h2.room(st.sid) >= len(data):  # tiny: within any window but a peer's that is shut
+            self.h2.send_data(st.sid, data)
+            self.finish(st, _OK)
+        else:
+            self.finish(st, _RESOURCE_EXHAUSTED, "the peer's flow-control window is closed")
 
     def flush_soon(self) -> None:
         if not self.flush_scheduled:
@@ -372,7 +356,7 @@ class _Connection(asyncio.Protocol):
 
     def flush(self) -> None:
         self.flush_scheduled = False
-        data = self.h2.data_to_send()
+        data = self.h2.take()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
@@ -380,10 +364,9 @@ class _Connection(asyncio.Protocol):
     def goaway(self) -> None:
         """Graceful: no stream after the highest one seen will be served."""
         self.draining = True
-        self.last_stream_id = self.h2.highest_inbound_stream_id
+        self.last_stream_id = self.h2.highest
+        self.h2.goaway(self.last_stream_id)
         self.flush()
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(GoAwayFrame(stream_id=0, last_stream_id=self.last_stream_id).serialize())
 
     def busy(self) -> bool:
         return any(st.kind == "process" and st.task is not None and not st.task.done() for st in self.streams.values())
@@ -393,10 +376,7 @@ class _Connection(asyncio.Protocol):
             if st.task is not None and not st.task.done():
                 st.task.cancel()
         if self.transport is not None and not self.transport.is_closing():
-            try:
-                self.h2.close_connection(last_stream_id=self.last_stream_id or self.h2.highest_inbound_stream_id)
-            except h2.exceptions.ProtocolError:
-                pass
+            self.h2.goaway(self.last_stream_id or self.h2.highest)
             self.flush()
             self.transport.close()
 
