@@ -27,6 +27,7 @@ import asyncio
 import logging
 import struct
 from collections import deque
+from functools import partial
 from typing import Awaitable, Callable
 from urllib.parse import quote
 
@@ -60,7 +61,7 @@ class _Stream:
     """One HTTP/2 stream's gRPC state: parsed inbound messages, and our reply's progress."""
 
     __slots__ = ("conn", "sid", "kind", "buf", "inbox", "waiter", "remote_closed", "gone", "headers_sent",
-                 "finished", "unacked", "window", "task")
+                 "finished", "unacked", "window", "task", "outq", "trailers", "inline")
 
     def __init__(self, conn: "_Connection", sid: int, kind: str) -> None:
         self.conn, self.sid, self.kind = conn, sid, kind
@@ -72,8 +73,11 @@ class _Stream:
         self.headers_sent = False
         self.finished = False
         self.unacked = 0  # received bytes held back from the peer's window until read
-        self.window: asyncio.Future | None = None  # a reply waiting for the peer's window
+        self.window: asyncio.Future | None = None  # a writer waiting for `outq` to drain
         self.task: asyncio.Task | None = None
+        self.outq: deque = deque()  # framed messages waiting for the peer's window, in order
+        self.trailers: list | None = None  # our trailers, once `outq` has drained
+        self.inline = None  # serve_stream's handler for messages that need no wait (module rules)
 
     def buffered(self) -> int:
         return len(self.buf) + sum(len(m) for m in self.inbox if m is not None)
@@ -106,7 +110,15 @@ class _Stream:
             raise ProtocolError(f"undecodable ProcessingRequest ({len(raw)} bytes)") from exc
 
     async def write(self, msg) -> None:
-        await self.conn.send_message(self, msg.SerializeToString())
+        self.conn.queue(self, msg.SerializeToString())
+        while self.outq and not self.gone:
+            self.window = self.conn.loop.create_future()
+            await self.window
+        if self.gone:
+            raise StreamGone(f"stream {self.sid} is closed")
+
+    def write_now(self, msg) -> None:
+        self.conn.queue(self, msg.SerializeToString())
 
 
 class _Connection(asyncio.Protocol):
@@ -217,8 +229,38 @@ class _Connection(asyncio.Protocol):
         if st.inbox:
             if st.kind == "check":
                 self._answer_check(st)
+            elif st.inline is not None and st.waiter is not None and not st.waiter.done():
+                self._inline(st)
             else:
                 st.wake()
+
+    def _inline(self, st: _Stream) -> None:
+        """Messages the stream's task would take with no wait, taken here (module rules); the rest,
+        from the first it cannot, wake the task."""
+        inbox = st.inbox
+        while inbox and inbox[0] is not None and not st.outq and not st.gone and not st.finished:
+            try:
+                msg = pb.ProcessingRequest.FromString(inbox[0])
+            except Exception:  # noqa: BLE001 - the task reports it
+                break
+            try:
+                taken = st.inline(msg, st.write_now)
+            except (ProtocolError, StreamGone) as exc:
+                inbox.popleft()
+                self._fail(st, _INVALID_ARGUMENT, str(exc))
+                return
+            except Exception:  # noqa: BLE001 - one stream's failure never takes the server down
+                inbox.popleft()
+                log.exception("ext_proc stream failed")
+                self._fail(st, _INTERNAL, "the endpoint picker failed on this stream")
+                return
+            if not taken:
+                break
+            inbox.popleft()
+        if st.unacked:
+            self.release(st)
+        if inbox:
+            st.wake()
 
     def on_end(self, sid: int) -> None:
         st = self.streams.get(sid)
@@ -232,7 +274,7 @@ class _Connection(asyncio.Protocol):
             return
         st.inbox.append(None)
         st.wake()
-        if st.finished:
+        if st.finished and not st.outq and st.trailers is None:
             self.streams.pop(st.sid, None)
 
     def on_reset(self, sid: int) -> None:
@@ -242,10 +284,11 @@ class _Connection(asyncio.Protocol):
 
     def on_window(self, sid: int) -> None:
         if sid == 0:
-            for st in self.streams.values():
-                st.wake_window()
+            for st in list(self.streams.values()):
+                if st.outq or st.trailers is not None:
+                    self._pump(st)
         elif (st := self.streams.get(sid)) is not None:
-            st.wake_window()
+            self._pump(st)
 
     def on_goaway(self) -> None:
         self.flush()
@@ -260,47 +303,61 @@ class _Connection(asyncio.Protocol):
 
     def _lose(self, st: _Stream) -> None:
         st.gone = True
+        st.outq.clear()
+        st.trailers = None
         st.wake()
         st.wake_window()
 
     # -- outbound
-    async def send_message(self, st: _Stream, payload: bytes) -> None:
+    def queue(self, st: _Stream, payload: bytes) -> None:
+        """One message on `st`, sent as far as the peer's windows allow; the rest waits in order."""
         if st.gone or st.finished:
             raise StreamGone(f"stream {st.sid} is closed")
-        h = self.h2
-        data = _PREFIX.pack(0, len(payload)) + payload
         try:
             if not st.headers_sent:
-                h.send_headers(st.sid, _RESPONSE_HEADERS)
+                self.h2.send_headers(st.sid, _RESPONSE_HEADERS)
                 st.headers_sent = True
-            while data:
-                room = h.room(st.sid)
-                if room < 0:
-                    raise StreamGone(f"stream {st.sid} is closed")
-                if room == 0:
-                    self.flush()
-                    st.window = self.loop.create_future()
-                    await st.window
-                    if st.gone or st.finished:
-                        raise StreamGone(f"stream {st.sid} is closed")
-                    continue
-                if room >= len(data):
-                    h.send_data(st.sid, data)
-                    break
-                h.send_data(st.sid, data[:room])
-                data = data[room:]
         except KeyError as exc:  # the stream closed under us
             raise StreamGone(f"stream {st.sid} is closed") from exc
+        st.outq.append(_PREFIX.pack(0, len(payload)) + payload)
+        self._pump(st)
+        self.flush_soon()
+
+    def _pump(self, st: _Stream) -> None:
+        """Send what `st` has waiting, as the windows allow; its trailers once nothing is."""
+        h, q, sid = self.h2, st.outq, st.sid
+        while q:
+            room = h.room(sid)
+            if room <= 0:
+                return  # < 0: the stream is gone (on_reset loses it)
+            head = q[0]
+            if len(head) <= room:
+                h.send_data(sid, head)
+                q.popleft()
+            else:
+                h.send_data(sid, head[:room])
+                q[0] = head[room:]
+        if st.trailers is not None:
+            trailers, st.trailers = st.trailers, None
+            self._send_trailers(st, trailers)
+        st.wake_window()
         self.flush_soon()
 
     def finish(self, st: _Stream, status: int, message: str | None = None) -> None:
-        """End our side: trailers (or trailers alone when nothing was sent)."""
+        """End our side: trailers (or trailers alone when nothing was sent), after what waits."""
         if st.finished or st.gone:
             return
         st.finished = True
         trailers = [(b"grpc-status", str(status).encode())]
         if message:
             trailers.append((b"grpc-message", quote(message, safe=" !#$&'()*+,/:;=?@[]~").encode()))
+        if st.outq:
+            st.trailers = trailers
+            return
+        self._send_trailers(st, trailers)
+        self.flush_soon()
+
+    def _send_trailers(self, st: _Stream, trailers: list) -> None:
         try:
             if st.headers_sent:
                 self.h2.send_headers(st.sid, trailers, end_stream=True)
@@ -310,7 +367,6 @@ class _Connection(asyncio.Protocol):
             pass
         if st.remote_closed:
             self.streams.pop(st.sid, None)
-        self.flush_soon()
 
     def _fail(self, st: _Stream, status: int, message: str) -> None:
         self.finish(st, status, message)
@@ -406,7 +462,7 @@ class H2GrpcServer:
     async def run_process(self, st: _Stream) -> None:
         conn = st.conn
         try:
-            await self.handler(st.read, st.write)
+            await self.handler(st.read, st.write, inline=partial(setattr, st, "inline"))
         except ProtocolError as exc:
             conn.finish(st, _INVALID_ARGUMENT, str(exc))
         except StreamGone:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from grpc_health.v1 import health_pb2
@@ -30,6 +31,7 @@ from gateway.epp.extproc import (BUFFERED, FULL_DUPLEX_STREAMED, ExtProcStream, 
                                  RequestComplete)
 from gateway.epp.grpcio_transport import GrpcioServer
 from gateway.epp.h2_transport import H2GrpcServer
+from gateway.epp.wire import ext_proc_pb2 as pb
 from gateway.errors import ApiError
 
 __all__ = ["Picker", "EppServer", "EppStats", "EXT_PROC_SERVICE", "HEALTH_SERVICES", "METHOD", "TRANSPORTS"]
@@ -43,6 +45,7 @@ TRANSPORTS = ("h2", "grpcio")  # gateway.epp.h2_transport (default), gateway.epp
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _GRPC_OVERHEAD_BYTES = 64 * 1024  # message framing and headers on top of a body
+_RESPONSE_PHASE = frozenset({"response_headers", "response_body", "response_trailers"})  # no pick, no wait
 
 
 @runtime_checkable
@@ -138,14 +141,20 @@ class EppServer:
             await self._server.wait_closed()
 
     # ------------------------------------------------------------------ one stream
-    async def serve_stream(self, read, write) -> None:
+    async def serve_stream(self, read, write, inline=None) -> None:
         """One ext_proc stream over any transport: `read()` -> the next ProcessingRequest or None
         at the end; `write(ProcessingResponse)`. Raises ProtocolError (the transport ends the
-        stream with INVALID_ARGUMENT)."""
+        stream with INVALID_ARGUMENT). `inline(handler)`, when the transport offers it, receives
+        `handler(msg, write_now) -> bool`: the transport may hand it a message in its own callback
+        while this task waits in `read()`; it takes a response-phase message (no wait: replies via
+        the synchronous `write_now`) and returns True, or returns False and leaves it to `read()`.
+        A streamed answer's ~35 messages then cost no task switch each."""
         st = self.stats
         st.streams += 1
         conv = ExtProcStream(max_body_bytes=self.max_body_bytes, request_body_mode=self.default_request_body_mode,
                              response_body_mode=self.default_response_body_mode)
+        if inline is not None:
+            inline(partial(self._take_now, conv))
         try:
             while True:
                 msg = await read()
@@ -184,6 +193,24 @@ class EppServer:
             done = conv.close()
             if done is not None:
                 self._observe(done.ctx, done.outcome)
+
+    def _take_now(self, conv: ExtProcStream, msg: pb.ProcessingRequest, write_now) -> bool:
+        """`serve_stream`'s `inline` handler: the loop's work for a response-phase message."""
+        if msg.WhichOneof("request") not in _RESPONSE_PHASE or conv.rejected:
+            return False
+        try:
+            replies, event = conv.receive(msg)
+        except ProtocolError as exc:
+            self.stats.protocol_errors += 1
+            log.warning("ext_proc protocol error: %s", exc)
+            raise
+        try:
+            for r in replies:
+                write_now(r)
+        finally:  # as in the loop: a reply Envoy cut short still observes the response
+            if event is not None:
+                self._observe(event.ctx, event.outcome)
+        return True
 
     async def _pick(self, event: RequestComplete) -> Pick | Reject:
         try:
