@@ -129,14 +129,19 @@ class Gateway:
         return self.model.keychain
 
     # ------------------------------------------------------------------ lifecycle
+    def _load_tokenizer(self) -> TokenizerService:
+        cfg = self.cfg.model
+        tok = TokenizerService(cfg.tokenizer_dir, max_workers=cfg.tokenizer_workers)
+        tok.warm_up()  # the first request would compile the chat template (off the loop here)
+        return tok
+
     async def start(self) -> None:
         cfg = self.cfg
         self.session = make_session(cfg.proxy.pool_limit, cfg.proxy.connect_timeout_s)
         self.pool = UpstreamPool(connect_timeout_s=cfg.proxy.connect_timeout_s, max_idle_per_host=cfg.proxy.pool_limit)
         await self._start_admin()
         if self.tokenizer is None:
-            self.tokenizer = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: TokenizerService(cfg.model.tokenizer_dir, max_workers=cfg.model.tokenizer_workers))
+            self.tokenizer = await asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
         if not cfg.feed.load_only:
             self._start_feed()
         await self._start_membership()

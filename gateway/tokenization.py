@@ -443,6 +443,17 @@ class TokenizerService:
             return ids
         return await self._encode_text_auto(text, False, inline_max_chars)
 
+    def warm_up(self) -> None:
+        """Render and encode one short chat (and plain text) now, so the first request does not pay
+        for compiling the chat template and reading it for its variables (~5-20 ms once, off the
+        event loop when called where the service is built). A template that refuses the sample
+        (one that needs a system message first, say) is left cold: no error."""
+        self.encode_prompt("warm-up")
+        try:
+            self.encode_chat([{"role": "user", "content": "warm-up"}])
+        except TokenizationError:
+            pass
+
     def close(self) -> None:
         """Stop the thread pool (waits for running work) and drop the cache. Idempotent."""
         if self._closed:

@@ -451,3 +451,24 @@ def test_cache_peek_counts_nothing():
     c.put("d", [4])
     c.put("e", [5])  # "a" is the oldest put (holds() did not refresh it): evicted
     assert not c.holds("a") and c.holds("b")
+
+
+def test_warm_up_compiles_the_chat_template_so_the_first_request_does_not(tokenizer_dir, tmp_path):
+    from gateway.chat_messages import template_variables
+
+    d = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, d)
+    tpl = d / "chat_template.jinja"
+    tpl.write_text(tpl.read_text() + "{# a template no other test has compiled #}")
+    chat = [{"role": "user", "content": "hi"}]
+    for warm in (False, True):
+        template_variables.cache_clear()
+        s = TokenizerService(d)
+        try:
+            if warm:
+                s.warm_up()
+            before = template_variables.cache_info().misses
+            s.encode_chat(chat)
+            assert template_variables.cache_info().misses - before == (0 if warm else 1)
+        finally:
+            s.close()
