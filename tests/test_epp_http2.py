@@ -229,6 +229,27 @@ def test_a_peer_overrunning_the_stream_window_loses_the_stream_not_the_connectio
     assert rec.events[-1][:2] == ("request", 3)
 
 
+def test_headers_on_a_stream_we_reset_are_ignored():
+    cli, srv, rec = pair(max_streams=1)
+    cli.send_headers(1, REQUEST)
+    srv.receive(cli.data_to_send())
+    enc = hpack.Encoder()
+    srv.receive(frame(1, 4, 3, enc.encode(REQUEST)))  # refused: over the limit
+    srv.receive(frame(1, 5, 3, enc.encode([(b"x-trailer", b"1")])))  # late frames of it: not an error
+    srv.receive(frame(0, 1, 3, b"late"))
+    srv.take()
+    cli.send_data(1, b"still here", end_stream=True)
+    srv.receive(cli.data_to_send())
+    assert [e[:2] for e in rec.events] == [("request", 1), ("data", 1)]
+
+
+def test_a_header_list_over_the_limit_ends_the_connection():
+    cli, srv, rec = pair(max_header_list=1024)
+    with pytest.raises(http2.ConnectionError_):  # hand-made: a well-behaved client keeps to our limit
+        srv.receive(frame(1, 5, 1, hpack.Encoder().encode(REQUEST + [(b"x-big", b"v" * 2000)])))
+    assert goaway_code(srv.take()) == http2.ENHANCE_YOUR_CALM and rec.events == []
+
+
 def test_not_http2_is_refused_at_the_preface():
     srv = http2.Http2Server(Recorder())
     with pytest.raises(http2.ConnectionError_):

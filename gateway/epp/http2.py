@@ -32,12 +32,13 @@ import hpack
 
 __all__ = ["ConnectionError_", "Http2Server", "Handler", "NO_ERROR", "PROTOCOL_ERROR", "INTERNAL_ERROR",
            "FLOW_CONTROL_ERROR", "STREAM_CLOSED", "FRAME_SIZE_ERROR", "REFUSED_STREAM", "CANCEL",
-           "COMPRESSION_ERROR", "PREFACE"]
+           "COMPRESSION_ERROR", "ENHANCE_YOUR_CALM", "PREFACE"]
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # error codes (RFC 9113 section 7)
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
 STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x5, 0x6, 0x7, 0x8, 0x9
+ENHANCE_YOUR_CALM = 0xB
 # frame types and flags
 _DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS, _PUSH_PROMISE, _PING, _GOAWAY, _WINDOW_UPDATE, _CONTINUATION = range(10)
 _END_STREAM, _ACK, _END_HEADERS, _PADDED, _PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
@@ -338,8 +339,8 @@ class Http2Server:
     def _header_block(self, sid: int, flags: int, block: bytes) -> None:
         try:
             headers = self._dec.decode(block, raw=True)  # always decoded: HPACK's table is the connection's
-        except hpack.OversizedHeaderListError:
-            headers = None
+        except hpack.OversizedHeaderListError:  # the table may be half updated: the connection cannot go on
+            self._fail(ENHANCE_YOUR_CALM, f"a header list over {self.max_header_list} bytes")
         except hpack.HPACKError as exc:
             self._fail(COMPRESSION_ERROR, f"undecodable header block ({type(exc).__name__})")
         end = bool(flags & _END_STREAM)
@@ -358,10 +359,12 @@ class Http2Server:
                 self.streams.pop(sid, None)
             self.h.on_end(sid)
             return
-        if sid % 2 == 0 or sid <= self.highest:
-            self._fail(PROTOCOL_ERROR, f"HEADERS opening stream {sid} out of order")
+        if sid % 2 == 0:
+            self._fail(PROTOCOL_ERROR, f"HEADERS on stream {sid}, which a client cannot open")
+        if sid <= self.highest:
+            return  # a stream that is over (one we reset, say): ignored (RFC 9113 5.1)
         self.highest = sid
-        if headers is None or len(self.streams) >= self.max_streams:
+        if len(self.streams) >= self.max_streams:
             self._out.append(_frame(_RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
             return
         st = _S(self._peer_initial, self.stream_window)
