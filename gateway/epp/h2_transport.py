@@ -15,7 +15,14 @@ compressed messages are refused (Envoy's gRPC client does not compress); replies
 response headers, messages, then trailers with `grpc-status` (and a percent-encoded
 `grpc-message`), or trailers alone when nothing was sent. Flow control: received data is
 acknowledged at once while the stream holds under one message's limit unread, and as it is read
-beyond that, so a peer cannot make us buffer without bound; a reply waits for the peer's window.
+beyond that, so a peer cannot make us buffer without bound; a stream's replies wait in order in
+its queue (`outq`) for the peer's window, its trailers after them.
+
+Inline: while a stream's task waits in `read()`, a message that arrives is offered to
+`serve_stream`'s inline handler in this connection's callback (the response phase: response
+headers, body chunks, trailers, which need no pick and no wait), its replies queued with no await;
+a message the handler declines, or any behind a reply still waiting for window, wakes the task as
+before. A streamed answer's ~35 messages then cost no task switch each.
 
 Stop: the listeners close, each connection gets a GOAWAY naming the last stream it will serve
 (later streams are refused with REFUSED_STREAM, which a client may retry elsewhere), open
@@ -77,7 +84,7 @@ class _Stream:
         self.task: asyncio.Task | None = None
         self.outq: deque = deque()  # framed messages waiting for the peer's window, in order
         self.trailers: list | None = None  # our trailers, once `outq` has drained
-        self.inline = None  # serve_stream's handler for messages that need no wait (module rules)
+        self.inline = None  # serve_stream's handler for messages that need no wait (module docstring: Inline)
 
     def buffered(self) -> int:
         return len(self.buf) + sum(len(m) for m in self.inbox if m is not None)
@@ -235,8 +242,8 @@ class _Connection(asyncio.Protocol):
                 st.wake()
 
     def _inline(self, st: _Stream) -> None:
-        """Messages the stream's task would take with no wait, taken here (module rules); the rest,
-        from the first it cannot, wake the task."""
+        """Messages the stream's task would take with no wait, taken here (module docstring:
+        Inline); the rest, from the first it cannot take, wake the task."""
         inbox = st.inbox
         while inbox and inbox[0] is not None and not st.outq and not st.gone and not st.finished:
             try:
