@@ -160,12 +160,7 @@ class EppServer:
                 msg = await read()
                 if msg is None:
                     return
-                try:
-                    replies, event = conv.receive(msg)
-                except ProtocolError as exc:
-                    st.protocol_errors += 1
-                    log.warning("ext_proc protocol error: %s", exc)
-                    raise
+                replies, event = self._receive(conv, msg)
                 if event is not None and type(event) is not RequestComplete:
                     # The response ended. Envoy may cancel the stream as soon as it has our last
                     # reply, which interrupts that write: observe whatever happens to it.
@@ -194,16 +189,20 @@ class EppServer:
             if done is not None:
                 self._observe(done.ctx, done.outcome)
 
-    def _take_now(self, conv: ExtProcStream, msg: pb.ProcessingRequest, write_now) -> bool:
-        """`serve_stream`'s `inline` handler: the loop's work for a response-phase message."""
-        if msg.WhichOneof("request") not in _RESPONSE_PHASE or conv.rejected:
-            return False
+    def _receive(self, conv: ExtProcStream, msg: pb.ProcessingRequest):
+        """`conv.receive(msg)`; a protocol error is counted and logged, then raised."""
         try:
-            replies, event = conv.receive(msg)
+            return conv.receive(msg)
         except ProtocolError as exc:
             self.stats.protocol_errors += 1
             log.warning("ext_proc protocol error: %s", exc)
             raise
+
+    def _take_now(self, conv: ExtProcStream, msg: pb.ProcessingRequest, write_now) -> bool:
+        """`serve_stream`'s `inline` handler: the loop's work for a response-phase message."""
+        if msg.WhichOneof("request") not in _RESPONSE_PHASE or conv.rejected:
+            return False
+        replies, event = self._receive(conv, msg)
         try:
             for r in replies:
                 write_now(r)
