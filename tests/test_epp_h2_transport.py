@@ -13,7 +13,9 @@ import h2.connection
 import h2.events
 import h2.settings
 import pytest
+from grpc_health.v1 import health_pb2
 
+from gateway.epp.h2_transport import HEALTH_CHECK_METHOD
 from gateway.epp.server import METHOD, EppServer
 from gateway.epp.wire import ext_proc_pb2 as pb
 from tests.epp_double import StaticPickerDouble
@@ -42,11 +44,11 @@ class RawClient:
         self.trailers: dict | None = None
         self.reset = False
 
-    async def open(self, port: int) -> None:
+    async def open(self, port: int, path: bytes = METHOD.encode()) -> None:
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", port)
         self.conn.initiate_connection()
         self.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: self.window})
-        self.conn.send_headers(1, [(b":method", b"POST"), (b":scheme", b"http"), (b":path", METHOD.encode()),
+        self.conn.send_headers(1, [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path),
                                    (b":authority", b"picker"), (b"content-type", b"application/grpc"), (b"te", b"trailers")])
         await self.flush()
 
@@ -134,3 +136,22 @@ async def test_a_protocol_error_taken_inline_ends_the_stream_with_invalid_argume
     assert cli.trailers is not None and cli.trailers[b"grpc-status"] == b"3"  # INVALID_ARGUMENT
     assert srv.stats.protocol_errors == 1
     assert len(picker.outcomes) == 0 or picker.outcomes[0][1].ended_early
+
+
+async def test_a_health_check_answers_through_a_two_byte_window():
+    srv = EppServer(StaticPickerDouble(["10.0.0.1:8000"]), host="127.0.0.1", port=0, transport="h2")
+    cli = RawClient(2)  # the answer (7 bytes) waits in the stream's queue, its trailers behind it
+    try:
+        await cli.open(await srv.start(), HEALTH_CHECK_METHOD)
+        await cli.send([health_pb2.HealthCheckRequest(service="liveness")], end=True)
+        for _ in range(100):
+            if cli.trailers is not None or cli.reset:
+                break
+            await cli.read_some(2)
+        assert cli.trailers is not None and cli.trailers[b"grpc-status"] == b"0"
+        raw = bytes(cli.data)
+        assert health_pb2.HealthCheckResponse.FromString(raw[5:]).status == health_pb2.HealthCheckResponse.SERVING
+        assert all(not c.streams for c in srv._server.connections)  # the stream is dropped once its trailers are out
+    finally:
+        cli.writer.close()
+        await srv.stop(0)

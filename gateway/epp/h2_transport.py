@@ -277,7 +277,8 @@ class _Connection(asyncio.Protocol):
         if st.kind == "check":
             if not st.finished:
                 self._answer_check(st)
-            self.streams.pop(st.sid, None)
+            if not st.outq and st.trailers is None:  # else _send_trailers drops it once they are out
+                self.streams.pop(st.sid, None)
             return
         st.inbox.append(None)
         st.wake()
@@ -402,15 +403,8 @@ class _Connection(asyncio.Protocol):
         if status is None:
             self.finish(st, _NOT_FOUND, "unknown service")
             return
-        payload = health_pb2.HealthCheckResponse(status=status).SerializeToString()
-        self.h2.send_headers(st.sid, _RESPONSE_HEADERS)
-        st.headers_sent = True
-        data = _PREFIX.pack(0, len(payload)) + payload
-        if self.h2.room(st.sid) >= len(data):  # tiny: within any window but a peer's that is shut
-            self.h2.send_data(st.sid, data)
-            self.finish(st, _OK)
-        else:
-            self.finish(st, _RESOURCE_EXHAUSTED, "the peer's flow-control window is closed")
+        self.queue(st, health_pb2.HealthCheckResponse(status=status).SerializeToString())
+        self.finish(st, _OK)  # its trailers follow the answer, when the peer's window lets it out
 
     def flush_soon(self) -> None:
         if not self.flush_scheduled:
