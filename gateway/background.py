@@ -24,8 +24,9 @@ constructor), and how they report trouble.
   `/v1/models` when config does not give them.
 - `run_keep_alive`: every quarter of `keep_alive.idle_s` (at most 1 s), sends the refreshes the
   retainer says are due (gateway.keepalive) to replicas that are up, each its own task bounded by
-  `timeout_s` (at most MAX_REFRESHES_IN_FLIGHT at once; beyond, the rest wait for the next check);
-  a replica that left is forgotten. A refresh is not a client's request: no flow control, no
+  `timeout_s` (at most MAX_REFRESHES_IN_FLIGHT at once; beyond, the rest wait for the next check),
+  and tells the retainer when each is over, so it hands out the next (its `max_in_flight` per
+  replica); a replica that left is forgotten. A refresh is not a client's request: no flow control, no
   in-flight count, no retry.
 A failing dependency is logged once when it fails, then at most once a minute with the count, and
 once when it recovers (replica_agent.feed.FailureLog): a Redis outage is a few lines, not one per
@@ -214,7 +215,7 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
         rep = index.last_load(rid)
         return rep.num_gpu_blocks if rep is not None else 0
 
-    async def refresh(rid: str, url: str, body: dict) -> None:
+    async def refresh(rid: str, url: str, body: dict, rf) -> None:
         try:
             async with session.post(url + "/v1/completions", json=body, timeout=timeout) as r:
                 raw = await r.read()
@@ -232,6 +233,8 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
         except Exception as exc:  # noqa: BLE001 - a failed refresh is counted and logged, nothing else
             metrics.child(metrics.refreshes, rid, "error").inc()
             health.failed(exc)
+        finally:
+            retainer.done(rf)
 
     try:
         while True:
@@ -244,11 +247,12 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
             for rf in retainer.due(time.monotonic(), index.gpu_run, capacity):
                 st = membership.get(rf.replica)
                 if st is None or not st.available(now) or len(pending) >= MAX_REFRESHES_IN_FLIGHT:
+                    retainer.done(rf)  # not sent: due again at a later check
                     continue
                 ids, salt = rf.payload
                 body = refresh_body(model.name, ids, len(rf.keys), bs, salt,
                                     priority=REFRESH_PRIORITY if cfg.engine_priority else None)
-                task = asyncio.create_task(refresh(st.replica_id, st.url, body))
+                task = asyncio.create_task(refresh(st.replica_id, st.url, body, rf))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
     finally:

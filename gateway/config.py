@@ -187,6 +187,7 @@ class KeepAliveConfig:
     forget_s: float = 30.0  # a prefix no request used for this long is no longer kept
     kv_frac: float = 0.9  # a replica's kept prefixes stay under this share of its KV (its agent's report)
     max_per_replica: int = 256  # kept prefixes per replica at most (the least busy go first)
+    max_in_flight: int = 4  # refreshes out at once per replica; a prefix is never refreshed twice at once
     timeout_s: float = 10.0  # a refresh not answered within this long is abandoned
     # refreshes carry vLLM priority -1, ahead of every request (engines: --scheduling-policy priority)
     engine_priority: bool = False

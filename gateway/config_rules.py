@@ -207,8 +207,9 @@ def _check_keep_alive(cfg: GatewayConfig) -> None:
         raise _err("keep_alive.min_tokens", f"must be at least one block (model.block_size {cfg.model.block_size}), got {k.min_tokens}")
     if not 0 < k.kv_frac <= 1:
         raise _err("keep_alive.kv_frac", f"must be in (0, 1], got {k.kv_frac}")
-    if k.max_per_replica < 1:
-        raise _err("keep_alive.max_per_replica", f"must be >= 1, got {k.max_per_replica}")
+    for name in ("max_per_replica", "max_in_flight"):
+        if getattr(k, name) < 1:
+            raise _err(f"keep_alive.{name}", f"must be >= 1, got {getattr(k, name)}")
 
 
 def check_files(cfg: GatewayConfig) -> None:

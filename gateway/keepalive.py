@@ -22,6 +22,13 @@ Rules:
   there (a prefix partly evicted is refreshed as far as it is held; one under `min_blocks` is
   dropped); one no request used for `forget_s` is dropped; at most `max_per_replica` are kept per
   replica (the least busy go first), so memory is bounded whatever tenants send;
+- a refresh is in flight from `due()` until its sender calls `done()` (answered, failed or timed
+  out): a prefix is never refreshed twice at once, and a replica has at most `max_in_flight`
+  refreshes out (of those due, the longest idle first: the engine's LRU evicts it first; the
+  rest wait for a later check). Without this a
+  replica whose queue outgrew `idle_s` was sent a new refresh of every kept prefix each `idle_s`
+  while the earlier ones still waited in that queue: the busier the replica, the more refreshes
+  piled up in it;
 - a refresh carries the root's own token ids and cache salt (the tenant's, from the request that
   made it), so its blocks are exactly the root's;
 - with `engine_priority` it also carries vLLM priority -1, ahead of every client request (flow
@@ -48,19 +55,20 @@ class KeepAlive:
     forget_s: float = 30.0  # a prefix no request used for this long is not kept
     kv_frac: float = 0.9  # a replica's kept blocks stay under this share of its KV
     max_per_replica: int = 256  # kept prefixes per replica at most
+    max_in_flight: int = 4  # refreshes out at once per replica
 
     @classmethod
     def from_config(cls, k, block_size: int) -> "KeepAlive":
         """The rules of the gateway's `keep_alive` section (gateway.config.KeepAliveConfig): token
         counts become blocks (min_tokens rounded down, at least one)."""
         return cls(idle_s=k.idle_s, min_blocks=max(1, k.min_tokens // block_size), forget_s=k.forget_s,
-                   kv_frac=k.kv_frac, max_per_replica=k.max_per_replica)
+                   kv_frac=k.kv_frac, max_per_replica=k.max_per_replica, max_in_flight=k.max_in_flight)
 
     def __post_init__(self) -> None:
         if (self.idle_s <= 0 or self.min_blocks < 1 or self.forget_s <= 0 or not 0 < self.kv_frac <= 1
-                or self.max_per_replica < 1):
-            raise ValueError("keep-alive needs idle_s > 0, min_blocks >= 1, forget_s > 0, 0 < kv_frac <= 1 "
-                             "and max_per_replica >= 1")
+                or self.max_per_replica < 1 or self.max_in_flight < 1):
+            raise ValueError("keep-alive needs idle_s > 0, min_blocks >= 1, forget_s > 0, 0 < kv_frac <= 1, "
+                             "max_per_replica >= 1 and max_in_flight >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +76,7 @@ class Refresh:
     replica: Hashable
     keys: tuple  # the block keys refreshed (the kept prefix, cut to what the index holds)
     payload: Any  # what the prefix was kept with (the gateway: its token ids and salt)
+    kept: Hashable = None  # the kept prefix's last key (its name in the Retainer), for done()
 
 
 @dataclass(slots=True)
@@ -89,6 +98,7 @@ class Retainer:
         self.ka = ka
         self.kept: dict = {}  # replica -> {last key: _Kept}
         self.sent = 0  # refreshes handed out by due()
+        self.in_flight: dict = {}  # replica -> {kept prefix's last key}: handed out, not done()
 
     def used(self, replica: Hashable, keys, root_blocks: int, t: float,
              payload: Callable[[], Any] | None = None) -> None:
@@ -109,6 +119,13 @@ class Retainer:
     def forget(self, replica: Hashable) -> None:
         """The replica left (or restarted empty): nothing is kept there."""
         self.kept.pop(replica, None)
+        self.in_flight.pop(replica, None)
+
+    def done(self, rf: Refresh) -> None:
+        """Refresh `rf` is over (answered, failed or abandoned): its prefix may be refreshed again."""
+        out = self.in_flight.get(rf.replica)
+        if out is not None:
+            out.discard(rf.kept)
 
     def due(self, t: float, held_blocks: Callable[[Hashable, tuple], int],
             capacity_blocks: Callable[[Hashable], int]) -> list[Refresh]:
@@ -120,19 +137,26 @@ class Retainer:
                 del kept[k]
             cap = capacity_blocks(replica)
             room = ka.kv_frac * cap if cap > 0 else math.inf
+            out_here = self.in_flight.setdefault(replica, set())
+            due = []
             for k, e in sorted(kept.items(), key=lambda kv: -kv[1].busy(t, ka.forget_s)):
                 if len(e.keys) > room:
                     continue
                 room -= len(e.keys)
-                if t - e.used < ka.idle_s:
-                    continue
+                if t - e.used >= ka.idle_s and k not in out_here:
+                    due.append((k, e))
+            due.sort(key=lambda ke: ke[1].used)  # the longest idle first: the engine's LRU evicts it first
+            for k, e in due:
+                if len(out_here) >= ka.max_in_flight:
+                    break
                 n = held_blocks(replica, e.keys)
                 if n < ka.min_blocks:
                     del kept[k]
                     continue
                 e.used = t
                 self.sent += 1
-                out.append(Refresh(replica, e.keys[:n], e.payload))
+                out_here.add(k)
+                out.append(Refresh(replica, e.keys[:n], e.payload, k))
         return out
 
 

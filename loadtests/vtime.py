@@ -493,6 +493,7 @@ def simulate(
             for r in fin:
                 if r.pace is KEEPALIVE:
                     refresh_computed += r.prompt - r.cached
+                    retainer.done(r.wr.refresh)
                     continue
                 if r.pace is not None:  # a paced request's chunk: the chain's next part joins the queue
                     rep.waiting.extend(chains.chunk_done(r))

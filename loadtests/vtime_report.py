@@ -230,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                          "prefix not used on its replica for IDLE_S seconds is refreshed there (default 0: off)")
     ap.add_argument("--keep-alive-kv-frac", type=float, default=0.9, metavar="F",
                     help="with --keep-alive: a replica's kept prefixes stay under this share of its KV (default 0.9)")
+    ap.add_argument("--keep-alive-in-flight", type=int, default=KeepAlive().max_in_flight, metavar="N",
+                    help="with --keep-alive: refreshes out at once per replica (default: the gateway's "
+                         "keep_alive.max_in_flight default, %(default)s)")
     ap.add_argument("--keep-alive-priority", action="store_true",
                     help="with --keep-alive: refreshes wait ahead of every request (the gateway's keep_alive.engine_priority "
                          "on engines run with vLLM's --scheduling-policy priority); default: at the back of the queue")
@@ -245,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--long-prefill-threshold takes tokens >= 0 (0: no cap)")
     if args.keep_alive_priority and not args.keep_alive:
         ap.error("--keep-alive-priority goes with --keep-alive")
-    if args.keep_alive < 0 or not 0 < args.keep_alive_kv_frac <= 1:
-        ap.error("--keep-alive takes seconds >= 0 (0: off) and --keep-alive-kv-frac a share in (0, 1]")
+    if args.keep_alive < 0 or not 0 < args.keep_alive_kv_frac <= 1 or args.keep_alive_in_flight < 1:
+        ap.error("--keep-alive takes seconds >= 0 (0: off), --keep-alive-kv-frac a share in (0, 1] "
+                 "and --keep-alive-in-flight a count >= 1")
     if args.gateways < 1:
         ap.error("--gateways takes a count >= 1")
     if (args.pace_min or args.copy_in_background or args.long_prefill_threshold or args.keep_alive) and not args.regime:
@@ -267,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                            if args.pace_min > 0 or args.copy_in_background else None,
                            {"copy_in_background": True} if args.copy_in_background else None,
                            {"long_prefill_token_threshold": args.long_prefill_threshold} if args.long_prefill_threshold else None,
-                           KeepAlive(idle_s=args.keep_alive, kv_frac=args.keep_alive_kv_frac) if args.keep_alive else None,
+                           KeepAlive(idle_s=args.keep_alive, kv_frac=args.keep_alive_kv_frac,
+                                     max_in_flight=args.keep_alive_in_flight) if args.keep_alive else None,
                            refresh_first=args.keep_alive_priority, gateways=args.gateways)
     bad = [x for x in args.policy if x not in POLICY_NAMES]
     if bad:

@@ -40,6 +40,7 @@ def test_an_idle_root_is_due_with_its_payload():
     (rf,) = ret.due(2.5, _held, _cap)
     assert rf.replica == "b" and rf.keys == tuple(keys[:100]) and rf.payload == ("ids", "salt")
     assert ret.due(3.0, _held, _cap) == []  # the refresh counts as a use
+    ret.done(rf)
     ret.used("b", keys, 100, t=4.0, payload=lambda: pytest.fail("the payload is made once, for a new prefix"))
     assert ret.due(5.9, _held, _cap) == [] and len(ret.due(6.1, _held, _cap)) == 1
     assert ret.sent == 2
@@ -58,6 +59,7 @@ def test_a_refresh_is_cut_to_what_the_index_still_holds_and_a_lost_root_is_dropp
     ret.used("a", keys, 100, t=0.0)
     (rf,) = ret.due(2.0, lambda r, k: 80, _cap)  # the LRU took its last 20 blocks (a request's tail goes first)
     assert rf.keys == tuple(keys[:80])
+    ret.done(rf)
     assert ret.due(4.0, lambda r, k: 10, _cap) == []  # under min_blocks: nothing worth keeping is left
     assert ret.kept["a"] == {}
 
@@ -72,7 +74,7 @@ def test_the_gateways_keep_alive_section_becomes_rules_in_blocks():
 
 
 def test_the_budget_keeps_the_busiest_roots_and_forgets_unused_ones():
-    ret = Retainer(KeepAlive(idle_s=1.0, min_blocks=64, forget_s=30.0, kv_frac=0.5))
+    ret = Retainer(KeepAlive(idle_s=1.0, min_blocks=64, forget_s=30.0, kv_frac=0.5, max_in_flight=3))
     hot, cold, third = _doc(1), _doc(2), _doc(3)
     for t in (0.0, 0.5, 1.0):
         ret.used("a", hot, 100, t)
@@ -85,12 +87,38 @@ def test_the_budget_keeps_the_busiest_roots_and_forgets_unused_ones():
 
 
 def test_unknown_kv_is_no_bound_and_the_count_per_replica_is():
-    ret = Retainer(KeepAlive(idle_s=1.0, min_blocks=64, max_per_replica=2))
+    ret = Retainer(KeepAlive(idle_s=1.0, min_blocks=64, max_per_replica=2, max_in_flight=2))
     for n, t in ((1, 0.0), (1, 0.1), (2, 0.2), (3, 0.3)):  # the third document pushes out the least busy (2)
         ret.used("a", _doc(n), 100, t)
     assert sorted(rf.keys[0] for rf in ret.due(2.0, _held, lambda r: 0)) == [_doc(1)[0], _doc(3)[0]]
     ret.forget("a")
     assert ret.due(9.0, _held, _cap) == []
+
+
+def test_a_prefix_is_not_refreshed_twice_at_once_and_a_replica_has_max_in_flight_out():
+    """A refresh still out when its prefix is due again (the replica's queue is longer than idle_s)
+    is not doubled; a replica has at most max_in_flight out (of the due prefixes in its KV budget,
+    the longest idle first), the others handed out as earlier ones are done; another replica's are
+    its own."""
+    ret = Retainer(KeepAlive(idle_s=1.0, min_blocks=64, max_in_flight=2))
+    hot, warm, cold = _doc(1), _doc(2), _doc(3)
+    for n, doc in enumerate((hot, hot, hot, warm, warm, cold)):
+        ret.used("a", doc, 100, t=0.1 * n)
+    ret.used("b", cold, 100, t=0.0)
+    first = ret.due(2.0, _held, _cap)
+    assert sorted((rf.replica, rf.keys[0]) for rf in first) == [("a", hot[0]), ("a", warm[0]), ("b", cold[0])]
+    assert ret.due(5.0, _held, _cap) == []  # all three still out: none doubled, and "a" is at its two
+    a_hot, a_warm = (next(rf for rf in first if rf.replica == "a" and rf.keys[0] == d[0]) for d in (hot, warm))
+    ret.done(a_hot)
+    (rf,) = ret.due(5.1, _held, _cap)  # one slot on "a": of the due, the longest idle (cold, since 0.5; hot since 2.0)
+    assert (rf.replica, rf.keys[0]) == ("a", cold[0])
+    assert ret.due(5.2, _held, _cap) == []
+    ret.done(a_warm)
+    (rf,) = ret.due(5.3, _held, _cap)
+    assert (rf.replica, rf.keys[0]) == ("a", hot[0])  # hot and warm both idle since 2.0: the busier first
+    ret.forget("a")  # a replica that left takes its refreshes out with it; a late done() is harmless
+    ret.done(rf)
+    assert ret.in_flight.get("a") is None
 
 
 def test_refresh_body_is_the_blocks_plus_one_token_with_the_salt():
@@ -116,14 +144,16 @@ def test_a_refreshs_cost_is_read_from_the_engines_usage():
 
 
 def test_keep_alive_rejects_bad_parameters():
-    for kw in ({"idle_s": 0}, {"min_blocks": 0}, {"forget_s": 0}, {"kv_frac": 0}, {"kv_frac": 1.5}, {"max_per_replica": 0}):
+    for kw in ({"idle_s": 0}, {"min_blocks": 0}, {"forget_s": 0}, {"kv_frac": 0}, {"kv_frac": 1.5}, {"max_per_replica": 0},
+               {"max_in_flight": 0}):
         with pytest.raises(ValueError):
             KeepAlive(**kw)
 
 
 def test_config_refuses_bad_keep_alive_values():
     config_from_dict({"keep_alive": {"enabled": True}, "policy": {"name": "cache_plan"}}, env={})
-    for field, value in (("idle_s", 0), ("min_tokens", 8), ("kv_frac", 2), ("max_per_replica", 0), ("timeout_s", -1)):
+    for field, value in (("idle_s", 0), ("min_tokens", 8), ("kv_frac", 2), ("max_per_replica", 0), ("max_in_flight", 0),
+                         ("timeout_s", -1)):
         with pytest.raises(ConfigError, match=f"keep_alive.{field}"):
             config_from_dict({"keep_alive": {field: value}}, env={})
 
