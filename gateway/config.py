@@ -188,6 +188,7 @@ class KeepAliveConfig:
     kv_frac: float = 0.9  # a replica's kept prefixes stay under this share of its KV (its agent's report)
     max_per_replica: int = 256  # kept prefixes per replica at most (the least busy go first)
     max_in_flight: int = 4  # refreshes out at once per replica; a prefix is never refreshed twice at once
+    max_waiting: int = 2  # no refresh to a replica whose last load report has more requests waiting
     timeout_s: float = 10.0  # a refresh not answered within this long is abandoned
     # refreshes carry vLLM priority -1, ahead of every request (engines: --scheduling-policy priority)
     engine_priority: bool = False

@@ -210,6 +210,8 @@ def _check_keep_alive(cfg: GatewayConfig) -> None:
     for name in ("max_per_replica", "max_in_flight"):
         if getattr(k, name) < 1:
             raise _err(f"keep_alive.{name}", f"must be >= 1, got {getattr(k, name)}")
+    if k.max_waiting < 0:
+        raise _err("keep_alive.max_waiting", f"must be >= 0, got {k.max_waiting}")
 
 
 def check_files(cfg: GatewayConfig) -> None:

@@ -25,10 +25,14 @@ Rules:
 - a refresh is in flight from `due()` until its sender calls `done()` (answered, failed or timed
   out): a prefix is never refreshed twice at once, and a replica has at most `max_in_flight`
   refreshes out (of those due, the longest idle first: the engine's LRU evicts it first; the
-  rest wait for a later check). Without this a
-  replica whose queue outgrew `idle_s` was sent a new refresh of every kept prefix each `idle_s`
-  while the earlier ones still waited in that queue: the busier the replica, the more refreshes
-  piled up in it;
+  rest wait for a later check). Without this a replica whose queue outgrew `idle_s` was sent a
+  new refresh of every kept prefix each `idle_s` while the earlier ones still waited in that
+  queue: the busier the replica, the more refreshes piled up in it;
+- a replica whose last load report has more than `max_waiting` requests waiting gets no refresh
+  at that check: a refresh behind a long queue arrives after the LRU has taken part of its
+  prefix and prefills the lost part on the replica least able to afford it (busy regime, wall
+  clock, without this rule: the busiest replica's refreshes computed 3-16k prompt tokens a run,
+  each other replica's 0.2-4.8k; with it 1.2-3.3k in all; README);
 - a refresh carries the root's own token ids and cache salt (the tenant's, from the request that
   made it), so its blocks are exactly the root's;
 - with `engine_priority` it also carries vLLM priority -1, ahead of every client request (flow
@@ -56,19 +60,21 @@ class KeepAlive:
     kv_frac: float = 0.9  # a replica's kept blocks stay under this share of its KV
     max_per_replica: int = 256  # kept prefixes per replica at most
     max_in_flight: int = 4  # refreshes out at once per replica
+    max_waiting: int = 2  # no refresh to a replica reporting more requests waiting than this
 
     @classmethod
     def from_config(cls, k, block_size: int) -> "KeepAlive":
         """The rules of the gateway's `keep_alive` section (gateway.config.KeepAliveConfig): token
         counts become blocks (min_tokens rounded down, at least one)."""
         return cls(idle_s=k.idle_s, min_blocks=max(1, k.min_tokens // block_size), forget_s=k.forget_s,
-                   kv_frac=k.kv_frac, max_per_replica=k.max_per_replica, max_in_flight=k.max_in_flight)
+                   kv_frac=k.kv_frac, max_per_replica=k.max_per_replica, max_in_flight=k.max_in_flight,
+                   max_waiting=k.max_waiting)
 
     def __post_init__(self) -> None:
         if (self.idle_s <= 0 or self.min_blocks < 1 or self.forget_s <= 0 or not 0 < self.kv_frac <= 1
-                or self.max_per_replica < 1 or self.max_in_flight < 1):
+                or self.max_per_replica < 1 or self.max_in_flight < 1 or self.max_waiting < 0):
             raise ValueError("keep-alive needs idle_s > 0, min_blocks >= 1, forget_s > 0, 0 < kv_frac <= 1, "
-                             "max_per_replica >= 1 and max_in_flight >= 1")
+                             "max_per_replica >= 1, max_in_flight >= 1 and max_waiting >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,13 +134,17 @@ class Retainer:
             out.discard(rf.kept)
 
     def due(self, t: float, held_blocks: Callable[[Hashable, tuple], int],
-            capacity_blocks: Callable[[Hashable], int]) -> list[Refresh]:
+            capacity_blocks: Callable[[Hashable], int],
+            waiting_reqs: Callable[[Hashable], int] | None = None) -> list[Refresh]:
         """The refreshes to send now. `held_blocks(replica, keys)`: the index's leading match there;
-        `capacity_blocks(replica)`: its KV in blocks (0: unknown)."""
+        `capacity_blocks(replica)`: its KV in blocks (0: unknown); `waiting_reqs(replica)`: the
+        requests its engine last reported waiting (0: unknown)."""
         ka, out = self.ka, []
         for replica, kept in self.kept.items():
             for k in [k for k, e in kept.items() if t - e.requested > ka.forget_s]:
                 del kept[k]
+            if waiting_reqs is not None and waiting_reqs(replica) > ka.max_waiting:
+                continue
             cap = capacity_blocks(replica)
             room = ka.kv_frac * cap if cap > 0 else math.inf
             out_here = self.in_flight.setdefault(replica, set())

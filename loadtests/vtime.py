@@ -353,6 +353,10 @@ def simulate(
 
     def held_blocks(ri: int, prefix: tuple) -> int:
         return router.routing.index.gpu_run(router.rids[ri], prefix)
+
+    def waiting_reqs(ri: int) -> int:
+        load = router.routing.index.last_load(router.rids[ri])
+        return load.waiting_reqs if load is not None else 0
     heap: list = []  # (time, seq, kind, payload)
     seq = 0
     STEP, REPORT, EVENTS, ARRIVE, TIMEOUT = 0, 1, 2, 3, 4
@@ -531,7 +535,7 @@ def simulate(
                     break
             router.report(reps, t)
             if retainer is not None:
-                due = retainer.due(t, held_blocks, lambda ri: p.num_blocks)
+                due = retainer.due(t, held_blocks, lambda ri: p.num_blocks, waiting_reqs)
                 for j, rf in enumerate(due, retainer.sent - len(due) + 1):
                     ka = refresh_request(rf, j, p.block_size, t)
                     queue_refresh(reps[ka.rep].waiting, ka, first=refresh_first)

@@ -233,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-alive-in-flight", type=int, default=KeepAlive().max_in_flight, metavar="N",
                     help="with --keep-alive: refreshes out at once per replica (default: the gateway's "
                          "keep_alive.max_in_flight default, %(default)s)")
+    ap.add_argument("--keep-alive-max-waiting", type=int, default=KeepAlive().max_waiting, metavar="N",
+                    help="with --keep-alive: no refresh to a replica whose last load report has more requests waiting "
+                         "(default: the gateway's keep_alive.max_waiting default, %(default)s)")
     ap.add_argument("--keep-alive-priority", action="store_true",
                     help="with --keep-alive: refreshes wait ahead of every request (the gateway's keep_alive.engine_priority "
                          "on engines run with vLLM's --scheduling-policy priority); default: at the back of the queue")
@@ -272,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                            {"copy_in_background": True} if args.copy_in_background else None,
                            {"long_prefill_token_threshold": args.long_prefill_threshold} if args.long_prefill_threshold else None,
                            KeepAlive(idle_s=args.keep_alive, kv_frac=args.keep_alive_kv_frac,
-                                     max_in_flight=args.keep_alive_in_flight) if args.keep_alive else None,
+                                     max_in_flight=args.keep_alive_in_flight,
+                                     max_waiting=args.keep_alive_max_waiting) if args.keep_alive else None,
                            refresh_first=args.keep_alive_priority, gateways=args.gateways)
     bad = [x for x in args.policy if x not in POLICY_NAMES]
     if bad:

@@ -121,6 +121,22 @@ def test_a_prefix_is_not_refreshed_twice_at_once_and_a_replica_has_max_in_flight
     assert ret.in_flight.get("a") is None
 
 
+def test_no_refresh_goes_to_a_replica_reporting_more_waiting_than_max_waiting():
+    """A refresh behind a long queue comes late, when the LRU has taken part of its prefix, and then
+    prefills the lost part on the replica that can least afford it: a replica whose last load report
+    has more than max_waiting requests waiting gets none until its queue shrinks; nothing is lost
+    meanwhile (the prefix is due at the next check that finds room)."""
+    ret = Retainer(KeepAlive(idle_s=1.0, min_blocks=64, max_waiting=2))
+    ret.used("a", _doc(1), 100, t=0.0)
+    ret.used("b", _doc(2), 100, t=0.0)
+    queue = {"a": 3, "b": 2}
+    out = ret.due(2.0, _held, _cap, queue.get)
+    assert [rf.replica for rf in out] == ["b"]  # "a" has 3 waiting: over 2
+    queue["a"] = 0
+    (rf,) = ret.due(2.1, _held, _cap, queue.get)
+    assert (rf.replica, rf.keys[0]) == ("a", _doc(1)[0])
+
+
 def test_refresh_body_is_the_blocks_plus_one_token_with_the_salt():
     ids = list(range(1000, 1000 + 100 * BS + 7))
     body = refresh_body("m", ids, 80, BS, "salt-1")
@@ -145,7 +161,7 @@ def test_a_refreshs_cost_is_read_from_the_engines_usage():
 
 def test_keep_alive_rejects_bad_parameters():
     for kw in ({"idle_s": 0}, {"min_blocks": 0}, {"forget_s": 0}, {"kv_frac": 0}, {"kv_frac": 1.5}, {"max_per_replica": 0},
-               {"max_in_flight": 0}):
+               {"max_in_flight": 0}, {"max_waiting": -1}):
         with pytest.raises(ValueError):
             KeepAlive(**kw)
 
@@ -153,7 +169,7 @@ def test_keep_alive_rejects_bad_parameters():
 def test_config_refuses_bad_keep_alive_values():
     config_from_dict({"keep_alive": {"enabled": True}, "policy": {"name": "cache_plan"}}, env={})
     for field, value in (("idle_s", 0), ("min_tokens", 8), ("kv_frac", 2), ("max_per_replica", 0), ("max_in_flight", 0),
-                         ("timeout_s", -1)):
+                         ("max_waiting", -1), ("timeout_s", -1)):
         with pytest.raises(ConfigError, match=f"keep_alive.{field}"):
             config_from_dict({"keep_alive": {field: value}}, env={})
 
