@@ -357,6 +357,7 @@ def simulate(
     def waiting_reqs(ri: int) -> int:
         load = router.routing.index.last_load(router.rids[ri])
         return load.waiting_reqs if load is not None else 0
+
     heap: list = []  # (time, seq, kind, payload)
     seq = 0
     STEP, REPORT, EVENTS, ARRIVE, TIMEOUT = 0, 1, 2, 3, 4

@@ -5,12 +5,13 @@ modelled requests.
 the gateway's `Retainer` says which kept prefixes are due (the plan's roots; module rules there),
 with the replica's KV as its budget, and each refresh joins its replica's queue as a request of
 the prefix's blocks plus one token, max_tokens 1: it takes a sequence slot and one prefill token
-like any request, and carries no client, no timeout and no in-flight count (the gateway does not
-count its refreshes in flight either); when it finishes the retainer is told (`Retainer.done`, the
-refresh is `wr.refresh`), as the gateway does when its answer comes. It waits at the back of the queue (FCFS engines), or with
-`refresh_first` (`--keep-alive-priority`: the gateway's keep_alive.engine_priority on engines run
-with vLLM's priority policy, which orders its waiting queue by (priority, arrival)) behind the
-refreshes already waiting and ahead of every request.
+like any request, and carries no client, no timeout and no in-flight count in the router's load
+(the gateway does not count its refreshes there either); when it finishes the retainer is told
+(`Retainer.done`; the refresh is `wr.refresh`), as the gateway does when its answer comes. It
+waits at the back of the queue (FCFS engines), or with `refresh_first` (`--keep-alive-priority`:
+the gateway's keep_alive.engine_priority on engines run with vLLM's priority policy, which orders
+its waiting queue by (priority, arrival)) behind the refreshes already waiting and ahead of every
+request.
 """
 from __future__ import annotations
 

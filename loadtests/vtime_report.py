@@ -251,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--long-prefill-threshold takes tokens >= 0 (0: no cap)")
     if args.keep_alive_priority and not args.keep_alive:
         ap.error("--keep-alive-priority goes with --keep-alive")
-    if args.keep_alive < 0 or not 0 < args.keep_alive_kv_frac <= 1 or args.keep_alive_in_flight < 1:
-        ap.error("--keep-alive takes seconds >= 0 (0: off), --keep-alive-kv-frac a share in (0, 1] "
-                 "and --keep-alive-in-flight a count >= 1")
+    if (args.keep_alive < 0 or not 0 < args.keep_alive_kv_frac <= 1 or args.keep_alive_in_flight < 1
+            or args.keep_alive_max_waiting < 0):
+        ap.error("--keep-alive takes seconds >= 0 (0: off), --keep-alive-kv-frac a share in (0, 1], "
+                 "--keep-alive-in-flight a count >= 1 and --keep-alive-max-waiting a count >= 0")
     if args.gateways < 1:
         ap.error("--gateways takes a count >= 1")
     if (args.pace_min or args.copy_in_background or args.long_prefill_threshold or args.keep_alive) and not args.regime:

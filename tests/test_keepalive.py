@@ -238,7 +238,9 @@ def test_report_takes_keep_alive_only_with_a_regime(capsys):
     from loadtests.vtime_report import main
 
     for argv in (["--keep-alive", "2"], ["--regime", "busy", "--keep-alive", "-1"],
-                 ["--regime", "busy", "--keep-alive", "2", "--keep-alive-kv-frac", "0"]):
+                 ["--regime", "busy", "--keep-alive", "2", "--keep-alive-kv-frac", "0"],
+                 ["--regime", "busy", "--keep-alive", "2", "--keep-alive-in-flight", "0"],
+                 ["--regime", "busy", "--keep-alive", "2", "--keep-alive-max-waiting", "-1"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2
