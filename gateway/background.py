@@ -27,7 +27,7 @@ constructor), and how they report trouble.
   `timeout_s` (at most MAX_REFRESHES_IN_FLIGHT at once; beyond, the rest wait for the next check),
   and tells the retainer when each is over, so it hands out the next (its `max_in_flight` per
   replica); a replica that left is forgotten. A refresh is not a client's request: no flow control, no
-  in-flight count, no retry.
+  place in the routing load's in-flight counts, no retry.
 A failing dependency is logged once when it fails, then at most once a minute with the count, and
 once when it recovers (replica_agent.feed.FailureLog): a Redis outage is a few lines, not one per
 second.
