@@ -286,6 +286,7 @@ def simulate(
     keep_alive: KeepAlive | None = None,
     refresh_first: bool = False,
     gateways: int = 1,
+    observe=None,
 ) -> SimResult:
     """Run `workload` through `policy_name` on `n_replicas` modelled replicas (module header).
 
@@ -304,6 +305,9 @@ def simulate(
     `gateways`: that many gateway processes, each with its own policy instance (built from
     `policy_name`, which must then be a registry name), index and in-flight counts, each request
     routed by one of them at random (loadtests/vtime_router.SimGateways: what is modelled).
+    `observe`: called as observe(r, copy) for each measured request that finishes (r: its
+    vtime_replica.SimReq; copy: another replica held its prompt when it was routed), in finishing
+    order (loadtests/vtime_trace.py).
     """
     if n_replicas < 1:
         raise ValueError("n_replicas must be >= 1")
@@ -506,6 +510,8 @@ def simulate(
                 router.finished(r)
                 if not r.warmup and 2 * r.cached < r.prompt:
                     misses[r.i in held_elsewhere] += 1
+                if observe is not None and not r.warmup:
+                    observe(r, r.i in held_elsewhere)
                 if r.warmup:
                     if r.i + 1 < len(wreqs):
                         push(t, ARRIVE, r.i + 1)

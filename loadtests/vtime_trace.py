@@ -1,0 +1,152 @@
+"""A timeline of one virtual-time run of a named regime's case: what each replica served, window
+by window, and every long miss. For finding out where a case's tail comes from (a replica that
+holds too much of the demand, or misses and what they were), which the report's per-seed rows
+cannot show.
+
+    python -m loadtests.vtime_trace --regime busy --case shared_docs_zipf --seed 14 --keep-alive 2
+
+Prints, per window of `--window` virtual seconds (by arrival, from the first measured arrival),
+each replica's finished requests, their TTFT p90 and the prefixes they were for; then each replica's
+share of the run's requests and the prefixes it served most; then every request that found under
+half its prompt cached, with its kind as the report counts it (copy: another replica held its
+prompt when it was routed; evicted: none did). A prefix is named by its popularity rank in the
+run (#0: the most requested): a request's document, else its system prompt, else its first
+segment. Same seed, same run as `loadtests.vtime_report --regime ...` (deterministic).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from loadtests.vtime import simulate
+from loadtests.vtime_keepalive import KeepAlive
+from loadtests.vtime_regimes import REGIMES, _policy, build_case
+
+__all__ = ["Served", "Trace", "format_trace", "main", "trace"]
+
+_PREFIX_KINDS = ("document", "system")
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """One finished measured request."""
+
+    arrival_s: float  # virtual seconds from the first measured arrival
+    replica: int
+    prefix: str  # segment id of its document / system prompt / first segment
+    ttft_s: float
+    cached: int  # engine-reported cached prompt tokens
+    prompt: int
+    copy: bool  # another replica held its prompt when it was routed
+
+
+@dataclass
+class Trace:
+    summary: dict  # the run's SimResult.summary()
+    per_replica_requests: list  # routed, per replica (SimResult)
+    served: list = field(default_factory=list)  # Served, in arrival order
+    rank: dict = field(default_factory=dict)  # prefix -> popularity rank (0: most requested)
+
+    def misses(self) -> list:
+        """Requests that found under half their prompt cached (the report's misses)."""
+        return [s for s in self.served if 2 * s.cached < s.prompt]
+
+
+def _prefix_of(wr) -> str:
+    for kind in _PREFIX_KINDS:
+        seg = next((s for s in wr.segments if s.kind == kind), None)
+        if seg is not None:
+            return seg.seg_id
+    return wr.segments[0].seg_id if wr.segments else ""
+
+
+def trace(regime: str, case: str, seed: int, policy: str = "cache_plan", keep_alive: KeepAlive | None = None,
+          n_requests: int | None = None) -> Trace:
+    """Run one case at one seed (as loadtests.vtime_regimes.run_regime does) and record every
+    finished measured request."""
+    reg = REGIMES[regime]
+    c = build_case(regime, case, seed, n_requests)
+    rows: list = []
+
+    def observe(r, copy: bool) -> None:
+        rows.append((r.arrival, r.rep, _prefix_of(r.wr), r.first_s - r.arrival, max(0, r.cached), r.prompt, copy))
+
+    res = simulate(c.workload, _policy(policy, c.workload, c.keys, reg.replicas), reg.replicas, reg.params, seed=seed,
+                   keys=c.keys, warmup=c.warmup or None, keep_alive=keep_alive, observe=observe)
+    rows.sort()
+    t0 = rows[0][0] if rows else 0.0
+    served = [Served(a - t0, ri, pre, ttft, cached, prompt, copy) for a, ri, pre, ttft, cached, prompt, copy in rows]
+    counts = collections.Counter(s.prefix for s in served)
+    rank = {p: i for i, (p, _) in enumerate(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))}
+    return Trace(res.summary(), list(res.per_replica_requests), served, rank)
+
+
+def _window_lines(tr: Trace, window_s: float) -> list[str]:
+    n_rep = len(tr.per_replica_requests)
+    by_win: dict = collections.defaultdict(list)
+    for s in tr.served:
+        by_win[int(s.arrival_s // window_s)].append(s)
+    lines = []
+    for w in sorted(by_win):
+        cells = []
+        for ri in range(n_rep):
+            mine = [s for s in by_win[w] if s.replica == ri]
+            p90 = float(np.percentile([s.ttft_s for s in mine], 90)) if mine else 0.0
+            ranks = sorted({tr.rank[s.prefix] for s in mine})
+            cells.append(f"r{ri} {len(mine):3d} p90 {p90:5.2f}: {','.join(map(str, ranks))}")
+        lines.append(f"{w * window_s:6.0f}s | " + " | ".join(cells))
+    return lines
+
+
+def _replica_lines(tr: Trace) -> list[str]:
+    total = max(1, len(tr.served))
+    lines = []
+    for ri, routed in enumerate(tr.per_replica_requests):
+        per = collections.Counter(tr.rank[s.prefix] for s in tr.served if s.replica == ri)
+        n = sum(per.values())
+        top = ", ".join(f"#{k} {v / total:.1%}" for k, v in sorted(per.items(), key=lambda kv: (-kv[1], kv[0]))[:6])
+        lines.append(f"r{ri}: {n} finished ({n / total:.1%}), {routed} routed; most served: {top}")
+    return lines
+
+
+def format_trace(tr: Trace, window_s: float = 10.0) -> str:
+    s = tr.summary
+    head = (f"TTFT p50 {s['ttft_p50_s']:.3f} s, p99 {s['ttft_p99_s']:.3f} s; hit {s['hit_ratio']:.3f}; misses copy / "
+            f"evicted {s['misses_copy']} / {s['misses_evicted']}; preemptions {s['preemptions']}; unfinished "
+            f"{s['unfinished']}")
+    out = [head, "", f"per {window_s:g} s window (by arrival): finished requests, TTFT p90 s, prefixes (popularity rank)"]
+    out += _window_lines(tr, window_s)
+    out += ["", "per replica (share of the finished requests):"] + _replica_lines(tr)
+    out += ["", "long misses (under half the prompt cached):"]
+    out += [f"{m.arrival_s:7.2f}s r{m.replica} #{tr.rank[m.prefix]} cached {m.cached}/{m.prompt} TTFT {m.ttft_s:.2f} s "
+            f"{'copy' if m.copy else 'evicted'}" for m in tr.misses()] or ["none"]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--regime", default="busy", choices=sorted(REGIMES))
+    ap.add_argument("--case", default="shared_docs_zipf")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policy", default="cache_plan")
+    ap.add_argument("--keep-alive", type=float, default=0.0, metavar="IDLE_S",
+                    help="keep-alive with this idle time, the gateway's other keep_alive defaults (0: off)")
+    ap.add_argument("--window", type=float, default=10.0, metavar="S", help="window length, virtual seconds")
+    ap.add_argument("--requests", type=int, default=None, help="fewer (or more) requests than the case states")
+    args = ap.parse_args(argv)
+    if args.case not in REGIMES[args.regime].cases:
+        ap.error(f"--case: one of {', '.join(REGIMES[args.regime].cases)}")
+    if args.keep_alive < 0 or args.window <= 0 or (args.requests is not None and args.requests < 1):
+        ap.error("--keep-alive takes seconds >= 0, --window seconds > 0, --requests a count >= 1")
+    ka = KeepAlive(idle_s=args.keep_alive) if args.keep_alive else None
+    tr = trace(args.regime, args.case, args.seed, args.policy, ka, args.requests)
+    print(format_trace(tr, args.window))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

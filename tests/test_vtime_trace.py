@@ -1,0 +1,59 @@
+"""loadtests/vtime_trace.py: the timeline of one virtual-time run must account for the run it
+traces (every finished request once, the misses the run counted, each replica's requests) and
+name prefixes by how often the run requested them."""
+from __future__ import annotations
+
+import collections
+import re
+
+import pytest
+
+from loadtests.vtime_trace import format_trace, main, trace
+
+
+@pytest.fixture(scope="module")
+def zipf_trace():
+    return trace("busy", "shared_docs_zipf", seed=3, n_requests=400)
+
+
+def test_trace_accounts_for_the_run(zipf_trace):
+    tr = zipf_trace
+    s = tr.summary
+    assert len(tr.served) == s["completed"] > 0
+    assert len(tr.misses()) == s["misses_copy"] + s["misses_evicted"] > 0  # this seed misses (copies of the hot document)
+    assert sum(m.copy for m in tr.misses()) == s["misses_copy"]
+    finished = collections.Counter(x.replica for x in tr.served)
+    if s["unfinished"] == 0:  # every routed request finished: the counts are the router's
+        assert [finished[i] for i in range(len(tr.per_replica_requests))] == tr.per_replica_requests
+    assert [x.arrival_s for x in tr.served] == sorted(x.arrival_s for x in tr.served)
+    assert tr.served[0].arrival_s == 0.0
+
+
+def test_prefixes_are_ranked_by_requests(zipf_trace):
+    tr = zipf_trace
+    counts = collections.Counter(x.prefix for x in tr.served)
+    assert sorted(tr.rank.values()) == list(range(len(counts)))
+    by_rank = sorted(counts, key=tr.rank.get)
+    assert [counts[p] for p in by_rank] == sorted(counts.values(), reverse=True)
+    assert len(counts) == 24  # the case's documents, each its own prefix (not the shared chat framing)
+
+
+def test_format_lists_windows_replicas_and_misses(zipf_trace):
+    tr = zipf_trace
+    text = format_trace(tr, window_s=5.0)
+    windows = [ln for ln in text.splitlines() if re.match(r"^\s*\d+s \| r0 ", ln)]
+    assert len(windows) == len({int(x.arrival_s // 5.0) for x in tr.served}) > 1
+    for ri in range(len(tr.per_replica_requests)):
+        assert f"r{ri}: " in text
+    missing = text.split("long misses")[1]
+    assert missing.count(" copy") + missing.count(" evicted") == len(tr.misses())
+
+
+def test_cli(capsys):
+    assert main(["--case", "shared_docs", "--seed", "1", "--requests", "120", "--window", "20"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("TTFT p50 ") and "per replica" in out
+    with pytest.raises(SystemExit):
+        main(["--case", "no_such_case"])
+    with pytest.raises(SystemExit):
+        main(["--window", "0"])
