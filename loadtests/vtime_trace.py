@@ -5,7 +5,7 @@ cannot show.
 
     python -m loadtests.vtime_trace --regime busy --case shared_docs_zipf --seed 14 --keep-alive 2
 
-Prints, per window of `--window` virtual seconds (by arrival, from the first measured arrival),
+Prints, per window of `--window` virtual seconds (by arrival, from the earliest finished request's),
 each replica's finished requests, their TTFT p90 and the prefixes they were for; then each replica's
 share of the run's requests and the prefixes it served most; then every request that found under
 half its prompt cached, with its kind as the report counts it (copy: another replica held its
@@ -35,7 +35,7 @@ _PREFIX_KINDS = ("document", "system")
 class Served:
     """One finished measured request."""
 
-    arrival_s: float  # virtual seconds from the first measured arrival
+    arrival_s: float  # virtual seconds from the earliest arrival among the finished requests
     replica: int
     prefix: str  # segment id of its document / system prompt / first segment
     ttft_s: float
