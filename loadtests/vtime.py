@@ -62,7 +62,7 @@ from loadtests.vtime_pacing import PaceChains, Pacing
 from loadtests.vtime_router import SimGateways, SimRouter, VClock
 from policies.registry import get_policy
 
-__all__ = ["SimParams", "SimResult", "simulate", "prepare_keys", "RequestKeys"]
+__all__ = ["SimParams", "SimResult", "simulate", "is_long_miss", "prepare_keys", "RequestKeys"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +270,11 @@ class SimResult:
 
 
 # ---------------------------------------------------------------------------------- simulation
+
+
+def is_long_miss(cached: int, prompt: int) -> bool:
+    """A request that found under half its prompt cached (SimResult's misses)."""
+    return 2 * cached < prompt
 
 
 def simulate(
@@ -508,7 +513,7 @@ def simulate(
                     rep.waiting.extend(chains.chunk_done(r))
                     continue
                 router.finished(r)
-                if not r.warmup and 2 * r.cached < r.prompt:
+                if not r.warmup and is_long_miss(r.cached, r.prompt):
                     misses[r.i in held_elsewhere] += 1
                 if observe is not None and not r.warmup:
                     observe(r, r.i in held_elsewhere)

@@ -128,7 +128,9 @@ REGIMES = {
 }
 
 
-def _policy(name: str, w, keys, replicas: int):
+def policy_for(name: str, w, keys, replicas: int):
+    """The policy a report row named `name` runs: the peers' emulation, the static plan built for
+    this workload, or the registry name itself (simulate builds it)."""
     if name == "sglang_cache_aware":
         return SglangCacheAware()
     if name == "static_plan":
@@ -198,7 +200,7 @@ def run_regime(regime: str, seeds, cases=None, policies=None, progress=None, pac
                 if pol == "static_plan" and not case.warm:
                     continue  # documents only
                 pp = plan_params if pol == "cache_plan" and plan_params else None
-                obj = _policy(pol, w, keys, reg.replicas)
+                obj = policy_for(pol, w, keys, reg.replicas)
                 res = simulate(w, obj, reg.replicas, p, policy_params=pp, seed=seed, keys=keys,
                                warmup=warm or None, pacing=pacing, keep_alive=keep_alive, refresh_first=refresh_first,
                                gateways=gateways if isinstance(obj, str) else 1)

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from loadtests.vtime import simulate
+from loadtests.vtime import is_long_miss, simulate
 from loadtests.vtime_keepalive import KeepAlive
-from loadtests.vtime_regimes import REGIMES, _policy, build_case
+from loadtests.vtime_regimes import REGIMES, build_case, policy_for
 
 __all__ = ["Served", "Trace", "format_trace", "main", "trace"]
 
@@ -53,7 +53,7 @@ class Trace:
 
     def misses(self) -> list:
         """Requests that found under half their prompt cached (the report's misses)."""
-        return [s for s in self.served if 2 * s.cached < s.prompt]
+        return [s for s in self.served if is_long_miss(s.cached, s.prompt)]
 
 
 def _prefix_of(wr) -> str:
@@ -75,7 +75,7 @@ def trace(regime: str, case: str, seed: int, policy: str = "cache_plan", keep_al
     def observe(r, copy: bool) -> None:
         rows.append((r.arrival, r.rep, _prefix_of(r.wr), r.first_s - r.arrival, max(0, r.cached), r.prompt, copy))
 
-    res = simulate(c.workload, _policy(policy, c.workload, c.keys, reg.replicas), reg.replicas, reg.params, seed=seed,
+    res = simulate(c.workload, policy_for(policy, c.workload, c.keys, reg.replicas), reg.replicas, reg.params, seed=seed,
                    keys=c.keys, warmup=c.warmup or None, keep_alive=keep_alive, observe=observe)
     rows.sort()
     t0 = rows[0][0] if rows else 0.0
