@@ -177,13 +177,13 @@ def test_config_refuses_bad_keep_alive_values():
 def test_keep_alive_stops_the_busy_regime_evicting_cold_documents():
     """busy's Zipf case, seed 0: without refreshes the engines' LRU evicts cold documents between
     their requests (long misses no replica could serve warm); with them nearly none is."""
-    from loadtests.vtime_regimes import REGIMES, _policy, build_case
+    from loadtests.vtime_regimes import REGIMES, build_case, policy_for
 
     reg = REGIMES["busy"]
     c = build_case("busy", "shared_docs_zipf", 0)
 
     def run(ka):
-        return simulate(c.workload, _policy("cache_plan", c.workload, c.keys, reg.replicas), reg.replicas, reg.params,
+        return simulate(c.workload, policy_for("cache_plan", c.workload, c.keys, reg.replicas), reg.replicas, reg.params,
                         seed=0, keys=c.keys, warmup=c.warmup, keep_alive=ka)
 
     plain, kept = run(None), run(KeepAlive(idle_s=2.0))
@@ -219,13 +219,13 @@ def test_keep_alive_with_priority_runs_in_virtual_time():
     serve refreshes, count what they computed, and finish every request. (Before 2026-12-04, with
     the lighter token framing, refreshes ahead of the queue computed fewer prompt tokens on every
     seed; with the chat template's framing they compute more on seeds 1 and 2: README.)"""
-    from loadtests.vtime_regimes import REGIMES, _policy, build_case
+    from loadtests.vtime_regimes import REGIMES, build_case, policy_for
 
     reg = REGIMES["busy"]
     c = build_case("busy", "shared_docs_zipf", 2)
 
     def run(first):
-        return simulate(c.workload, _policy("cache_plan", c.workload, c.keys, reg.replicas), reg.replicas, reg.params,
+        return simulate(c.workload, policy_for("cache_plan", c.workload, c.keys, reg.replicas), reg.replicas, reg.params,
                         seed=2, keys=c.keys, warmup=c.warmup, keep_alive=KeepAlive(idle_s=2.0), refresh_first=first)
 
     for res in (run(False), run(True)):
