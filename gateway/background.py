@@ -211,14 +211,6 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
     bs = model.block_size
     pending: set = set()
 
-    def capacity(rid) -> int:
-        rep = index.last_load(rid)
-        return rep.num_gpu_blocks if rep is not None else 0
-
-    def waiting(rid) -> int:
-        rep = index.last_load(rid)
-        return rep.waiting_reqs if rep is not None else 0
-
     async def refresh(rid: str, url: str, body: dict, rf) -> None:
         try:
             async with session.post(url + "/v1/completions", json=body, timeout=timeout) as r:
@@ -248,7 +240,7 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
             if not model.name or len(pending) >= MAX_REFRESHES_IN_FLIGHT:
                 continue
             now = membership.clock()
-            for rf in retainer.due(time.monotonic(), index.gpu_run, capacity, waiting):
+            for rf in retainer.due(time.monotonic(), index.gpu_run, index.kv_capacity_blocks, index.waiting_reqs):
                 st = membership.get(rf.replica)
                 if st is None or not st.available(now) or len(pending) >= MAX_REFRESHES_IN_FLIGHT:
                     retainer.done(rf)  # not sent: due again at a later check

@@ -461,6 +461,16 @@ class KVIndex:
     def last_load(self, replica_id: str) -> LoadReport | None:
         return self._loads.get(replica_id)
 
+    def waiting_reqs(self, replica_id: str) -> int:
+        """Requests the replica's engine last reported waiting (0: no report yet)."""
+        rep = self._loads.get(replica_id)
+        return rep.waiting_reqs if rep is not None else 0
+
+    def kv_capacity_blocks(self, replica_id: str) -> int:
+        """The replica's KV in blocks, as its engine last reported (0: unknown)."""
+        rep = self._loads.get(replica_id)
+        return rep.num_gpu_blocks if rep is not None else 0
+
     def hello(self, replica_id: str) -> Hello | None:
         return self._hellos.get(replica_id)
 

@@ -364,8 +364,7 @@ def simulate(
         return router.routing.index.gpu_run(router.rids[ri], prefix)
 
     def waiting_reqs(ri: int) -> int:
-        load = router.routing.index.last_load(router.rids[ri])
-        return load.waiting_reqs if load is not None else 0
+        return router.routing.index.waiting_reqs(router.rids[ri])
 
     heap: list = []  # (time, seq, kind, payload)
     seq = 0

@@ -64,6 +64,9 @@ def test_silent_replica_stops_counting_and_returns(clock):
     assert not ix.is_live("a") and ix.is_live("b")
     assert ix.match([1, 2]) == {"b": Match(1, 1)}
     assert ix.last_load("b").running_reqs == 1 and ix.last_load("a") is None
+    assert (ix.waiting_reqs("a"), ix.kv_capacity_blocks("a")) == (0, 0)  # no report yet: unknown
+    ix.apply(ev("b", "load", off=3, load=LoadReport(1, 3, 0.5, 0, 0, 48, 16, 0.0)))
+    assert (ix.waiting_reqs("b"), ix.kv_capacity_blocks("b")) == (3, 48)
     ix.apply(ev("a", "load", off=2, load=LoadReport(0, 0, 0.1, 0, 0, 48, 16, 0.0)))
     assert ix.match([1, 2])["a"] == Match(2, 2)
 
