@@ -18,6 +18,20 @@ counts it; 0 when the replica's feed is not live) and m* = max_r m_r over the he
   it is a request of its root (it goes to a holder, its work counts for the root). On the busy
   regime's multi_turn case, seeds 0-2, TTFT p50 0.907 / 0.747 / 0.691 s -> 0.544 / 0.684 / 0.700 s,
   hit 0.705 -> 0.729 (mean); the document cases plan the same requests as before.
+  Planned too: a request whose match stops short of a known root it extends (the engines' LRU
+  evicted the root's tail, on every replica), when a replica holding the match (its home) has KV
+  room for the root (the room rule of a new holder, below). It is a request of that root: it goes
+  home, recomputes the tail there and the document stays where the plan has it. Why: left to
+  cache_aware, such a request (a cold document's tail evicted between two of its requests, under
+  match_min_frac of its prompt cached) was placed by a per-request score, often on another
+  replica, which prefilled the whole document and took it on beside its own (a copy miss, and
+  one more document in that replica's KV, which then evicted others'). Busy regime, Zipf,
+  median / mean per-seed TTFT p50 over seeds 0-19: 0.881 / 1.011 s -> 0.672 / 0.762 s (seeds
+  20-59: 0.781 / 1.298 -> 0.647 / 1.071), p99 median 6.17 -> 6.00 s (6.25 -> 5.58), mean 6.82 ->
+  6.50 s (7.22 -> 7.39); with keep-alive p50 0.398 / 0.585 -> 0.400 / 0.554 (0.365 / 0.797 ->
+  0.338 / 0.606), p99 median 3.51 -> 3.78 (3.77 -> 3.91); uniform, multi-turn and no sharing
+  unchanged. Without the room rule a replica that had taken on more documents than its KV holds
+  kept every one of them and thrashed (seed 11: p99 27.8 s).
 - unplanned, otherwise (a new document, a prompt that shares nothing, a short common system
   prompt no planned request has made a root): ranked by cache_aware (score, guard and all).
   - A child (m* longer than its root: a conversation's history) goes to the holder of its
@@ -344,6 +358,22 @@ class CachePlanPolicy(PolicyBase):
         return not any(o is not g and rid in o.holders and o.last_seen >= horizon and self._group_work(o, rid, now) > mine
                        for o in self._groups.values())
 
+    def _root_past_match(self, keys, best: int, runs: dict, live) -> int:
+        """The index in `keys` of a known root that the request extends past its match (the
+        engines evicted the root's tail everywhere), when a replica holding the match (its home)
+        has KV room for the root; else -1 (module header, "planned")."""
+        j = next((j for j in range(best, len(keys)) if keys[j] in self._groups), -1)
+        if j < 0:
+            return -1
+        g = self._groups[keys[j]]
+        now = self._now + 1
+        for v in live:
+            if runs[v.replica_id] == best:
+                cap = v.kv_capacity_blocks
+                if cap <= 0 or self._planned_blocks(v.replica_id, now, skip=g) + g.blocks <= self.kv_room_frac * cap:
+                    return j
+        return -1
+
     def _prune(self) -> None:
         horizon = self._now - 5 * self.window_reqs
         for k in [k for k, g in self._groups.items() if g.last_seen < horizon]:
@@ -363,6 +393,8 @@ class CachePlanPolicy(PolicyBase):
         # prompt, whose conversations are its children); a request that reaches one is planned
         # whatever share of its prompt the match covers (match_min_frac gates new roots only)
         root_at = next((j for j in range(min(best, len(keys))) if keys[j] in roots), -1)
+        if root_at < 0 and 0 < best <= len(keys):
+            root_at = self._root_past_match(keys, best, runs, live)
         if (not live or best == 0 or best > len(keys)
                 or (root_at < 0 and best * bs < self.match_min_frac * request.prompt_tokens)):
             return Decision(self.name, tuple(Candidate(c.replica_id, c.score, {**c.terms, "plan": 0.0}) for c in base.ranked))

@@ -380,3 +380,33 @@ def test_a_holder_whose_queue_is_over_leave_factor_times_a_miss_elsewhere_is_lef
             winner, t = w.route(pol, 0, rng)
             assert winner == first.replica_id and not t["left"]
     assert w.holders[0] == {"r0"}  # leave_factor 0: no copy
+
+
+def test_a_document_whose_tail_was_evicted_goes_home_while_its_home_has_room():
+    """Doc 0's tail was evicted from its only holder r0 (40 of its 188 blocks left, under
+    match_min_frac of the prompt), and r0 has a queue: the request is still one of doc 0's (the
+    plan knows the root past the match), so it goes home and recomputes the tail there, where
+    cache_aware alone would send it to an idle replica, which would prefill the whole document
+    and hold it beside its own. When r0's KV has no room for the document (the plan's documents on
+    r0 fill it), the request is not planned, and cache_aware places it as before."""
+    for capacity, home in ((1616, True), (6 * DOC_BLOCKS, False)):
+        w = World(24, _placement(24), capacity_blocks=capacity)
+        pol, rng = CachePlanPolicy(), random.Random(0)
+        for i in range(240):  # uniform, no queues: every document planned on its one holder
+            w.route(pol, i % 24, rng)
+        w.inflight = {"r0": 1_500, "r1": 0, "r2": 0, "r3": 0}  # r0 1.5 s of queue, the rest idle
+        req = w.request(0)
+        views = [ReplicaView(v.replica_id, matched_blocks_gpu=40 if v.replica_id == "r0" else 0,
+                             matched_blocks_cpu=40 if v.replica_id == "r0" else 0, inflight_reqs=v.inflight_reqs,
+                             inflight_prefill_tokens=v.inflight_prefill_tokens, prefill_s_per_token=1e-3,
+                             decode_step_s=0.015, kv_capacity_blocks=capacity) for v in w.views(0)]
+        assert 40 * BS < 0.5 * req.prompt_tokens  # under match_min_frac: no root within the match
+        d = pol.rank(req, views, rng)
+        ca = CacheAwarePolicy().rank(req, views, random.Random(0))
+        assert ca.ranked[0].replica_id != "r0"  # cache_aware alone leaves r0
+        first = d.ranked[0]
+        if home:
+            assert first.terms["plan"] == 1.0 and first.replica_id == "r0"
+            assert first.terms["root_blocks"] == DOC_BLOCKS and req.keys[int(first.terms["root_at"])] == req.keys[DOC_BLOCKS - 1]
+        else:
+            assert first.terms["plan"] == 0.0 and first.replica_id == ca.ranked[0].replica_id
