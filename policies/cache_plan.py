@@ -21,11 +21,13 @@ counts it; 0 when the replica's feed is not live) and m* = max_r m_r over the he
   Planned too: a request whose match stops short of a known root it extends (the engines' LRU
   evicted the root's tail, on every replica), when a replica holding the match (its home) has KV
   room for the root (the room rule of a new holder, below). It is a request of that root: it goes
-  home, recomputes the tail there and the document stays where the plan has it. Why: left to
-  cache_aware, such a request (a cold document's tail evicted between two of its requests, under
-  match_min_frac of its prompt cached) was placed by a per-request score, often on another
-  replica, which prefilled the whole document and took it on beside its own (a copy miss, and
-  one more document in that replica's KV, which then evicted others'). Busy regime, Zipf,
+  home, recomputes the tail there and the document stays where the plan has it; when the match
+  is only what every prompt shares (the chat template's first block: the whole document was
+  evicted), every replica is a home and the plan's dispatch (below) picks among them (while any
+  has room). Why: left to cache_aware, such a request (a cold document's tail evicted between two
+  of its requests, under match_min_frac of its prompt cached) was placed by a per-request score,
+  often on another replica, which prefilled the whole document and took it on beside its own (a
+  copy miss, and one more document in that replica's KV, which then evicted others'). Busy Zipf,
   median / mean per-seed TTFT p50 over seeds 0-19: 0.881 / 1.011 s -> 0.672 / 0.762 s (seeds
   20-59: 0.781 / 1.298 -> 0.647 / 1.071), p99 median 6.17 -> 6.00 s (6.25 -> 5.58), mean 6.82 ->
   6.50 s (7.22 -> 7.39); with keep-alive p50 0.398 / 0.585 -> 0.400 / 0.554 (0.365 / 0.797 ->
