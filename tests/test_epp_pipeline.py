@@ -183,7 +183,17 @@ async def test_warmroute_epp_process_becomes_ready_and_stops_on_sigterm(tmp_path
             except grpc.RpcError:
                 pass
             await asyncio.sleep(0.25)
-        assert status == health_pb2.HealthCheckResponse.SERVING, proc.stderr.read() if proc.poll() is not None else status
+        if status != health_pb2.HealthCheckResponse.SERVING:  # say why: the gateway's reasons and the process's log
+            why = "admin port not answering"
+            try:
+                async with httpx.AsyncClient() as h:
+                    why = (await h.get(f"http://127.0.0.1:{admin}/readyz", timeout=5)).text
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is None:
+                proc.terminate()
+            _, err = proc.communicate(timeout=20)
+            pytest.fail(f"readiness {status} after 90 s; /readyz: {why}; exit {proc.returncode}; stderr: {err[-3000:]}")
         async with httpx.AsyncClient() as h:
             r = await h.get(f"http://127.0.0.1:{admin}/readyz")
             assert r.status_code == 200
