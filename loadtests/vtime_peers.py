@@ -17,6 +17,8 @@ accepts in place of a registry name, so the product policy can be compared in on
   holder replicas, built by `static_plan_for`; a request goes to the least-loaded holder of its
   document (in-flight + running), a request without an entry to the least-loaded replica. The
   "naive static plan" of the issue (hot document on two replicas, the rest on one by share).
+  A planned document's candidates carry `plan` and `root_blocks` (the common prefix of its
+  requests' block keys), so `--keep-alive` keeps its documents as it keeps cache_plan's roots.
 """
 from __future__ import annotations
 
@@ -93,9 +95,10 @@ class SglangCacheAware:
 class StaticPlan:
     name: ClassVar[str] = "static_plan"
 
-    def __init__(self, plan: dict, probe_block: int) -> None:
+    def __init__(self, plan: dict, probe_block: int, root_blocks: dict | None = None) -> None:
         self.plan = plan  # key at block `probe_block` -> replica ids holding that document
         self.probe_block = probe_block
+        self.root_blocks = root_blocks or {}  # the same key -> the document's blocks (its requests' common prefix)
 
     def params(self) -> dict:
         return {"documents": len(self.plan), "probe_block": self.probe_block}
@@ -107,7 +110,10 @@ class StaticPlan:
         pool = [w for w in (holders or ()) if w in live] or list(live)
         ranked = sorted(pool, key=lambda w: (load_reqs(live[w]), live[w].inflight_prefill_tokens, w))
         ranked += [w for w in live if w not in ranked]
-        return Decision(self.name, tuple(Candidate(w, -i, {}) for i, w in enumerate(ranked)))
+        # a planned document names its root (keep-alive keeps it, as it keeps cache_plan's roots)
+        root = self.root_blocks.get(keys[self.probe_block], 0) if holders else 0
+        terms = {"plan": 1.0, "root_blocks": float(root)} if root else {}
+        return Decision(self.name, tuple(Candidate(w, -i, terms) for i, w in enumerate(ranked)))
 
     def placed(self, request: RequestView, decision: Decision) -> None:
         return None
@@ -122,9 +128,17 @@ def static_plan_for(workload, keys, n_replicas: int, hot_holders: int = 2, probe
     (largest share first onto the replica with the least planned share; a shared one's share split
     evenly)."""
     count: dict = {}
+    common: dict = {}  # document -> its requests' common prefix of block keys (the document's root)
     for r, k in zip(workload.requests, keys):
         if len(k.prompt) > probe_block:
-            count[k.prompt[probe_block]] = count.get(k.prompt[probe_block], 0) + 1
+            d = k.prompt[probe_block]
+            count[d] = count.get(d, 0) + 1
+            c = common.get(d)
+            if c is None:
+                common[d] = list(k.prompt)
+            else:
+                n = next((i for i, (a, b) in enumerate(zip(c, k.prompt)) if a != b), min(len(c), len(k.prompt)))
+                del c[n:]
     docs = sorted(count, key=lambda d: -count[d])
     load = [0.0] * n_replicas
     plan: dict = {}
@@ -134,4 +148,4 @@ def static_plan_for(workload, keys, n_replicas: int, hot_holders: int = 2, probe
         for r in picks:
             load[r] += count[d] / n
         plan[d] = [f"r{r}" for r in picks]
-    return StaticPlan(plan, probe_block)
+    return StaticPlan(plan, probe_block, {d: len(common[d]) for d in docs if count[d] > 1})

@@ -194,6 +194,27 @@ def test_keep_alive_stops_the_busy_regime_evicting_cold_documents():
     assert kept.summary()["hit_ratio"] > plain.summary()["hit_ratio"]
 
 
+def test_the_static_plan_names_its_documents_as_roots_so_keep_alive_keeps_them():
+    """vtime's static plan (the issue's oracle-share plan) gives each planned document's candidates
+    `plan` and `root_blocks` = the block keys its requests share (the document, not a question):
+    keep-alive then refreshes its documents as it does cache_plan's roots, and fewer are evicted."""
+    from loadtests.vtime_regimes import REGIMES, build_case, policy_for
+
+    reg = REGIMES["busy"]
+    c = build_case("busy", "shared_docs_zipf", 0)
+    pol = policy_for("static_plan", c.workload, c.keys, reg.replicas)
+    assert len(pol.root_blocks) == 24
+    assert all(3000 // BS <= b < min(len(k.prompt) for k in c.keys) for b in pol.root_blocks.values())
+
+    def run(ka):
+        return simulate(c.workload, policy_for("static_plan", c.workload, c.keys, reg.replicas), reg.replicas, reg.params,
+                        seed=0, keys=c.keys, warmup=c.warmup, keep_alive=ka)
+
+    plain, kept = run(None), run(KeepAlive(idle_s=2.0))
+    assert plain.refreshes == 0 and kept.refreshes > 0
+    assert kept.misses_evicted < plain.misses_evicted and kept.unfinished == 0
+
+
 def test_refreshes_first_wait_ahead_of_requests_in_arrival_order():
     """vtime's model of keep_alive.engine_priority (vLLM's priority policy orders its waiting queue
     by (priority, arrival)): a refresh goes behind the refreshes already waiting and ahead of every
