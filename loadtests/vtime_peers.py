@@ -19,6 +19,11 @@ accepts in place of a registry name, so the product policy can be compared in on
   "naive static plan" of the issue (hot document on two replicas, the rest on one by share).
   A planned document's candidates carry `plan` and `root_blocks` (the common prefix of its
   requests' block keys), so `--keep-alive` keeps its documents as it keeps cache_plan's roots.
+  With `warm_new_holders` (`vtime_report --copy-in-background`, as for cache_plan) a document's
+  requests go to the planned holders that hold it (a leading match of 90% of its root) while any
+  does, and a planned holder that does not is warmed in the background (the candidate's
+  `warm_blocks`, which vtime sends as paced chunks: loadtests/vtime_pacing.py), again at most
+  once per WARM_RETRY_REQS requests of the plan: no client waits for a copy's prefill.
 """
 from __future__ import annotations
 
@@ -92,13 +97,19 @@ class SglangCacheAware:
             self.inflight[replica_id] -= 1
 
 
+WARM_RETRY_REQS = 300  # a warm of a document on a replica is asked again only after this many requests
+
+
 class StaticPlan:
     name: ClassVar[str] = "static_plan"
 
-    def __init__(self, plan: dict, probe_block: int, root_blocks: dict | None = None) -> None:
+    def __init__(self, plan: dict, probe_block: int, root_blocks: dict | None = None, warm_new_holders: bool = False) -> None:
         self.plan = plan  # key at block `probe_block` -> replica ids holding that document
         self.probe_block = probe_block
         self.root_blocks = root_blocks or {}  # the same key -> the document's blocks (its requests' common prefix)
+        self.warm_new_holders = warm_new_holders
+        self._n = 0  # requests ranked
+        self._warmed: dict = {}  # (document, replica) -> self._n when its warm was asked
 
     def params(self) -> dict:
         return {"documents": len(self.plan), "probe_block": self.probe_block}
@@ -108,12 +119,24 @@ class StaticPlan:
         keys = request.keys
         holders = self.plan.get(keys[self.probe_block]) if len(keys) > self.probe_block else None
         pool = [w for w in (holders or ()) if w in live] or list(live)
-        ranked = sorted(pool, key=lambda w: (load_reqs(live[w]), live[w].inflight_prefill_tokens, w))
-        ranked += [w for w in live if w not in ranked]
         # a planned document names its root (keep-alive keeps it, as it keeps cache_plan's roots)
         root = self.root_blocks.get(keys[self.probe_block], 0) if holders else 0
+        warm_to = None
+        if self.warm_new_holders and root:
+            self._n += 1
+            held = [w for w in pool if max(live[w].matched_blocks_gpu, live[w].matched_blocks_cpu) >= 0.9 * root]
+            if held and len(held) < len(pool):
+                doc = keys[self.probe_block]
+                warm_to = next((w for w in pool if w not in held
+                                and self._n - self._warmed.get((doc, w), -WARM_RETRY_REQS) >= WARM_RETRY_REQS), None)
+                if warm_to is not None:
+                    self._warmed[(doc, warm_to)] = self._n
+                pool = held
+        ranked = sorted(pool, key=lambda w: (load_reqs(live[w]), live[w].inflight_prefill_tokens, w))
+        ranked += [w for w in live if w not in ranked]
         terms = {"plan": 1.0, "root_blocks": float(root)} if root else {}
-        return Decision(self.name, tuple(Candidate(w, -i, terms) for i, w in enumerate(ranked)))
+        return Decision(self.name, tuple(Candidate(w, -i, {**terms, "warm_blocks": float(root)} if w == warm_to else terms)
+                                         for i, w in enumerate(ranked)))
 
     def placed(self, request: RequestView, decision: Decision) -> None:
         return None
@@ -122,7 +145,8 @@ class StaticPlan:
         return None
 
 
-def static_plan_for(workload, keys, n_replicas: int, hot_holders: int = 2, probe_block: int = 100, n_hot: int = 1) -> StaticPlan:
+def static_plan_for(workload, keys, n_replicas: int, hot_holders: int = 2, probe_block: int = 100, n_hot: int = 1,
+                    warm_new_holders: bool = False) -> StaticPlan:
     """The issue's naive static plan: documents by measured share (request counts of `workload`),
     the `n_hot` most popular on `hot_holders` replicas each, every other on one, greedily packed
     (largest share first onto the replica with the least planned share; a shared one's share split
@@ -148,4 +172,4 @@ def static_plan_for(workload, keys, n_replicas: int, hot_holders: int = 2, probe
         for r in picks:
             load[r] += count[d] / n
         plan[d] = [f"r{r}" for r in picks]
-    return StaticPlan(plan, probe_block, {d: len(common[d]) for d in docs if count[d] > 1})
+    return StaticPlan(plan, probe_block, {d: len(common[d]) for d in docs if count[d] > 1}, warm_new_holders)

@@ -128,13 +128,14 @@ REGIMES = {
 }
 
 
-def policy_for(name: str, w, keys, replicas: int):
+def policy_for(name: str, w, keys, replicas: int, warm_new_holders: bool = False):
     """The policy a report row named `name` runs: the peers' emulation, the static plan built for
-    this workload, or the registry name itself (simulate builds it)."""
+    this workload (`warm_new_holders`: its copies warmed in the background), or the registry name
+    itself (simulate builds it)."""
     if name == "sglang_cache_aware":
         return SglangCacheAware()
     if name == "static_plan":
-        return static_plan_for(w, keys, replicas, hot_holders=2)
+        return static_plan_for(w, keys, replicas, hot_holders=2, warm_new_holders=warm_new_holders)
     return name
 
 
@@ -182,7 +183,8 @@ def build_case(regime: str, case_name: str, seed: int, n_requests: int | None = 
 def run_regime(regime: str, seeds, cases=None, policies=None, progress=None, pacing=None,
                plan_params: dict | None = None, engine: dict | None = None, keep_alive=None,
                refresh_first: bool = False, gateways: int = 1) -> list[dict]:
-    """`plan_params`: extra cache_plan parameters (design probes such as copy_in_background);
+    """`plan_params`: extra cache_plan parameters (design probes such as copy_in_background, which
+    also makes the static plan warm its new holders in the background);
     `engine`: SimParams fields that replace the regime's (e.g. long_prefill_token_threshold);
     `keep_alive`: the keep-alive probe's parameters (loadtests/vtime_keepalive.py), every policy;
     `refresh_first`: its refreshes wait ahead of every request (vtime.simulate); `gateways`: that
@@ -200,7 +202,8 @@ def run_regime(regime: str, seeds, cases=None, policies=None, progress=None, pac
                 if pol == "static_plan" and not case.warm:
                     continue  # documents only
                 pp = plan_params if pol == "cache_plan" and plan_params else None
-                obj = policy_for(pol, w, keys, reg.replicas)
+                obj = policy_for(pol, w, keys, reg.replicas,
+                                 warm_new_holders=bool(plan_params and plan_params.get("copy_in_background")))
                 res = simulate(w, obj, reg.replicas, p, policy_params=pp, seed=seed, keys=keys,
                                warmup=warm or None, pacing=pacing, keep_alive=keep_alive, refresh_first=refresh_first,
                                gateways=gateways if isinstance(obj, str) else 1)

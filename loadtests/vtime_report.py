@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pace-no-follow", action="store_true", help="with --pace-min: same-prefix requests do not wait for a chain")
     ap.add_argument("--copy-in-background", action="store_true",
                     help="with --regime: cache_plan's copy_in_background probe (loadtests/vtime_pacing.py; the gateway does not warm): "
-                         "a new holder is warmed beside the traffic, in --pace-chunk pieces (a chunk as long as the document: whole)")
+                         "a new holder is warmed beside the traffic, in --pace-chunk pieces (a chunk as long as the document: whole); "
+                         "the static plan warms its planned holders the same way")
     ap.add_argument("--long-prefill-threshold", type=int, default=0, metavar="TOKENS",
                     help="with --regime: the engines cap one request's prefill at TOKENS per step (vLLM's "
                          "--long-prefill-token-threshold; default 0: the regime's engines, no cap)")

@@ -162,3 +162,25 @@ def test_report_refuses_the_probes_outside_a_regime(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert "--pace-" in err or "--long-prefill-threshold" in err
+
+
+def test_the_static_plan_warms_its_second_holder_in_the_background_and_no_request_copies():
+    """busy Zipf, seed 2, keep-alive on: the static plan puts the hot document on two replicas, but
+    the pre-warm sends it to one, so the first request routed to the other prefills it there (one
+    copy miss). With warm_new_holders the requests stay on the holder that has it while the other
+    is warmed in paced chunks, and no request misses."""
+    from loadtests.vtime_keepalive import KeepAlive
+    from loadtests.vtime_regimes import REGIMES, build_case, policy_for
+
+    reg = REGIMES["busy"]
+    c = build_case("busy", "shared_docs_zipf", 2)
+
+    def run(warm):
+        return simulate(c.workload, policy_for("static_plan", c.workload, c.keys, reg.replicas, warm_new_holders=warm),
+                        reg.replicas, reg.params, seed=2, keys=c.keys, warmup=c.warmup, keep_alive=KeepAlive(idle_s=2.0),
+                        pacing=Pacing(None, 512) if warm else None)
+
+    plain, warmed = run(False), run(True)
+    assert plain.misses_copy == 1 and plain.warms == 0
+    assert warmed.misses_copy == 0 and warmed.warms >= 1 and warmed.unfinished == 0
+    assert warmed.ttft_s.max() < plain.ttft_s.max()
