@@ -24,6 +24,13 @@ accepts in place of a registry name, so the product policy can be compared in on
   does, and a planned holder that does not is warmed in the background (the candidate's
   `warm_blocks`, which vtime sends as paced chunks: loadtests/vtime_pacing.py), again at most
   once per WARM_RETRY_REQS requests of the plan: no client waits for a copy's prefill.
+  With `blind_prewarm` (`static_plan_blind`) the pre-warm is placed as a router that does not yet
+  know popularity must place it: each document not yet seen goes to the next replica in turn
+  (the plain static plan's pre-warm goes to the planned holders, which knows the shares before any
+  traffic); at the first request of a document already placed (the measured stream's start) the
+  plan is packed from the known shares keeping each document where the pre-warm put it while
+  that replica stays within `stay_tol` of the mean (`pack_documents`), and the rest moves: by a
+  copy miss, or warmed in the background with `warm_new_holders`.
 """
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ from typing import ClassVar, Sequence
 from policies._common import load_reqs
 from policies.base import Candidate, Decision, ReplicaView, RequestView
 
-__all__ = ["SglangCacheAware", "StaticPlan", "static_plan_for"]
+__all__ = ["SglangCacheAware", "StaticPlan", "pack_documents", "static_plan_for"]
 
 
 class SglangCacheAware:
@@ -103,20 +110,42 @@ WARM_RETRY_REQS = 300  # a warm of a document on a replica is asked again only a
 class StaticPlan:
     name: ClassVar[str] = "static_plan"
 
-    def __init__(self, plan: dict, probe_block: int, root_blocks: dict | None = None, warm_new_holders: bool = False) -> None:
+    def __init__(self, plan: dict, probe_block: int, root_blocks: dict | None = None, warm_new_holders: bool = False,
+                 blind_prewarm: tuple | None = None) -> None:
         self.plan = plan  # key at block `probe_block` -> replica ids holding that document
         self.probe_block = probe_block
         self.root_blocks = root_blocks or {}  # the same key -> the document's blocks (its requests' common prefix)
         self.warm_new_holders = warm_new_holders
         self._n = 0  # requests ranked
         self._warmed: dict = {}  # (document, replica) -> self._n when its warm was asked
+        # (document -> request count, stay_tol): the plan is packed once the pre-warm is placed
+        self._blind = blind_prewarm
+        self._prewarm: dict = {}  # document -> [the replica the blind pre-warm put it on]
 
     def params(self) -> dict:
         return {"documents": len(self.plan), "probe_block": self.probe_block}
 
+    def _place_blind(self, doc, live: dict) -> str | None:
+        """Blind pre-warm: a document not yet placed goes to the next replica in turn (None once
+        the plan is made); the first request of a placed document makes the plan."""
+        if doc not in self._prewarm:
+            rid = sorted(live)[len(self._prewarm) % len(live)]
+            self._prewarm[doc] = [rid]
+            return rid
+        count, stay_tol = self._blind
+        cap = min(v.kv_capacity_blocks for v in live.values())
+        self.plan = pack_documents(count, len(live), stay=self._prewarm, stay_tol=stay_tol, sizes=self.root_blocks,
+                                   budget=KV_PLAN_FRAC * cap)
+        self._blind = None
+        return None
+
     def rank(self, request: RequestView, replicas: Sequence[ReplicaView], rng: random.Random) -> Decision:
         live = {v.replica_id: v for v in replicas if v.healthy}
         keys = request.keys
+        if self._blind is not None and len(keys) > self.probe_block and live:
+            rid = self._place_blind(keys[self.probe_block], live)
+            if rid is not None:
+                return Decision(self.name, tuple(Candidate(w, -i, {}) for i, w in enumerate([rid] + [w for w in live if w != rid])))
         holders = self.plan.get(keys[self.probe_block]) if len(keys) > self.probe_block else None
         pool = [w for w in (holders or ()) if w in live] or list(live)
         # a planned document names its root (keep-alive keeps it, as it keeps cache_plan's roots)
@@ -145,12 +174,44 @@ class StaticPlan:
         return None
 
 
+def pack_documents(count: dict, n_replicas: int, hot_holders: int = 2, n_hot: int = 1, stay: dict | None = None,
+                   stay_tol: float = 0.0, sizes: dict | None = None, budget: float = 0.0) -> dict:
+    """Documents onto replicas `r0..r{n-1}` by share: the `n_hot` most requested on `hot_holders`
+    replicas each, every other on one, greedily (largest share first onto the replica with the
+    least planned share; a shared one's share split evenly). `stay` (document -> the replicas it
+    is on now) keeps a document on those while each one's planned share stays within (1 +
+    stay_tol) of the mean. `sizes` (document -> blocks) and `budget` (blocks, > 0): a replica
+    takes no document its planned blocks cannot hold while another can. Document -> replica ids."""
+    docs = sorted(count, key=lambda d: -count[d])
+    mean = sum(count.values()) / n_replicas if n_replicas else 0.0
+    load = [0.0] * n_replicas
+    used = [0.0] * n_replicas  # planned blocks
+    plan: dict = {}
+    for i, d in enumerate(docs):
+        n = min(n_replicas, hot_holders if i < n_hot else 1)
+        size = (sizes or {}).get(d, 0)
+        fits = [budget <= 0 or used[r] + size <= budget for r in range(n_replicas)]
+        picks: list = []
+        for w in (stay or {}).get(d, ()):
+            r = int(w[1:])
+            if len(picks) < n and r not in picks and fits[r] and load[r] + count[d] / n <= (1.0 + stay_tol) * mean:
+                picks.append(r)
+        picks += sorted((r for r in range(n_replicas) if r not in picks), key=lambda r: (not fits[r], load[r], r))[:n - len(picks)]
+        for r in picks:
+            load[r] += count[d] / n
+            used[r] += size
+        plan[d] = [f"r{r}" for r in picks]
+    return plan
+
+
+KV_PLAN_FRAC = 0.85  # a blind plan's documents stay under this share of a replica's KV (cache_plan's kv_room_frac)
+
+
 def static_plan_for(workload, keys, n_replicas: int, hot_holders: int = 2, probe_block: int = 100, n_hot: int = 1,
-                    warm_new_holders: bool = False) -> StaticPlan:
+                    warm_new_holders: bool = False, blind_stay_tol: float | None = None) -> StaticPlan:
     """The issue's naive static plan: documents by measured share (request counts of `workload`),
-    the `n_hot` most popular on `hot_holders` replicas each, every other on one, greedily packed
-    (largest share first onto the replica with the least planned share; a shared one's share split
-    evenly)."""
+    packed by `pack_documents`. `blind_stay_tol`: the pre-warm placed blind, the plan packed
+    after it, documents staying within that tolerance (StaticPlan, module header)."""
     count: dict = {}
     common: dict = {}  # document -> its requests' common prefix of block keys (the document's root)
     for r, k in zip(workload.requests, keys):
@@ -163,13 +224,7 @@ def static_plan_for(workload, keys, n_replicas: int, hot_holders: int = 2, probe
             else:
                 n = next((i for i, (a, b) in enumerate(zip(c, k.prompt)) if a != b), min(len(c), len(k.prompt)))
                 del c[n:]
-    docs = sorted(count, key=lambda d: -count[d])
-    load = [0.0] * n_replicas
-    plan: dict = {}
-    for i, d in enumerate(docs):
-        n = min(n_replicas, hot_holders if i < n_hot else 1)
-        picks = sorted(range(n_replicas), key=lambda r: (load[r], r))[:n]
-        for r in picks:
-            load[r] += count[d] / n
-        plan[d] = [f"r{r}" for r in picks]
-    return StaticPlan(plan, probe_block, {d: len(common[d]) for d in docs if count[d] > 1}, warm_new_holders)
+    roots = {d: len(common[d]) for d in count if count[d] > 1}
+    if blind_stay_tol is not None:
+        return StaticPlan({}, probe_block, roots, warm_new_holders, blind_prewarm=(count, blind_stay_tol))
+    return StaticPlan(pack_documents(count, n_replicas, hot_holders, n_hot), probe_block, roots, warm_new_holders)

@@ -30,7 +30,10 @@ what placement costs, and runs multi-turn where the KV holds the live histories.
 
 Policies: the registry's, plus `sglang_cache_aware` (loadtests/vtime_peers.py: the algorithm of
 sglang-router's and vllm-router's cache_aware) and `static_plan` (the issue's naive static plan:
-the hot document on two replicas, every other on one, by the run's own shares; documents only).
+the hot document on two replicas, every other on one, by the run's own shares; documents only;
+its pre-warm goes where the plan puts each document), and `static_plan_blind[:STAY_TOL]` (the
+same shares, the pre-warm placed in turn as a router that does not know popularity yet must, then
+documents moved to the plan unless their replica stays within STAY_TOL of the mean, default 0.25).
 
 Goals (`busy`, each seed): uniform: cache_plan's p50 and p99 at least 10% below the peer
 emulation's; Zipf: nothing unfinished, p50 and p99 within 1.5x of cache_plan's own uniform
@@ -136,6 +139,10 @@ def policy_for(name: str, w, keys, replicas: int, warm_new_holders: bool = False
         return SglangCacheAware()
     if name == "static_plan":
         return static_plan_for(w, keys, replicas, hot_holders=2, warm_new_holders=warm_new_holders)
+    if name.partition(":")[0] == "static_plan_blind":  # static_plan_blind[:STAY_TOL], default 0.25
+        tol = name.partition(":")[2]
+        return static_plan_for(w, keys, replicas, hot_holders=2, warm_new_holders=warm_new_holders,
+                               blind_stay_tol=float(tol) if tol else 0.25)
     return name
 
 
@@ -199,7 +206,7 @@ def run_regime(regime: str, seeds, cases=None, policies=None, progress=None, pac
             c = build_case(regime, case_name, seed)
             w, warm, keys, rate, util, inf, bel = c.workload, c.warmup, c.keys, c.rate_rps, c.offered_util, c.inf, c.bel
             for pol in policies or reg.policies:
-                if pol == "static_plan" and not case.warm:
+                if pol.startswith("static_plan") and not case.warm:
                     continue  # documents only
                 pp = plan_params if pol == "cache_plan" and plan_params else None
                 obj = policy_for(pol, w, keys, reg.replicas,

@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1,2", help="seeds of a --regime run: a comma list of seeds and ranges "
                                                        "(0,1,2; 0-19; 0-4,9; default 0,1,2)")
     ap.add_argument("--workload", action="append", default=[], choices=sorted(WORKLOAD_SETUPS), help="repeatable (default: the five of the issue)")
-    ap.add_argument("--policy", action="append", default=[], help="repeatable (default: all; a --regime also takes sglang_cache_aware, static_plan)")
+    ap.add_argument("--policy", action="append", default=[], help="repeatable (default: all; a --regime also takes sglang_cache_aware, static_plan, static_plan_blind[:STAY_TOL])")
     ap.add_argument("--replicas", type=int, action="append", default=[], help="repeatable (default 4 16 64; --quick: 4 16)")
     ap.add_argument("--requests-per-replica", type=int, default=None, help="requests per replica (default 125, at least 4000 in all; --quick: 100, at least 1500)")
     ap.add_argument("--util", type=float, default=0.7, help="offered load, 0..1 (default 0.7)")

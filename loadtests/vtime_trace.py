@@ -24,6 +24,7 @@ import numpy as np
 
 from loadtests.vtime import is_long_miss, simulate
 from loadtests.vtime_keepalive import KeepAlive
+from loadtests.vtime_pacing import Pacing
 from loadtests.vtime_regimes import REGIMES, build_case, policy_for
 
 __all__ = ["Served", "Trace", "format_trace", "main", "trace"]
@@ -65,9 +66,10 @@ def _prefix_of(wr) -> str:
 
 
 def trace(regime: str, case: str, seed: int, policy: str = "cache_plan", keep_alive: KeepAlive | None = None,
-          n_requests: int | None = None) -> Trace:
+          n_requests: int | None = None, warm_chunk: int | None = None) -> Trace:
     """Run one case at one seed (as loadtests.vtime_regimes.run_regime does) and record every
-    finished measured request."""
+    finished measured request. `warm_chunk`: the copy-in-background probe (`vtime_report
+    --copy-in-background --pace-chunk N`), new holders warmed in chunks of that many tokens."""
     reg = REGIMES[regime]
     c = build_case(regime, case, seed, n_requests)
     rows: list = []
@@ -75,8 +77,11 @@ def trace(regime: str, case: str, seed: int, policy: str = "cache_plan", keep_al
     def observe(r, copy: bool) -> None:
         rows.append((r.arrival, r.rep, _prefix_of(r.wr), r.first_s - r.arrival, max(0, r.cached), r.prompt, copy))
 
-    res = simulate(c.workload, policy_for(policy, c.workload, c.keys, reg.replicas), reg.replicas, reg.params, seed=seed,
-                   keys=c.keys, warmup=c.warmup or None, keep_alive=keep_alive, observe=observe)
+    bg = warm_chunk is not None
+    res = simulate(c.workload, policy_for(policy, c.workload, c.keys, reg.replicas, warm_new_holders=bg), reg.replicas,
+                   reg.params, policy_params={"copy_in_background": True} if bg and policy == "cache_plan" else None,
+                   seed=seed, keys=c.keys, warmup=c.warmup or None, keep_alive=keep_alive, observe=observe,
+                   pacing=Pacing(None, warm_chunk) if bg else None)
     rows.sort()
     t0 = rows[0][0] if rows else 0.0
     served = [Served(a - t0, ri, pre, ttft, cached, prompt, copy) for a, ri, pre, ttft, cached, prompt, copy in rows]
@@ -135,15 +140,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="cache_plan")
     ap.add_argument("--keep-alive", type=float, default=0.0, metavar="IDLE_S",
                     help="keep-alive with this idle time, the gateway's other keep_alive defaults (0: off)")
+    ap.add_argument("--copy-in-background", type=int, default=0, metavar="CHUNK",
+                    help="the copy-in-background probe (as vtime_report --copy-in-background --pace-chunk CHUNK): "
+                         "new holders warmed beside the traffic in CHUNK-token pieces (default 0: off)")
     ap.add_argument("--window", type=float, default=10.0, metavar="S", help="window length, virtual seconds")
     ap.add_argument("--requests", type=int, default=None, help="fewer (or more) requests than the case states")
     args = ap.parse_args(argv)
     if args.case not in REGIMES[args.regime].cases:
         ap.error(f"--case: one of {', '.join(REGIMES[args.regime].cases)}")
-    if args.keep_alive < 0 or args.window <= 0 or (args.requests is not None and args.requests < 1):
-        ap.error("--keep-alive takes seconds >= 0, --window seconds > 0, --requests a count >= 1")
+    if (args.keep_alive < 0 or args.window <= 0 or (args.requests is not None and args.requests < 1)
+            or args.copy_in_background < 0):
+        ap.error("--keep-alive takes seconds >= 0, --window seconds > 0, --requests a count >= 1, "
+                 "--copy-in-background tokens >= 0")
     ka = KeepAlive(idle_s=args.keep_alive) if args.keep_alive else None
-    tr = trace(args.regime, args.case, args.seed, args.policy, ka, args.requests)
+    tr = trace(args.regime, args.case, args.seed, args.policy, ka, args.requests, args.copy_in_background or None)
     print(format_trace(tr, args.window))
     return 0
 

@@ -57,3 +57,20 @@ def test_cli(capsys):
         main(["--case", "no_such_case"])
     with pytest.raises(SystemExit):
         main(["--window", "0"])
+
+
+def test_the_copy_in_background_probe_traces_the_same_run_as_the_report():
+    """`--copy-in-background CHUNK` runs what `vtime_report --copy-in-background --pace-chunk CHUNK`
+    runs: the static plan's second holder is warmed (a warm, no copy miss) instead of copied."""
+    from loadtests.vtime_regimes import run_regime
+    from loadtests.vtime_pacing import Pacing
+
+    tr = trace("busy", "shared_docs_zipf", seed=2, policy="static_plan", warm_chunk=512)
+    plain = trace("busy", "shared_docs_zipf", seed=2, policy="static_plan")
+    row = run_regime("busy", [2], ["shared_docs_zipf"], ["static_plan"], pacing=Pacing(None, 512),
+                     plan_params={"copy_in_background": True})[0]
+    assert tr.summary["warms"] >= 1 and plain.summary["warms"] == 0
+    assert plain.summary["misses_copy"] >= 1 and tr.summary["misses_copy"] == 0
+    assert tr.summary["ttft_p99_s"] == row["ttft_p99_s"] and tr.summary["misses_copy"] == row["misses_copy"]
+    with pytest.raises(SystemExit):
+        main(["--copy-in-background", "-1"])
