@@ -268,6 +268,15 @@ def main(argv: list[str] | None = None) -> int:
             seeds = parse_seeds(args.seeds)
         except ValueError as exc:
             ap.error(str(exc))
+        for pol in args.policy:
+            name, _, tol = pol.partition(":")
+            if name == "static_plan_blind" and tol:
+                try:
+                    ok = float(tol) >= 0
+                except ValueError:
+                    ok = False
+                if not ok:
+                    ap.error(f"--policy {pol}: STAY_TOL is a share >= 0 (static_plan_blind:0.25)")
 
         command = "python -m loadtests.vtime_report " + " ".join(argv if argv is not None else sys.argv[1:])
         return regime_main(args.regime, seeds, args.workload, args.policy,

@@ -77,3 +77,14 @@ def test_the_blind_pre_warm_places_documents_in_turn_and_the_plan_keeps_them_wit
     # a document's requests then go to its planned holders
     k3 = _req(3).keys[2]
     assert sp.rank(_req(3), _views(3), rng).ranked[0].replica_id in sp.plan[k3]
+
+
+def test_the_report_refuses_a_stay_tolerance_that_is_not_a_share():
+    import pytest
+
+    from loadtests.vtime_report import main
+
+    for bad in ("static_plan_blind:x", "static_plan_blind:-1"):
+        with pytest.raises(SystemExit) as e:
+            main(["--regime", "busy", "--seeds", "0", "--workload", "shared_docs_zipf", "--policy", bad])
+        assert e.value.code == 2
