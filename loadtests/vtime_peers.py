@@ -105,6 +105,7 @@ class SglangCacheAware:
 
 
 WARM_RETRY_REQS = 300  # a warm of a document on a replica is asked again only after this many requests
+KV_PLAN_FRAC = 0.85  # a blind plan's documents stay under this share of a replica's KV (cache_plan's kv_room_frac)
 
 
 class StaticPlan:
@@ -202,9 +203,6 @@ def pack_documents(count: dict, n_replicas: int, hot_holders: int = 2, n_hot: in
             used[r] += size
         plan[d] = [f"r{r}" for r in picks]
     return plan
-
-
-KV_PLAN_FRAC = 0.85  # a blind plan's documents stay under this share of a replica's KV (cache_plan's kv_room_frac)
 
 
 def static_plan_for(workload, keys, n_replicas: int, hot_holders: int = 2, probe_block: int = 100, n_hot: int = 1,
