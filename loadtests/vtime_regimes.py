@@ -139,11 +139,25 @@ def policy_for(name: str, w, keys, replicas: int, warm_new_holders: bool = False
         return SglangCacheAware()
     if name == "static_plan":
         return static_plan_for(w, keys, replicas, hot_holders=2, warm_new_holders=warm_new_holders)
-    if name.partition(":")[0] == "static_plan_blind":  # static_plan_blind[:STAY_TOL], default 0.25
-        tol = name.partition(":")[2]
-        return static_plan_for(w, keys, replicas, hot_holders=2, warm_new_holders=warm_new_holders,
-                               blind_stay_tol=float(tol) if tol else 0.25)
+    tol = blind_stay_tol(name)
+    if tol is not None:
+        return static_plan_for(w, keys, replicas, hot_holders=2, warm_new_holders=warm_new_holders, blind_stay_tol=tol)
     return name
+
+
+def blind_stay_tol(name: str) -> float | None:
+    """STAY_TOL of a policy named `static_plan_blind[:STAY_TOL]` (default 0.25); None for any other
+    name; ValueError when STAY_TOL is not a share >= 0."""
+    base, _, tol = name.partition(":")
+    if base != "static_plan_blind":
+        return None
+    try:
+        value = float(tol) if tol else 0.25
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"{name}: STAY_TOL is a share >= 0 (static_plan_blind:0.25)")
+    return value
 
 
 @dataclass

@@ -262,21 +262,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--pace-min, --copy-in-background, --long-prefill-threshold and --keep-alive go with --regime "
                  "(the probes run on the named regimes)")
     if args.regime:
-        from loadtests.vtime_regimes import regime_main
+        from loadtests.vtime_regimes import blind_stay_tol, regime_main
 
         try:
             seeds = parse_seeds(args.seeds)
         except ValueError as exc:
             ap.error(str(exc))
         for pol in args.policy:
-            name, _, tol = pol.partition(":")
-            if name == "static_plan_blind" and tol:
-                try:
-                    ok = float(tol) >= 0
-                except ValueError:
-                    ok = False
-                if not ok:
-                    ap.error(f"--policy {pol}: STAY_TOL is a share >= 0 (static_plan_blind:0.25)")
+            try:
+                blind_stay_tol(pol)
+            except ValueError as exc:
+                ap.error(f"--policy {exc}")
 
         command = "python -m loadtests.vtime_report " + " ".join(argv if argv is not None else sys.argv[1:])
         return regime_main(args.regime, seeds, args.workload, args.policy,
