@@ -145,6 +145,14 @@ def policy_for(name: str, w, keys, replicas: int, warm_new_holders: bool = False
     return name
 
 
+def policy_with_params(name: str, w, keys, replicas: int, plan_params: dict | None):
+    """(policy, policy_params) for vtime.simulate: `policy_for(name, ...)`, and `plan_params`
+    (cache_plan's design probes) when `name` is cache_plan; copy_in_background among them also
+    makes the static plan warm its new holders in the background."""
+    obj = policy_for(name, w, keys, replicas, warm_new_holders=bool(plan_params and plan_params.get("copy_in_background")))
+    return obj, (plan_params if name == "cache_plan" and plan_params else None)
+
+
 def blind_stay_tol(name: str) -> float | None:
     """STAY_TOL of a policy named `static_plan_blind[:STAY_TOL]` (default 0.25); None for any other
     name; ValueError when STAY_TOL is not a share >= 0."""
@@ -222,9 +230,7 @@ def run_regime(regime: str, seeds, cases=None, policies=None, progress=None, pac
             for pol in policies or reg.policies:
                 if pol.startswith("static_plan") and not case.warm:
                     continue  # documents only
-                pp = plan_params if pol == "cache_plan" and plan_params else None
-                obj = policy_for(pol, w, keys, reg.replicas,
-                                 warm_new_holders=bool(plan_params and plan_params.get("copy_in_background")))
+                obj, pp = policy_with_params(pol, w, keys, reg.replicas, plan_params)
                 res = simulate(w, obj, reg.replicas, p, policy_params=pp, seed=seed, keys=keys,
                                warmup=warm or None, pacing=pacing, keep_alive=keep_alive, refresh_first=refresh_first,
                                gateways=gateways if isinstance(obj, str) else 1)

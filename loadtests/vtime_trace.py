@@ -25,7 +25,7 @@ import numpy as np
 from loadtests.vtime import is_long_miss, simulate
 from loadtests.vtime_keepalive import KeepAlive
 from loadtests.vtime_pacing import Pacing
-from loadtests.vtime_regimes import REGIMES, build_case, policy_for
+from loadtests.vtime_regimes import REGIMES, build_case, policy_with_params
 
 __all__ = ["Served", "Trace", "format_trace", "main", "trace"]
 
@@ -78,9 +78,9 @@ def trace(regime: str, case: str, seed: int, policy: str = "cache_plan", keep_al
         rows.append((r.arrival, r.rep, _prefix_of(r.wr), r.first_s - r.arrival, max(0, r.cached), r.prompt, copy))
 
     bg = warm_chunk is not None
-    res = simulate(c.workload, policy_for(policy, c.workload, c.keys, reg.replicas, warm_new_holders=bg), reg.replicas,
-                   reg.params, policy_params={"copy_in_background": True} if bg and policy == "cache_plan" else None,
-                   seed=seed, keys=c.keys, warmup=c.warmup or None, keep_alive=keep_alive, observe=observe,
+    obj, pp = policy_with_params(policy, c.workload, c.keys, reg.replicas, {"copy_in_background": True} if bg else None)
+    res = simulate(c.workload, obj, reg.replicas, reg.params, policy_params=pp, seed=seed, keys=c.keys,
+                   warmup=c.warmup or None, keep_alive=keep_alive, observe=observe,
                    pacing=Pacing(None, warm_chunk) if bg else None)
     rows.sort()
     t0 = rows[0][0] if rows else 0.0
