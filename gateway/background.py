@@ -259,6 +259,7 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
 async def run_share_exchange(flow: FlowControl, board: FairShareBoard, health: FailureLog, period_s: float) -> None:
     """Exchange rows with the other gateways every `period_s` (module rules)."""
     flow.peers.has_board = True
+    flow.peers.owner = str(getattr(board, "owner", ""))
     while True:
         try:
             others = await board.exchange_shares(flow.share_row())

@@ -18,7 +18,13 @@ Rules:
   tenant's needs the normal room, and it goes straight on even while others are held. So a
   tenant sending under its share finds a free slot instead of waiting for the next one to free
   (the wait is the pool's time between completions, however fair the order); no slot is held
-  back when every active tenant is at or over its share, or none other is active.
+  back when every active tenant is at or over its share, or none other is active. While other
+  gateways hold requests too (the board's last exchange), such a grant also needs this gateway's
+  own open requests on the replica under its part of the slots under the headroom (`_my_part`:
+  an equal split among the holding gateways, adding up to those slots): each gateway sees the
+  others' grants only at the next exchange or report, and without parts two gateways granted
+  into the same free slots within milliseconds of each other and filled the headroom together.
+  A gateway's own open requests are exact, so no staleness can overfill its part.
 - Light spill (`light_spill_s`, off at 0): a light tenant's request that goes straight on while
   another tenant is over its share, and whose first choice has no free sequence slot (room to
   wait in the engine only), goes to the best-ranked replica with a free slot where the prefill it
@@ -61,6 +67,7 @@ import dataclasses
 import logging
 import math
 import time
+import zlib
 from collections import OrderedDict
 from typing import Callable
 
@@ -332,10 +339,22 @@ class FlowControl:
         occ = occupancy_reqs(rep, delta, own_active=ld.active_reqs,
                              own_inflight=ld.inflight_reqs + self._pending.get(rid, 0), others_open=ld.others_open)
         f = self.cfg
+        if reserve and self.peers.others_holding:  # gateways holding requests: each grants into its part only
+            if ld.active_reqs + ld.inflight_reqs + self._pending.get(rid, 0) >= self._my_part(rid, self.slots - reserve):
+                return False
         if reserve or free_slot:  # headroom for light tenants, or a free slot: none waiting in the engine
             return has_room(v, occ, slots=self.slots - reserve, engine_queue_reqs=0, max_queue_penalty_s=f.max_queue_penalty_s)
         return has_room(v, occ, slots=self.slots, engine_queue_reqs=f.engine_queue_reqs,
                         max_queue_penalty_s=f.max_queue_penalty_s)
+
+    def _my_part(self, rid: str, slots: int) -> int:
+        """This gateway's part of `slots` on replica `rid` while other gateways hold requests (module
+        rules: headroom): an equal split among the holders, the remainder rotated by replica, so the
+        parts add up to `slots` and no two gateways count the same free slot as theirs."""
+        owners = sorted(set(self.peers.others_holding) | {self.peers.owner})
+        k = len(owners)
+        rank = (owners.index(self.peers.owner) + zlib.crc32(rid.encode())) % k
+        return slots // k + (1 if rank < slots % k else 0)
 
     def _count_grant(self, t: Ticket, rid: str) -> None:
         self.grants.add(rid, self.wall(), +1)

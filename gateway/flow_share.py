@@ -51,6 +51,8 @@ class PeerShares:
         self.shared = False  # the board answered at the last exchange
         self.has_board = False  # an exchange runs at all (a feed with a board)
         self.n_gateways = 1  # gateways seen at the last successful exchange (this one included)
+        self.owner = ""  # this gateway's name on the board (set by the exchange)
+        self.others_holding: tuple[str, ...] = ()  # the other gateways holding requests at the last exchange
         self.queued: dict[str, int] = {}  # tenant -> requests the other gateways hold
         self.granted: dict[str, int] = {}  # tenant -> requests the other gateways granted, not finished
         self.released: dict[str, float] = {}  # tenant -> cost released here so far (published; grows)
@@ -131,6 +133,7 @@ class PeerShares:
             self._arrivals_seen.pop(gone, None)
             self._asked_seen.pop(gone, None)
         self.queued, self.granted = queued, granted
+        self.others_holding = tuple(sorted(o for o, row in others.items() if any(s.queued > 0 for s in row.values())))
         self.n_gateways = 1 + len(others)
         lim = self.limiter
         lim.others_active = {tid: active.get(th, 0) for th, tid in self._ids_of_hash.items()}
@@ -152,6 +155,7 @@ class PeerShares:
         lim.concurrency_share = 1.0 / self.n_gateways
         lim.rate_share = {tid: 1.0 / self.n_gateways for tid in self._ids_of_hash.values()}
         self.queued, self.granted = {}, {}
+        self.others_holding = ()
         self._seen.clear()  # the others' counters are re-read as a fresh baseline when it returns
         self._arrivals_seen.clear()
         self._asked_seen.clear()

@@ -29,6 +29,8 @@ lower. With flow control on the noisy tenant is shed with 429s; the bench sets t
 (`--max-queue-wait-s`, `--max-queue-reqs`) so its runs end promptly.
 
 Run:  python -m loadtests.bench_flow [--seconds 12] [--max-num-seqs 8] [--json FILE]
+Where the quiet tenant's time went, request by request: add `--trace DIR` (the sims keep
+timelines; each scenario's go to DIR), then `python -m loadtests.flow_timelines DIR/2gw_on_h1_noisy.json`.
 """
 from __future__ import annotations
 
@@ -83,6 +85,7 @@ def pool_main(redis_url: str, port: int, index: int, args: dict) -> None:
         sim = await start_sim_server(SimConfig(model=MODEL, num_blocks=args["num_blocks"], max_model_len=4096,
                                                max_num_seqs=args["max_num_seqs"], time=tm, kv_events_endpoint=ev,
                                                scheduling_policy=args.get("scheduling_policy", "fcfs"),
+                                               trace=bool(args.get("trace")),
                                                replay_endpoint=rp, engine_label=f"r{index}"), port=port)
         agent = await start_agent(AgentConfig(replica_id=f"r{index}", kv_events_endpoint=ev, engine_url=sim.url,
                                               replay_endpoint=rp, bind=True, model=MODEL, block_size=16,
@@ -187,7 +190,8 @@ def _requests(tenant: str, times: list[float], args, seed: int) -> list[BenchReq
         body = {"model": MODEL, "max_tokens": out_tokens, "ignore_eos": True, "temperature": 0,
                 "messages": [{"role": "system", "content": system},
                              {"role": "user", "content": f"Question {i}: " + _text(rng, args.question_words)}]}
-        out.append(BenchRequest(t, "/v1/chat/completions", body, api_key=TENANT_KEYS[tenant], tag=tenant))
+        out.append(BenchRequest(t, "/v1/chat/completions", body, api_key=TENANT_KEYS[tenant], tag=tenant,
+                                request_id=f"{tenant}-{i}"))
     return out
 
 
@@ -273,6 +277,9 @@ async def _calibrate(urls: list[str], args) -> float:
 
 def _scenario(name: str, n_gw: int, flow: bool, reqs, ctx, args, *, headroom: int = 1, light_spill_s: float = 0.0) -> dict:
     _reset_caches(ctx["sims"])
+    if args.trace:  # drop what earlier runs left (calibration, stragglers)
+        for u in ctx["sims"]:
+            urllib.request.urlopen(u + "/sim/trace?clear=1", timeout=30).close()
     gws = Gateways(n_gw, ctx["redis"], ctx["sims"], flow=flow, args=args, workdir=ctx["workdir"], headroom=headroom,
                    light_spill_s=light_spill_s)
     try:
@@ -282,6 +289,8 @@ def _scenario(name: str, n_gw: int, flow: bool, reqs, ctx, args, *, headroom: in
         samples, wall = uvloop.run(_send(gws.urls, reqs, timeout_s=args.client_timeout_s))
         slowdown = _slowdown(before, _sim_stats(ctx["sims"]))
         held = _quiet_held(gws.admin) if flow else None
+        if args.trace:
+            _write_trace(Path(args.trace) / f"{n_gw}gw_{'on' if flow else 'off'}_h{headroom}_{name}.json", reqs, samples, ctx["sims"])
     finally:
         gws.close()
     row = {"scenario": name, "gateways": n_gw, "flow": "on" if flow else "off", "headroom": headroom if flow else None,
@@ -299,6 +308,21 @@ def _scenario(name: str, n_gw: int, flow: bool, reqs, ctx, args, *, headroom: in
         print(f"      quiet in the gateways: {held['released']} of {held['admitted']} held, mean wait of those "
               f"{held['mean_wait_ms']:.0f} ms, {held['waited_over_100ms']} over 100 ms", flush=True)
     return row
+
+
+def _write_trace(path: Path, reqs, samples, sims: list[str]) -> None:
+    """`--trace`: each request as the client saw it (X-Request-Id, send time, TTFT, replica) and
+    each sim's timelines (requests at engine arrival, first scheduling and first token; steps),
+    for loadtests.flow_timelines. The sims' traces are cleared for the next scenario."""
+    client = [{"id": r.request_id, "tag": s.tag, "sent_at": s.sent_at, "ttft_s": s.ttft_s if s.ok else None,
+               "status": s.status, "replica": s.replica, "cached": s.cached_tokens, "prompt": s.prompt_tokens}
+              for r, s in zip(reqs, samples)]
+    engines = {}
+    for i, u in enumerate(sims):
+        with urllib.request.urlopen(u + "/sim/trace?clear=1", timeout=30) as r:
+            engines[f"r{i}"] = json.loads(r.read())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"client": client, "engines": engines}))
 
 
 def _quiet_held(admin_urls: list[str]) -> dict:
@@ -420,6 +444,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateways", default="1,2", help="gateway counts to run")
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--hot-path-only", action="store_true", help="only the in-process cost of the straight-on path")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="write each scenario's per-request timelines (client and engines) here, for loadtests.flow_timelines")
+    ap.add_argument("--flow-off", choices=["yes", "no"], default="yes",
+                    help="no: skip the flow-off scenarios (diagnostic runs; the verdicts need them)")
     args = ap.parse_args(argv)
     if args.hot_path_only:
         print(json.dumps(hot_path_us()))
@@ -447,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.3)
         spec = {"max_num_seqs": args.max_num_seqs, "num_blocks": args.num_blocks, "time_scale": args.time_scale,
                 "prefill_ms_per_token": args.prefill_ms_per_token,
-                "scheduling_policy": "priority" if args.engine_priority else "fcfs"}
+                "scheduling_policy": "priority" if args.engine_priority else "fcfs", "trace": bool(args.trace)}
         pool = [ctxp.Process(target=pool_main, args=(redis_url, p, i, spec), daemon=True) for i, p in enumerate(ports)]
         for p in pool:
             p.start()
@@ -471,12 +499,12 @@ def main(argv: list[str] | None = None) -> int:
         quiet = _requests("quiet", _paced(args.quiet_share * share, args.seconds), args, seed=1)
         noisy = _requests("noisy", _poisson(args.noisy_multiple * share, args.seconds, seed=2), args, seed=3)
         runs = [(True, int(h), float(ls)) for h in args.headroom_reqs.split(",") if h
-                for ls in args.light_spill_s.split(",") if ls] + [(False, 0, 0.0)]
+                for ls in args.light_spill_s.split(",") if ls] + ([(False, 0, 0.0)] if args.flow_off == "yes" else [])
         for n_gw in [int(x) for x in args.gateways.split(",") if x]:
             for flow, headroom, spill in runs:
                 for name, reqs in (("alone", quiet), ("noisy", quiet + noisy)):
                     report["rows"].append(_scenario(name, n_gw, flow, reqs, ctx, args, headroom=headroom, light_spill_s=spill))
-        report["verdicts"] = _verdicts(report["rows"])
+        report["verdicts"] = _verdicts(report["rows"]) if args.flow_off == "yes" else []
         for v in report["verdicts"]:
             print(json.dumps(v), flush=True)
     finally:

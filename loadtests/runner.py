@@ -66,6 +66,7 @@ class BenchRequest:
     api_key: str | None = None  # bearer credential (the tenant), None when auth is off
     tag: str = ""  # workload label, e.g. document id
     after: int = -1  # index (in the same list) of a request that must finish first: a chat's previous turn
+    request_id: str = ""  # sent as X-Request-Id when set (the gateway passes it on to the engine: timelines)
 
 
 @dataclass(slots=True)
@@ -82,6 +83,7 @@ class Sample:
     output_tokens: int = 0
     cached_tokens: int = 0
     replica: str = ""
+    sent_at: float = 0.0  # time.perf_counter() at send (CLOCK_MONOTONIC on Linux: comparable across processes)
 
 
 class CpuMeter:
@@ -120,9 +122,11 @@ async def _one(session: aiohttp.ClientSession, base_url: str, req: BenchRequest,
     headers = {"Content-Type": "application/json"}
     if req.api_key:
         headers["Authorization"] = f"Bearer {req.api_key}"
+    if req.request_id:
+        headers["X-Request-Id"] = req.request_id
     s = Sample(tag=req.tag)
     start = time.perf_counter()
-    s.start_s = start - t0
+    s.start_s, s.sent_at = start - t0, start
     last = None
     try:
         async with session.post(base_url + req.route, data=json.dumps(body), headers=headers,

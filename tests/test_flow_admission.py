@@ -312,3 +312,40 @@ def test_room_counts_the_slots_other_gateways_hold_not_only_their_requests_in_fl
     assert not fc._room(v)  # 1 + 3 = 4 slots held
     rs.load.set_shared({"r0": (2, 20, 3)})  # one of theirs finished
     assert fc._room(v)
+
+
+def test_gateways_holding_requests_split_the_slots_under_the_headroom():
+    """With another gateway holding requests too, a heavy grant (one that must leave the headroom
+    free) is allowed only while this gateway's own open requests on the replica are under its part
+    of the slots under the headroom: each sees the other's grants only at the next exchange, and
+    two gateways granting into the same free slots filled the headroom the light tenant was owed.
+    The parts are an equal split among the holders, the remainder rotated by replica, adding up to
+    the slots exactly; nobody else holding: the shared rule alone."""
+    import zlib
+
+    fc = _flow_control(2, engine_queue_reqs=0)  # 4 slots per replica; headroom 1 -> 3 under it
+    fc.peers.owner = "gw-a"
+    v0, v1 = ReplicaView("r0", healthy=True), ReplicaView("r1", healthy=True)
+    for _ in range(2):
+        fc.routing.load.dispatch("r0", 10)  # two of ours open on r0
+    assert fc._room(v0, 1)  # alone: 2 < 4 - 1
+    fc.peers.others_holding = ("gw-b",)
+    parts = {rid: fc._my_part(rid, 3) for rid in ("r0", "r1")}
+    assert sorted(parts.values()) in ([1, 2], [2, 2], [1, 1]) and all(p in (1, 2) for p in parts.values())
+    assert fc._room(v0, 1) is (2 < parts["r0"])
+    assert fc._room(v1, 1)  # none of ours on r1: under any part
+    assert fc._room(v0, 0)  # a light tenant's request (no reserve) is not limited by the split
+    # every holder's part, over any set of holders and replicas, adds up to the slots exactly
+    for owners in (("gw-a", "gw-b"), ("gw-a", "gw-b", "gw-c"), ("x", "y", "z", "w")):
+        for rid in ("r0", "r1", "10.0.0.7:8000"):
+            for slots in range(0, 9):
+                total = 0
+                for me in owners:
+                    fc.peers.owner, fc.peers.others_holding = me, tuple(o for o in owners if o != me)
+                    total += fc._my_part(rid, slots)
+                assert total == slots, (owners, rid, slots)
+    # the remainder rotates: with two holders and an odd count, the extra slot is not always one gateway's
+    fc.peers.owner, fc.peers.others_holding = "gw-a", ("gw-b",)
+    extra = {fc._my_part(f"r{i}", 3) for i in range(8)}
+    assert extra == {1, 2}, extra
+    assert zlib.crc32(b"r0") != zlib.crc32(b"r1")

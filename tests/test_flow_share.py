@@ -180,6 +180,25 @@ def test_the_others_arrivals_count_from_the_second_read_of_a_gateway_and_are_for
     assert p.apply({"gw-b": {"t1": TenantShare(asked=10)}, "gw-c": {"t1": TenantShare(asked=1)}})[1] == {"t1"}
 
 
+def test_the_gateways_holding_requests_are_those_whose_rows_hold_some_and_are_forgotten_with_the_board():
+    """PeerShares.others_holding (flow control splits the slots under the headroom among them):
+    the other gateways with any tenant's requests held at the last exchange, none once the board is lost."""
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from gateway.auth import TenantLimiter
+    from gateway.flow_share import PeerShares
+
+    p = PeerShares(TenantLimiter({}), Gauge("g", "", registry=CollectorRegistry()))
+    p.apply({"gw-c": {"t1": TenantShare(queued=0, granted=3)}, "gw-b": {"t1": TenantShare(queued=0), "t2": TenantShare(queued=2)},
+             "gw-d": {"t1": TenantShare(queued=1)}})
+    assert p.others_holding == ("gw-b", "gw-d")
+    p.apply({"gw-b": {"t2": TenantShare(queued=0)}})
+    assert p.others_holding == ()
+    p.apply({"gw-b": {"t2": TenantShare(queued=4)}})
+    p.lost()
+    assert p.others_holding == ()
+
+
 def test_a_long_idle_tenant_leaves_the_row_and_readers_take_its_return_as_a_restart():
     """The row is bounded by the tenants active within IDLE_FORGET_S (JWT tenants come and go):
     an idle tenant's counters leave it unless it has requests held or granted; a reader forgets a

@@ -247,3 +247,40 @@ async def fault_after_refuse(sim) -> None:
         except aiohttp.ClientConnectionError:
             await asyncio.sleep(0.02)
     raise AssertionError("sim did not come back after recover")
+
+
+async def test_trace_keeps_each_requests_timeline_and_the_steps(tokenizer_dir) -> None:
+    """SimConfig.trace: GET /sim/trace lists each request at its first token under the caller's
+    X-Request-Id, with its arrival, first scheduling and first token in order, its cached tokens,
+    the engine's load at its arrival and when it finished; and the steps; `?clear=1` empties both.
+    Without `trace` nothing is kept."""
+    s = await start_sim_server(SimConfig(model="sim-model", tokenizer=str(tokenizer_dir), num_blocks=2048, time=FAST,
+                                         max_model_len=8192, max_num_seqs=1, trace=True))
+    plain = await start_sim_server(SimConfig(model="sim-model", tokenizer=str(tokenizer_dir), num_blocks=2048, time=FAST,
+                                             max_model_len=8192))
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def one(base: str, rid: str) -> None:
+                body = {"model": "sim-model", "prompt": LONG_DOC, "max_tokens": 3}
+                async with http.post(base + "/v1/completions", json=body, headers={"X-Request-Id": rid}) as r:
+                    assert r.status == 200
+                    await r.read()
+            await asyncio.gather(one(s.url, "a-1"), one(s.url, "a-2"))  # one slot: the second waits for the first
+            await one(plain.url, "p-1")
+            async with http.get(s.url + "/sim/trace?clear=1") as r:
+                tr = await r.json()
+            async with http.get(s.url + "/sim/trace") as r:
+                assert await r.json() == {"requests": [], "steps": []}
+            async with http.get(plain.url + "/sim/trace") as r:
+                assert await r.json() == {"requests": [], "steps": []}
+    finally:
+        await s.close()
+        await plain.close()
+    recs = {r["id"]: r for r in tr["requests"]}
+    assert set(recs) == {"a-1", "a-2"}
+    for r in recs.values():
+        assert r["t_arrival"] <= r["t_sched"] < r["t_first"] <= r["t_done"] and r["prompt"] > 500
+    first, second = sorted(recs.values(), key=lambda r: r["t_sched"])
+    assert second["t_sched"] >= first["t_done"] - 1e-6  # max_num_seqs 1: it waited for the slot
+    assert second["cached"] > 0 and first["cached"] == 0  # the same prompt, warm the second time
+    assert len(tr["steps"]) >= 4 and all(a <= b for a, b, *_ in tr["steps"])

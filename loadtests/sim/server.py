@@ -12,7 +12,8 @@ slack, a CPU-saturated process); `/sim/stats` and `/metrics` expose it.
 
 Routes: POST /v1/completions, /v1/chat/completions (stream or not), /tokenize, /detokenize,
 /v1/completions/render, /v1/chat/completions/render, /reset_prefix_cache; GET /health,
-/v1/models, /metrics, /kv_event_sources, /version; admin POST /sim/fault, GET /sim/stats. Anything
+/v1/models, /metrics, /kv_event_sources, /version; admin POST /sim/fault, GET /sim/stats, GET
+/sim/trace (per-request and per-step timelines, when started with `trace`). Anything
 else is a 404, as on vLLM.
 
 Faults (POST /sim/fault {"kind": ...}, or CLI flags): "crash" (/health 503, every other route 500,
@@ -82,6 +83,7 @@ class SimConfig:
     crash_after_s: float | None = None  # fault: crash this long after start
     stall_after_s: float | None = None  # fault: stall this long after start ...
     stall_s: float = 0.0  # ... for this long
+    trace: bool = False  # keep per-request and per-step timelines for GET /sim/trace (diagnostics)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -119,7 +121,7 @@ def _json_response(obj: Any, status: int = 200) -> web.Response:
 class _Stream:
     """Connects an engine request to its HTTP handler."""
 
-    __slots__ = ("event", "done", "aborted", "t_arrival", "t_first", "n_delivered")
+    __slots__ = ("event", "done", "aborted", "t_arrival", "t_first", "n_delivered", "t_sched", "trace")
 
     def __init__(self, t_arrival: float) -> None:
         self.event = asyncio.Event()
@@ -129,6 +131,8 @@ class _Stream:
         self.aborted: str | None = None  # why the engine dropped it (crash, restart)
         self.t_arrival = t_arrival
         self.t_first: float | None = None
+        self.t_sched: float | None = None  # start of the first step that scheduled it (traced only)
+        self.trace: dict | None = None  # its timeline record when the server traces (SimConfig.trace)
 
 
 @dataclass
@@ -235,6 +239,10 @@ class SimServer:
         self.lateness_max_s = 0.0
         self.recent_lateness_s: deque[float] = deque(maxlen=20000)
         self.recent_steps: deque[tuple[float, float, int, int]] = deque(maxlen=20000)  # (modelled_s, actual_s, prefill tokens, decode seqs)
+        # timelines (SimConfig.trace): each request at its first token, each step; times are loop.time()
+        # (CLOCK_MONOTONIC, comparable with a client's time.perf_counter() on the same Linux machine)
+        self.trace_requests: deque[dict] = deque(maxlen=50000)
+        self.trace_steps: deque[tuple] = deque(maxlen=200000)  # (t_start, t_end, prefill tokens, decode seqs, running, waiting)
         # request metrics
         self.ttft_bucket_counts = [0] * (len(_TTFT_BUCKETS_S) + 1)
         self.ttft_sum_s = 0.0
@@ -339,6 +347,12 @@ class SimServer:
                 self.lateness_max_s = lateness
             self.recent_lateness_s.append(lateness)
             self.recent_steps.append((modelled, t1 - t0, out.num_prefill_tokens, out.num_decode_seqs))
+            if self.cfg.trace:
+                self.trace_steps.append((t0, t1, out.num_prefill_tokens, out.num_decode_seqs, engine.num_running, engine.num_waiting))
+                for r in engine.running:  # scheduled in this step for the first time
+                    st = r.user  # type: ignore[assignment]
+                    if isinstance(st, _Stream) and st.t_sched is None and r.num_cached_tokens >= 0:
+                        st.t_sched = t0
             if events and self.publisher is not None:
                 self.publisher.publish(events)
             for r in out.tokens:
@@ -348,6 +362,10 @@ class SimServer:
                 if st.t_first is None:
                     st.t_first = t1
                     self._observe_ttft(t1 - st.t_arrival)
+                    if st.trace is not None:
+                        st.trace.update(t_sched=st.t_sched, t_first=t1, cached=r.num_cached_tokens,
+                                        preemptions=r.num_preemptions)
+                        self.trace_requests.append(st.trace)
                 st.n_delivered = r.num_output_tokens
                 st.event.set()
             for r in out.finished:
@@ -355,6 +373,8 @@ class SimServer:
                 if st is not None:
                     st.done = True
                     st.event.set()
+                    if st.trace is not None:
+                        st.trace["t_done"] = t1
             if not out.tokens and out.num_prefill_tokens == 0 and out.num_decode_seqs == 0:
                 await asyncio.sleep(0.001)  # nothing schedulable: do not spin
 
@@ -451,6 +471,7 @@ class SimServer:
         r.add_get("/version", self.h_version)
         r.add_post("/sim/fault", self.h_fault)
         r.add_get("/sim/stats", self.h_stats)
+        r.add_get("/sim/trace", self.h_trace)
         return app
 
     @web.middleware
@@ -603,6 +624,10 @@ class SimServer:
         req = SimRequest(rid, p.prompt_ids, p.max_tokens, cache_salt=p.cache_salt, report_full_hits=p.report_full, arrival_s=st.t_arrival,
                          priority=p.priority, user=st)
         engine = self.engine
+        if self.cfg.trace:
+            st.trace = {"id": request.headers.get("X-Request-Id", rid), "t_arrival": st.t_arrival,
+                        "running_at_arrival": engine.num_running, "waiting_at_arrival": engine.num_waiting,
+                        "prompt": len(p.prompt_ids)}
         try:
             engine.add_request(req)
         except ValueError as e:
@@ -785,6 +810,14 @@ class SimServer:
 
     async def h_stats(self, request: web.Request) -> web.Response:
         return _json_response(self.stats())
+
+    async def h_trace(self, request: web.Request) -> web.Response:
+        """The timelines kept since the last `?clear=1` (empty unless SimConfig.trace)."""
+        out = {"requests": list(self.trace_requests), "steps": [list(s) for s in self.trace_steps]}
+        if request.query.get("clear") == "1":
+            self.trace_requests.clear()
+            self.trace_steps.clear()
+        return _json_response(out)
 
     async def h_fault(self, request: web.Request) -> web.Response:
         raw = await request.read()
