@@ -5,7 +5,10 @@ Each request's TTFT splits into: before an engine (the client's send to the engi
 the gateway, including any wait in flow control's queue), in the engine's queue (arrival to the
 first step that scheduled it: no free sequence slot, or no KV room), and its prefill (that step
 to the first token: the steps it shared, and their prefill tokens). The engines' clocks and the
-client's are the same CLOCK_MONOTONIC (one Linux machine).
+client's are the same CLOCK_MONOTONIC (one Linux machine). Each request also gets a `cause`, the
+first that applies: "held" (over 20 ms before an engine), "full engine" (every sequence slot
+taken or spoken for when it arrived: running + waiting >= max_num_seqs), "shared step" (its
+first step carried more prefill than its own), else "none".
 
 Run:  python -m loadtests.flow_timelines DIR/2gw_on_h1_noisy.json [--tag quiet] [--after-s 8] [--slowest 10]
 """
@@ -35,6 +38,7 @@ def timelines(trace: dict, tag: str, after_s: float) -> list[dict]:
         for r in eng["requests"]:
             by_id[r["id"]] = (replica, r, steps, starts)
     # what each engine held at a moment: requests with arrival <= t < done, by tag
+    eng_slots = {replica: eng.get("max_num_seqs") for replica, eng in trace["engines"].items()}
     live: dict[str, list[tuple[float, float, float | None, str]]] = {}
     for replica, eng in trace["engines"].items():
         live[replica] = [(r["t_arrival"], r.get("t_done", float("inf")), r.get("t_sched"), r["id"].split("-")[0])
@@ -48,6 +52,16 @@ def timelines(trace: dict, tag: str, after_s: float) -> list[dict]:
         held = [x for x in live[replica] if x[0] < ta < x[1]]
         i, j = bisect_left(starts, ts - 1e-9), bisect_left(starts, tf - 1e-9)
         shared = steps[i:j]
+        gateway_s, slots = ta - c["sent_at"], eng_slots.get(replica)
+        own_prefill = r["prompt"] - (r.get("cached") or 0)
+        if gateway_s > 0.020:
+            cause = "held"
+        elif slots is not None and r["running_at_arrival"] + r["waiting_at_arrival"] >= slots:
+            cause = "full engine"
+        elif shared and shared[0][2] > own_prefill:
+            cause = "shared step"
+        else:
+            cause = "none"
         out.append({
             "id": c["id"], "at_s": round(c["sent_at"] - t0, 2), "replica": replica, "ttft_ms": round(c["ttft_s"] * 1000, 1),
             "gateway_ms": round((ta - c["sent_at"]) * 1000, 1), "engine_queue_ms": round((ts - ta) * 1000, 1),
@@ -56,7 +70,7 @@ def timelines(trace: dict, tag: str, after_s: float) -> list[dict]:
             "own_open_at_arrival": sum(1 for x in held if x[3] == tag),
             "steps_to_first_token": len(shared),
             "step_ms": [round((s[1] - s[0]) * 1000, 1) for s in shared],
-            "step_prefill_tokens": [s[2] for s in shared],
+            "step_prefill_tokens": [s[2] for s in shared], "cause": cause,
         })
     return out
 
@@ -77,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("ttft_ms", "gateway_ms", "engine_queue_ms", "prefill_ms", "steps_to_first_token", "own_open_at_arrival"):
             xs = [r[k] for r in rows]
             print(f"  {k:22s} p50 {_pct(xs, 0.5):8.1f}  p90 {_pct(xs, 0.9):8.1f}  p99 {_pct(xs, 0.99):8.1f}  max {max(xs):8.1f}")
+        causes: dict[str, list[float]] = {}
+        for r in rows:
+            causes.setdefault(r["cause"], []).append(r["ttft_ms"])
+        print("  causes: " + ", ".join(f"{c} {len(v)} (max {max(v):.0f} ms)" for c, v in sorted(causes.items(), key=lambda kv: -max(kv[1]))))
         for r in sorted(rows, key=lambda r: -r["ttft_ms"])[:args.slowest]:
             print("  " + json.dumps(r))
     return 0

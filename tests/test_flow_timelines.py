@@ -21,7 +21,7 @@ def _trace() -> dict:
          "running_at_arrival": 2, "waiting_at_arrival": 0},
     ]
     steps = [[110.01, 110.09, 400, 0, 2, 0], [110.09, 110.2, 0, 2, 2, 1], [110.4, 110.49, 62, 1, 2, 0], [110.49, 110.5, 0, 2, 2, 0]]
-    return {"client": client, "engines": {"r0": {"requests": requests, "steps": steps}}}
+    return {"client": client, "engines": {"r0": {"max_num_seqs": 2, "requests": requests, "steps": steps}}}
 
 
 def test_a_requests_ttft_splits_into_gateway_engine_queue_and_prefill():
@@ -32,5 +32,17 @@ def test_a_requests_ttft_splits_into_gateway_engine_queue_and_prefill():
     assert r["at_s"] == 10.1 and r["replica"] == "r0" and r["cached"] == 368
     assert r["own_open_at_arrival"] == 0  # quiet-0 finished long before; noisy-0 is not its own
     assert (r["steps_to_first_token"], r["step_ms"], r["step_prefill_tokens"]) == (1, [90.0], [62])
+    assert r["cause"] == "full engine"  # 2 running of 2 slots when it arrived
     assert timelines(_trace(), "noisy", after_s=0.0)[0]["id"] == "noisy-0"
     assert len(timelines(_trace(), "quiet", after_s=0.0)) == 2
+
+
+def test_causes_in_order_held_full_engine_shared_step():
+    tr = _trace()
+    q1 = tr["engines"]["r0"]["requests"][2]
+    q1["running_at_arrival"] = 1
+    assert timelines(tr, "quiet", 5.0)[0]["cause"] == "none"  # its step's 62 tokens are its own
+    tr["engines"]["r0"]["steps"][2][2] = 126
+    assert timelines(tr, "quiet", 5.0)[0]["cause"] == "shared step"
+    q1["t_arrival"] = 110.2
+    assert timelines(tr, "quiet", 5.0)[0]["cause"] == "held"  # 100 ms before an engine

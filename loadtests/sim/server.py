@@ -813,7 +813,8 @@ class SimServer:
 
     async def h_trace(self, request: web.Request) -> web.Response:
         """The timelines kept since the last `?clear=1` (empty unless SimConfig.trace)."""
-        out = {"requests": list(self.trace_requests), "steps": [list(s) for s in self.trace_steps]}
+        out = {"max_num_seqs": self.cfg.max_num_seqs, "requests": list(self.trace_requests),
+               "steps": [list(s) for s in self.trace_steps]}
         if request.query.get("clear") == "1":
             self.trace_requests.clear()
             self.trace_steps.clear()
