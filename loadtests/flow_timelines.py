@@ -37,8 +37,8 @@ def timelines(trace: dict, tag: str, after_s: float) -> list[dict]:
         starts = [s[0] for s in steps]
         for r in eng["requests"]:
             by_id[r["id"]] = (replica, r, steps, starts)
-    # what each engine held at a moment: requests with arrival <= t < done, by tag
     eng_slots = {replica: eng.get("max_num_seqs") for replica, eng in trace["engines"].items()}
+    # what each engine held at a moment: requests with arrival <= t < done, by tag
     live: dict[str, list[tuple[float, float, float | None, str]]] = {}
     for replica, eng in trace["engines"].items():
         live[replica] = [(r["t_arrival"], r.get("t_done", float("inf")), r.get("t_sched"), r["id"].split("-")[0])
@@ -49,7 +49,7 @@ def timelines(trace: dict, tag: str, after_s: float) -> list[dict]:
             continue
         replica, r, steps, starts = by_id[c["id"]]
         ta, ts, tf = r["t_arrival"], r["t_sched"] or r["t_first"], r["t_first"]
-        held = [x for x in live[replica] if x[0] < ta < x[1]]
+        there = [x for x in live[replica] if x[0] < ta < x[1]]
         i, j = bisect_left(starts, ts - 1e-9), bisect_left(starts, tf - 1e-9)
         shared = steps[i:j]
         gateway_s, slots = ta - c["sent_at"], eng_slots.get(replica)
@@ -67,7 +67,7 @@ def timelines(trace: dict, tag: str, after_s: float) -> list[dict]:
             "gateway_ms": round((ta - c["sent_at"]) * 1000, 1), "engine_queue_ms": round((ts - ta) * 1000, 1),
             "prefill_ms": round((tf - ts) * 1000, 1), "cached": r.get("cached"), "prompt": r["prompt"],
             "running_at_arrival": r["running_at_arrival"], "waiting_at_arrival": r["waiting_at_arrival"],
-            "own_open_at_arrival": sum(1 for x in held if x[3] == tag),
+            "own_open_at_arrival": sum(1 for x in there if x[3] == tag),
             "steps_to_first_token": len(shared),
             "step_ms": [round((s[1] - s[0]) * 1000, 1) for s in shared],
             "step_prefill_tokens": [s[2] for s in shared], "cause": cause,
