@@ -330,18 +330,18 @@ class FlowControl:
         now, nothing to wait for in the engine."""
         rid = v.replica_id
         ld = self.routing.load.get(rid)
+        own_inflight = ld.inflight_reqs + self._pending.get(rid, 0)
+        if reserve and self.peers.others_holding:  # gateways holding requests: each grants into its part only
+            if ld.active_reqs + own_inflight >= self._my_part(rid, self.slots - reserve):
+                return False
         rep = self.routing.index.last_load(rid)
         if rep is not None and self.wall() - rep.ts > self.grants.horizon_s:
             rep = None  # older than the ledgers remember: the floor alone
         delta = 0
         if rep is not None:
             delta = self.grants.since(rid, rep.ts) + self.finishes.since(rid, rep.ts - REPORT_SLACK_S)
-        occ = occupancy_reqs(rep, delta, own_active=ld.active_reqs,
-                             own_inflight=ld.inflight_reqs + self._pending.get(rid, 0), others_open=ld.others_open)
+        occ = occupancy_reqs(rep, delta, own_active=ld.active_reqs, own_inflight=own_inflight, others_open=ld.others_open)
         f = self.cfg
-        if reserve and self.peers.others_holding:  # gateways holding requests: each grants into its part only
-            if ld.active_reqs + ld.inflight_reqs + self._pending.get(rid, 0) >= self._my_part(rid, self.slots - reserve):
-                return False
         if reserve or free_slot:  # headroom for light tenants, or a free slot: none waiting in the engine
             return has_room(v, occ, slots=self.slots - reserve, engine_queue_reqs=0, max_queue_penalty_s=f.max_queue_penalty_s)
         return has_room(v, occ, slots=self.slots, engine_queue_reqs=f.engine_queue_reqs,

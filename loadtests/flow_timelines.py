@@ -39,10 +39,9 @@ def timelines(trace: dict, tag: str, after_s: float) -> list[dict]:
             by_id[r["id"]] = (replica, r, steps, starts)
     eng_slots = {replica: eng.get("max_num_seqs") for replica, eng in trace["engines"].items()}
     # what each engine held at a moment: requests with arrival <= t < done, by tag
-    live: dict[str, list[tuple[float, float, float | None, str]]] = {}
+    live: dict[str, list[tuple[float, float, str]]] = {}
     for replica, eng in trace["engines"].items():
-        live[replica] = [(r["t_arrival"], r.get("t_done", float("inf")), r.get("t_sched"), r["id"].split("-")[0])
-                         for r in eng["requests"]]
+        live[replica] = [(r["t_arrival"], r.get("t_done", float("inf")), r["id"].split("-")[0]) for r in eng["requests"]]
     out = []
     for c in client:
         if c["tag"] != tag or c["ttft_s"] is None or c["sent_at"] - t0 < after_s or c["id"] not in by_id:
@@ -64,10 +63,10 @@ def timelines(trace: dict, tag: str, after_s: float) -> list[dict]:
             cause = "none"
         out.append({
             "id": c["id"], "at_s": round(c["sent_at"] - t0, 2), "replica": replica, "ttft_ms": round(c["ttft_s"] * 1000, 1),
-            "gateway_ms": round((ta - c["sent_at"]) * 1000, 1), "engine_queue_ms": round((ts - ta) * 1000, 1),
+            "gateway_ms": round(gateway_s * 1000, 1), "engine_queue_ms": round((ts - ta) * 1000, 1),
             "prefill_ms": round((tf - ts) * 1000, 1), "cached": r.get("cached"), "prompt": r["prompt"],
             "running_at_arrival": r["running_at_arrival"], "waiting_at_arrival": r["waiting_at_arrival"],
-            "own_open_at_arrival": sum(1 for x in there if x[3] == tag),
+            "own_open_at_arrival": sum(1 for x in there if x[2] == tag),
             "steps_to_first_token": len(shared),
             "step_ms": [round((s[1] - s[0]) * 1000, 1) for s in shared],
             "step_prefill_tokens": [s[2] for s in shared], "cause": cause,
