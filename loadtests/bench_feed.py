@@ -10,7 +10,10 @@ Against a private redis-server, in one process, CPU time (time.process_time) per
                 with the generic decode, vs RedisFeed.read (a dedicated connection, typed decode);
   board         reading every gateway's in-flight counters: SCAN + a pipeline of HGETALL
                 through the client vs RedisFeed.inflight (one server-side script, one round trip);
-  incr          one in-flight increment: a client pipeline vs RedisFeed.incr_inflight.
+  incr          one in-flight increment: a client pipeline vs RedisFeed.incr_inflight;
+  shares        one fair-share exchange (flow control's row out, the other gateways' in, four
+                gateways of two tenants): DEL + HSET + PEXPIRE in a MULTI, SCAN, a pipeline of
+                HGETALL (three round trips through the client) vs the board's one script.
 Each line gives both figures and their ratio (old / new). The machine may be shared: the
 ratios are measured back to back in one run, the absolute figures move with the load.
 """
@@ -31,7 +34,8 @@ import redis.asyncio as aioredis
 from redis._parsers import _AsyncRESP2Parser
 from redis.utils import HIREDIS_AVAILABLE
 
-from replica_agent.feed import FeedEvent, open_feed
+from replica_agent.feed import FeedEvent, TenantShare, fair_share_board, open_feed
+from replica_agent.feed.fair_share import _decode, _encode
 from replica_agent.feed.records import KINDS, Hello, LoadReport, decode_event, encode_event
 
 _generic = msgspec.msgpack.Decoder()
@@ -135,6 +139,37 @@ async def _board_rows(url: str, args) -> list[tuple[str, float, float]]:
     return rows
 
 
+async def _shares_rows(url: str, args) -> list[tuple[str, float, float]]:
+    feeds = [open_feed(url, owner=f"g{i}") for i in range(4)]
+    row = {"ta": TenantShare(12.5, 3, 2, 40, 5, 41), "tb": TenantShare(3.0, 0, 1, 9, 1, 9)}
+    boards = [fair_share_board(f) for f in feeds]
+    for b in boards:
+        await b.exchange_shares(row)
+    client = aioredis.from_url(url)
+
+    async def old_exchange():  # the board's exchange before it was one script
+        key = "wr:flow:g0"
+        pipe = client.pipeline(transaction=True)
+        pipe.delete(key)
+        pipe.hset(key, mapping={"_": b"", **{t: _encode(s) for t, s in row.items()}})
+        pipe.pexpire(key, 10_000)
+        await pipe.execute()
+        keys = [k async for k in client.scan_iter(match="wr:flow:*", count=100) if k.decode() != key]
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.hgetall(k)
+        for r in await pipe.execute():
+            {t.decode(): _decode(raw) for t, raw in r.items() if t != b"_"}
+
+    n = 50 * args.repeat
+    rows = [("fair-share exchange: MULTI + SCAN + HGETALL pipeline vs one script, per call",
+             await _acpu_us(old_exchange, n), await _acpu_us(lambda: boards[0].exchange_shares(row), n))]
+    await client.aclose()
+    for f in feeds:
+        await f.close()
+    return rows
+
+
 async def _run(url: str, args) -> list[tuple[str, float, float]]:
     rng = random.Random(0)
     drafts = [FeedEvent("", 0, "stored", tuple(rng.getrandbits(64) for _ in range(args.keys))) for _ in range(args.records)]
@@ -146,6 +181,7 @@ async def _run(url: str, args) -> list[tuple[str, float, float]]:
                  _cpu_us(lambda: decode_event("r", 1, data), 20000))]
         rows += await _xread_rows(url, feed, published[0].offset - 1, args)
         rows += await _board_rows(url, args)
+        rows += await _shares_rows(url, args)
     finally:
         await feed.close()
     return rows

@@ -60,6 +60,15 @@ async def test_the_board_exchanges_rows_and_forgets_a_gateway_that_stops_on_redi
         seen = await fair_share_board(feed, owner="gw-y").exchange_shares({})
         # the malformed row is skipped; rows of earlier releases (four, five fields) have granted, asked 0
         assert seen["gw-x"] == {"ok": TenantShare(1.0, 1, 0, 1, 0, 0), "five": TenantShare(1.0, 1, 0, 1, 4, 0)}
+        # a row of many tenants (the script writes it in chunks) comes back whole, and rewriting it
+        # drops the tenants that left it
+        many = {f"t{i}": TenantShare(float(i), i % 3, 0, i, i % 5, i) for i in range(750)}
+        await fair_share_board(feed, owner="gw-y").exchange_shares(many)
+        other = open_feed(redis_server.url)
+        assert (await fair_share_board(other, owner="gw-z").exchange_shares({}))["gw-y"] == many
+        await fair_share_board(feed, owner="gw-y").exchange_shares({"t1": many["t1"]})
+        assert (await fair_share_board(other, owner="gw-z").exchange_shares({}))["gw-y"] == {"t1": many["t1"]}
+        await other.close()
         await feed.close()
     finally:
         await r.aclose()

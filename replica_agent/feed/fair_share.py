@@ -12,8 +12,9 @@ ids never reach the board, only their hashes.
 
 Transports, like the rest of the feed: in-process (`memory://`, shared by name within the
 process) and Redis (`{prefix}flow:{owner}`, a HASH of tenant hash -> msgpack [released, queued,
-active, arrivals, granted, asked], written with DEL + HSET + PEXPIRE in one MULTI, read by SCAN + HGETALL, the
-same way as the in-flight counters). Every Redis error surfaces as FeedUnavailable.
+active, arrivals, granted, asked], written with DEL + HSET + PEXPIRE and the others' read by SCAN +
+HGETALL in one script, one round trip on a connection of its own: while gateways hold requests
+they exchange every 25 ms, gateway.flow). Every Redis error surfaces as FeedUnavailable.
 """
 from __future__ import annotations
 
@@ -79,6 +80,30 @@ def _decode(raw: bytes) -> TenantShare | None:
         return None
 
 
+# KEYS[1] our row; ARGV: the rows' MATCH pattern, the TTL in ms, then field, value pairs (at least
+# "_", ""). Rewrites our row whole (DEL + HSET, atomic: nobody reads it half-written), then returns
+# every other row as a flat list: key, its HGETALL reply, key, ...
+_EXCHANGE_LUA = """
+redis.call("DEL", KEYS[1])
+for i = 3, #ARGV, 200 do
+  redis.call("HSET", KEYS[1], unpack(ARGV, i, math.min(i + 199, #ARGV)))
+end
+redis.call("PEXPIRE", KEYS[1], ARGV[2])
+local out, cursor = {}, "0"
+repeat
+  local r = redis.call("SCAN", cursor, "MATCH", ARGV[1], "COUNT", 100)
+  cursor = r[1]
+  for _, k in ipairs(r[2]) do
+    if k ~= KEYS[1] then
+      out[#out + 1] = k
+      out[#out + 1] = redis.call("HGETALL", k)
+    end
+  end
+until cursor == "0"
+return out
+"""
+
+
 class _RedisBoard:
     def __init__(self, feed, ttl_s: float, owner: str) -> None:
         self.feed = feed  # shares the feed's client and error mapping
@@ -87,31 +112,20 @@ class _RedisBoard:
 
     async def exchange_shares(self, mine: Mapping[str, TenantShare]) -> dict[str, dict[str, TenantShare]]:
         f = self.feed
-        r = f._redis()  # noqa: SLF001 - one client per feed, shared within the package
         prefix = f"{f.prefix}flow:"
         key = prefix + self.owner
-        pipe = r.pipeline(transaction=True)
-        pipe.delete(key)
-        pipe.hset(key, mapping={"_": b"", **{t: _encode(s) for t, s in mine.items()}})
-        pipe.pexpire(key, max(1, int(self.ttl_s * 1000)))
-        await f._call(pipe.execute())  # noqa: SLF001
-
-        async def scan() -> list[bytes]:
-            return [k async for k in r.scan_iter(match=prefix + "*", count=100)]
-
-        keys = [k for k in await f._call(scan()) if k.decode() != key]  # noqa: SLF001
-        if not keys:
-            return {}
-        pipe = r.pipeline(transaction=False)
-        for k in keys:
-            pipe.hgetall(k)
-        rows = await f._call(pipe.execute())  # noqa: SLF001
+        args: list = [prefix + "*", max(1, int(self.ttl_s * 1000)), "_", b""]
+        for t, s in mine.items():
+            args += (t, _encode(s))
+        (flat,) = await f._call(f._direct("_shares").run(("EVAL", _EXCHANGE_LUA, 1, key, *args)))  # noqa: SLF001
         out: dict[str, dict[str, TenantShare]] = {}
-        for k, row in zip(keys, rows):
+        for i in range(0, len(flat) - 1, 2):
+            k, row = flat[i], flat[i + 1]
             if not row:
-                continue  # expired between the scan and the read
+                continue
             shares = {}
-            for t, raw in row.items():
+            for j in range(0, len(row) - 1, 2):
+                t, raw = row[j], row[j + 1]
                 if t == b"_":
                     continue
                 s = _decode(raw)

@@ -186,6 +186,7 @@ class RedisFeed:
         self._r: aioredis.Redis | None = None
         self._reader: _Direct | None = None  # XREAD (may block: its own connection)
         self._board: _Direct | None = None  # in-flight increments and reads
+        self._shares: _Direct | None = None  # flow control's fair-share board (replica_agent.feed.fair_share)
         self._gauge_rids: set[str] = set()  # replicas whose dispatch gauges our hash holds
         self._last_read: dict[str, bytes] = {}  # stream (copies, placements) -> id of the last entry read
         self._next: dict[str, int] = {}  # replica -> last offset assigned
@@ -415,7 +416,7 @@ class RedisFeed:
         return out
 
     async def close(self) -> None:
-        directs, self._reader, self._board = (self._reader, self._board), None, None
+        directs, self._reader, self._board, self._shares = (self._reader, self._board, self._shares), None, None, None
         for d in directs:
             if d is not None:
                 await d.close()
