@@ -11,12 +11,15 @@ constructor), and how they report trouble.
   gateways (`exchange_copies`, gateway.routing: a second round trip) and, for a policy that shares
   them (cache_plan), placements (`exchange_placements`: a third); every QUIET_EXCHANGE_S
   instead while no other gateway has anything in flight (idle CPU: each exchange wakes Redis and
-  this process).
+  this process), and every `flow.busy_exchange_s` while flow control holds requests here or at
+  another gateway (`busy`: a saturated pool, where a grant the others see late fills a slot twice;
+  the counters only, copies and placements keep `inflight_poll_s`).
   Counters the feed lost (Redis restarted empty, or our key expired while it was unreachable) are
   noticed in the exchange's reply and published again whole; changes a failed exchange did not
   apply are sent again with the next one.
-- `run_share_exchange`: every `flow.share_interval_s`, flow control's row on the fair-share board
-  out and the other gateways' rows in (gateway.flow_share: what they mean); when the board fails,
+- `run_share_exchange`: every `flow.share_interval_s` (`flow.busy_exchange_s` while requests are
+  held here or at another gateway), flow control's row on the fair-share board out and the other
+  gateways' rows in (gateway.flow_share: what they mean); when the board fails,
   flow control runs on its local share and the loop retries once a second.
 - `run_keys_reload`: re-reads the API-keys file when its mtime changes (keeps the old keys if the
   new file is invalid).
@@ -38,7 +41,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import aiohttp
 
@@ -87,12 +90,12 @@ async def run_index_sync(sync: IndexSync, health: FailureLog) -> None:
 QUIET_EXCHANGE_S = 1.0  # the exchange period while no other gateway has work in flight
 
 
-async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health: FailureLog, period_s: float,
-                                routing: "RoutingState | None" = None, policy: "Policy | None" = None) -> None:
+async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health: FailureLog, period_s: float, *,
+                                routing: "RoutingState | None" = None, policy: "Policy | None" = None,
+                                busy: Callable[[], bool] | None = None, busy_period_s: float | None = None) -> None:
+    traded = 0.0  # when copies and placements were last traded (monotonic)
     while True:
-        # while the other gateways have nothing in flight (or there are none), a slower exchange:
-        # their first requests then weigh on our view at most QUIET_EXCHANGE_S late
-        await asyncio.sleep(period_s if load.others_active() else max(period_s, QUIET_EXCHANGE_S))
+        await asyncio.sleep(_inflight_period(load, period_s, busy, busy_period_s))
         pending = load.take_pending()
         try:
             try:
@@ -107,8 +110,12 @@ async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health:
                 log.warning("the feed lost this gateway's in-flight counters: publishing them again")
                 load.rebase(held=pending)
             load.set_shared(shared)
-            if routing is not None:  # copies in progress, both ways (gateway.routing); lost on a failure:
-                # they only matter for the seconds until the engines' events say the same
+            now = time.monotonic()
+            # copies in progress, both ways (gateway.routing), at most every `period_s` (the busy
+            # period quickens the counters only); lost on a failure: they only matter for the
+            # seconds until the engines' events say the same
+            if routing is not None and now - traded >= 0.9 * period_s:
+                traded = now
                 routing.apply_shared(await board.exchange_copies(routing.take_shared()))
                 if policy is not None and getattr(policy, "shares_placements", False):  # the plan's inputs
                     routing.apply_placements(policy, await board.exchange_placements(routing.take_placements()))
@@ -118,6 +125,15 @@ async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health:
         except Exception as exc:  # noqa: BLE001
             health.failed(exc)
             await asyncio.sleep(1.0)
+
+
+def _inflight_period(load: LoadTracker, period_s: float, busy: Callable[[], bool] | None,
+                     busy_period_s: float | None) -> float:
+    if busy is not None and busy_period_s and busy():  # flow control holds requests somewhere: the pool is saturated
+        return min(period_s, busy_period_s)
+    # while the other gateways have nothing in flight (or there are none), a slower exchange:
+    # their first requests then weigh on our view at most QUIET_EXCHANGE_S late
+    return period_s if load.others_active() else max(period_s, QUIET_EXCHANGE_S)
 
 
 async def flush_inflight(board: InflightBoard, load: LoadTracker) -> dict:
@@ -256,8 +272,10 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
             task.cancel()
 
 
-async def run_share_exchange(flow: FlowControl, board: FairShareBoard, health: FailureLog, period_s: float) -> None:
-    """Exchange rows with the other gateways every `period_s` (module rules)."""
+async def run_share_exchange(flow: FlowControl, board: FairShareBoard, health: FailureLog, period_s: float,
+                             busy_period_s: float | None = None) -> None:
+    """Exchange rows with the other gateways every `period_s`, every `busy_period_s` while flow
+    control is contended (module rules)."""
     flow.peers.has_board = True
     flow.peers.owner = str(getattr(board, "owner", ""))
     while True:
@@ -272,4 +290,4 @@ async def run_share_exchange(flow: FlowControl, board: FairShareBoard, health: F
             flow.board_lost()
             await asyncio.sleep(max(period_s, 1.0))
             continue
-        await asyncio.sleep(period_s)
+        await asyncio.sleep(min(period_s, busy_period_s) if busy_period_s and flow.contended() else period_s)

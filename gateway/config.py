@@ -77,7 +77,7 @@ class FeedConfig:
     load_only: bool = False  # no feed: route by load only (explicit mode; /readyz does not wait for a feed)
     index_max_entries: int = 2_000_000  # bound of the KV index (entries)
     stale_after_s: float = 10.0  # a replica whose agent is silent this long is routed by load only
-    inflight_poll_s: float = 0.1  # how often other gateways' in-flight counters are read
+    inflight_poll_s: float = 0.1  # how often other gateways' in-flight counters are read (flow.busy_exchange_s while held)
     speculative_ttl_s: float = 2.0  # TTL of the chosen replica's speculatively inserted keys
     inflight_ttl_s: float = 15.0  # a gateway's shared in-flight counters outlive it (killed) by at most this
 
@@ -177,6 +177,7 @@ class FlowConfig:
     tenants: dict[str, FlowTenantConfig] = field(default_factory=dict)  # per tenant id
     release_interval_s: float = 0.02  # while requests are held: re-check room this often (besides first tokens and finishes)
     share_interval_s: float = 0.1  # exchange fair shares and queue lengths with the other gateways (feed) this often
+    busy_exchange_s: float = 0.025  # while any gateway holds requests: that and the in-flight exchange run this often
 
 
 @dataclass

@@ -169,7 +169,8 @@ def _check_flow(cfg: GatewayConfig) -> None:
         v = getattr(f, name)
         if v is not None and v < low:
             raise _err(f"flow.{name}", f"must be >= {low}, got {v}")
-    for name in ("max_queue_penalty_s", "max_queue_wait_s", "release_interval_s", "share_interval_s", "default_weight"):
+    for name in ("max_queue_penalty_s", "max_queue_wait_s", "release_interval_s", "share_interval_s", "busy_exchange_s",
+                 "default_weight"):
         if not (getattr(f, name) > 0 and math.isfinite(getattr(f, name))):
             raise _err(f"flow.{name}", f"must be a finite number > 0, got {getattr(f, name)}")
     if not (f.light_spill_s >= 0 and math.isfinite(f.light_spill_s)):

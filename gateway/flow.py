@@ -48,8 +48,12 @@ Rules:
   its current release rate); no replica healthy: 503, at once and for everything held; shutting
   down: 503 for everything held. A client that disconnects leaves the queue at once.
 - Shared (gateway.flow_share, exchanged by gateway.background's `run_share_exchange` over the
-  feed's backend): every `share_interval_s` each gateway publishes per tenant what it released,
-  holds, has active, was asked for and has granted, and reads the others': their releases are
+  feed's backend): every `share_interval_s` (every `busy_exchange_s` while any of several gateways
+  holds requests, `contended`, and the in-flight exchange too: on a saturated pool each gateway's
+  grants must reach the others before they grant into the same free slots; with four gateways
+  exchanging every 100 ms a light tenant's requests still found full engines) each gateway
+  publishes per tenant what it released, holds, has active, was asked for and has granted, and
+  reads the others': their releases are
   credited to the tenants here (fair shares over the pool), their held requests count against the
   per-tenant queue bound, their grants toward lightness, their arrivals as arrivals here
   (headroom), and the tenant limiter gets the others' active requests and this gateway's share of
@@ -574,3 +578,8 @@ class FlowControl:
 
     def readiness_note(self) -> str | None:
         return self.peers.readiness_note() if self.enabled else None
+
+    def contended(self) -> bool:
+        """Requests are held here or at another gateway (the board's last exchange), and there are
+        other gateways (module rules: shared): the exchanges then run every `busy_exchange_s`."""
+        return bool(self.peers.others_holding or (len(self.queue) and self.peers.n_gateways > 1))

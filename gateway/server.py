@@ -185,11 +185,14 @@ class Gateway:
         self.routing.freshen = self.index_sync.wake
         self._spawn(run_index_sync(self.index_sync, self.feed_health), "index-sync")
         self.routing.share_copies = True
+        flow_on = self.cfg.flow.enabled
         self._spawn(run_inflight_exchange(self.feed, self.routing.load, self.board_health, self.cfg.feed.inflight_poll_s,
-                                          routing=self.routing, policy=self.policy), "inflight")
-        if self.cfg.flow.enabled:
+                                          routing=self.routing, policy=self.policy,
+                                          busy=self.flow.contended if flow_on else None,
+                                          busy_period_s=self.cfg.flow.busy_exchange_s), "inflight")
+        if flow_on:
             self._spawn(run_share_exchange(self.flow, fair_share_board(self.feed), self.share_health,
-                                           self.cfg.flow.share_interval_s), "flow-shares")
+                                           self.cfg.flow.share_interval_s, self.cfg.flow.busy_exchange_s), "flow-shares")
 
     async def _start_membership(self) -> None:
         m = self.cfg.membership

@@ -21,7 +21,9 @@ on that replica when each was sent) and its errors, the noisy tenant's
 completed and refused (429) requests, total throughput (requests completed per second while
 arrivals run, after a warm-up), the hit ratio (engine-reported cached / prompt tokens of
 completed requests started after the warm-up) and the sims' slowdown (wall seconds per modelled
-second of their steps: above ~1.05 the machine, not the pool, was the bottleneck) and, with flow
+second of their steps: above ~1.05 the machine, not the pool, was the bottleneck), the gateways'
+CPU per completed request (their processes together, while the requests ran; 429s included in
+the work, not in the count) and, with flow
 control on, how many of the quiet tenant's requests the gateways held and how long (from their
 `/metrics`: the part of its TTFT spent before an engine). Then the goals: quiet p99 with the noisy tenant within 1.25x of alone
 (flow on), the off figure beside it, throughput within 3% of flow control off, hit ratio not
@@ -49,7 +51,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from loadtests.runner import BenchRequest, _one, percentiles, run_load, wait_http
+from loadtests.runner import BenchRequest, _one, percentiles, process_cpu_s, run_load, wait_http
 
 MODEL = "flow-bench"
 TENANT_KEYS = {"quiet": "sk-flow-quiet", "noisy": "sk-flow-noisy"}
@@ -162,6 +164,10 @@ class Gateways:
             self.admin.append(f"http://127.0.0.1:{ports[1]}")
         for a in self.admin:
             wait_http(a + "/readyz", 120.0)
+
+    def cpu_s(self) -> float:
+        """CPU seconds the gateway processes have used so far, together."""
+        return sum(process_cpu_s(p.pid) for p in self.procs)
 
     def close(self) -> None:
         for p in self.procs:
@@ -285,9 +291,9 @@ def _scenario(name: str, n_gw: int, flow: bool, reqs, ctx, args, *, headroom: in
     try:
         import uvloop
 
-        before = _sim_stats(ctx["sims"])
+        before, cpu0 = _sim_stats(ctx["sims"]), gws.cpu_s()
         samples, wall = uvloop.run(_send(gws.urls, reqs, timeout_s=args.client_timeout_s))
-        slowdown = _slowdown(before, _sim_stats(ctx["sims"]))
+        slowdown, gw_cpu_s = _slowdown(before, _sim_stats(ctx["sims"])), gws.cpu_s() - cpu0
         held = _quiet_held(gws.admin) if flow else None
         if args.trace:
             _write_trace(Path(args.trace) / f"{n_gw}gw_{'on' if flow else 'off'}_h{headroom}_{name}.json", reqs, samples, ctx["sims"])
@@ -295,13 +301,15 @@ def _scenario(name: str, n_gw: int, flow: bool, reqs, ctx, args, *, headroom: in
         gws.close()
     row = {"scenario": name, "gateways": n_gw, "flow": "on" if flow else "off", "headroom": headroom if flow else None,
            "light_spill_s": light_spill_s if flow else None,
-           "wall_s": round(wall, 1),
+           "wall_s": round(wall, 1), "gateway_cpu_s": round(gw_cpu_s, 2),
+           "gateway_cpu_ms_per_request": round(1000 * gw_cpu_s / max(1, sum(1 for s in samples if s.ok)), 2),
            "sim_slowdown": slowdown, **_summary(samples, args.seconds, args.warmup_s), "quiet_flow": held}
     label = (f"on, headroom {headroom}" + (f", spill {light_spill_s:g}" if light_spill_s else "")) if flow else "off"
     print(f"{n_gw} gw  flow {label:22s}  {name:5s}  quiet TTFT p50 {row['quiet_ttft_ms']['p50']:8.1f} p99 "
           f"{row['quiet_ttft_ms']['p99']:8.1f} ms (after warm-up p50 {row['quiet_ttft_ms_warm']['p50']:.1f} p99 "
           f"{row['quiet_ttft_ms_warm']['p99']:.1f}; errors {row['quiet_errors']})  noisy ok {row['noisy_ok']:4d} 429 "
           f"{row['noisy_429']:4d}  {row['throughput_rps']:6.2f} req/s  hit {row['hit_ratio']:.3f}  sim x{slowdown}  "
+          f"gateways {row['gateway_cpu_ms_per_request']:.2f} CPU-ms/request  "
           f"({row['wall_s']} s){'  ' + str(row['error_examples']) if row['error_examples'] else ''}",
           flush=True)
     if held and held["admitted"]:

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from loadtests.runner import wait_http
+from loadtests.runner import process_cpu_s, wait_http
 
 MODEL = "bench-model"
 
@@ -219,12 +219,6 @@ async def run_level(base_url: str, concurrency: int, seconds: float, max_tokens:
                                                          "mean": statistics.fmean(ttfts) * 1000 if ttfts else float("nan")}}
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--levels", default="1,64,256", help="concurrent streams per phase")
@@ -280,9 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             stagger = stream_s if arrivals == "steady" else 0.0
             for c in [int(x) for x in args.levels.split(",") if x]:
                 d = uvloop.run(run_level(direct, c, args.seconds, args.tokens, client=args.client, stagger_s=stagger))
-                cpu0 = _cpu_s(gw.pid)
+                cpu0 = process_cpu_s(gw.pid)
                 g = uvloop.run(run_level(via, c, args.seconds, args.tokens, client=args.client, stagger_s=stagger))
-                cpu1 = _cpu_s(gw.pid)
+                cpu1 = process_cpu_s(gw.pid)
                 row = {"arrivals": arrivals, "concurrency": c, "direct": d, "gateway": g,
                        "added_ttft_ms": {k: g["ttft_ms"][k] - d["ttft_ms"][k] for k in ("p50", "p90", "p99", "mean")},
                        "gateway_cpu_ms_per_request": (cpu1 - cpu0) * 1000 / max(1, g["requests"])}
@@ -294,9 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                       + (f" {g['error_kinds']}" if g["errors"] else ""),
                       flush=True)
         if args.saturate:
-            cpu0, t0 = _cpu_s(gw.pid), time.perf_counter()
+            cpu0, t0 = process_cpu_s(gw.pid), time.perf_counter()
             sat = uvloop.run(run_level(via, args.saturate, args.seconds, 1, client=args.client))
-            cpu1, wall = _cpu_s(gw.pid), time.perf_counter() - t0
+            cpu1, wall = process_cpu_s(gw.pid), time.perf_counter() - t0
             cpu_per_req = (cpu1 - cpu0) / max(1, sat["requests"])
             report["saturation"] = {
                 "concurrency": args.saturate, "rps": sat["rps"], "errors": sat["errors"],

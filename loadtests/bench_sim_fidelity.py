@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -22,17 +21,13 @@ import time
 
 import aiohttp
 
+from loadtests.runner import process_cpu_s
+
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _wait_healthy(url: str, timeout_s: float = 60.0) -> None:
@@ -76,11 +71,11 @@ async def run_level(concurrency: int, duration_s: float, max_tokens: int, extra_
         counts = {"requests": 0, "chunks": 0}
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as s:
-            cpu0, t0 = _cpu_s(proc.pid), time.monotonic()
+            cpu0, t0 = process_cpu_s(proc.pid), time.monotonic()
             stop_at = t0 + duration_s
             await asyncio.gather(*(_client(s, url, i, stop_at, max_tokens, counts) for i in range(concurrency)))
             wall = time.monotonic() - t0
-            cpu = _cpu_s(proc.pid) - cpu0
+            cpu = process_cpu_s(proc.pid) - cpu0
             async with s.get(url + "/sim/stats") as r:
                 stats = await r.json()
         steps = max(stats["steps"], 1)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Coroutine, Iterable, Sequence
 
 import aiohttp
 
-__all__ = ["BenchRequest", "Sample", "run_load", "summarize", "percentiles", "CpuMeter", "error_reason",
+__all__ = ["BenchRequest", "Sample", "run_load", "summarize", "percentiles", "CpuMeter", "process_cpu_s", "error_reason",
            "Interrupted", "run_interruptible", "wait_http"]
 
 
@@ -84,6 +84,13 @@ class Sample:
     cached_tokens: int = 0
     replica: str = ""
     sent_at: float = 0.0  # time.perf_counter() at send (CLOCK_MONOTONIC on Linux: comparable across processes)
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuMeter:

@@ -146,7 +146,7 @@ def test_flow_config_defaults_and_errors_name_the_field():
     assert f.enabled and f.default_weight == 1.0 and f.default_priority in f.priorities
     bad = [({"max_num_seqs": 0}, "flow.max_num_seqs"), ({"engine_queue_reqs": -1}, "flow.engine_queue_reqs"),
            ({"max_queue_reqs_per_tenant": -1}, "flow.max_queue_reqs_per_tenant"),
-           ({"max_queue_wait_s": 0}, "flow.max_queue_wait_s"), ({"max_queue_penalty_s": float("inf")}, "flow.max_queue_penalty_s"),
+           ({"max_queue_wait_s": 0}, "flow.max_queue_wait_s"), ({"busy_exchange_s": 0}, "flow.busy_exchange_s"), ({"max_queue_penalty_s": float("inf")}, "flow.max_queue_penalty_s"),
            ({"priorities": []}, "flow.priorities"), ({"priorities": ["a", "a"]}, "flow.priorities[1]"),
            ({"default_priority": "vip"}, "flow.default_priority"), ({"priority_header": "X Bad"}, "flow.priority_header"),
            ({"default_weight": 0}, "flow.default_weight"), ({"weight_claim": ""}, "flow.weight_claim"),
@@ -346,3 +346,69 @@ def test_gateways_holding_requests_split_the_slots_under_the_headroom():
     fc.peers.owner, fc.peers.others_holding = "gw-a", ("gw-b",)
     extra = {fc._my_part(f"r{i}", 3) for i in range(8)}
     assert extra == {1, 2}, extra
+
+
+def test_the_exchanges_quicken_while_any_of_several_gateways_holds_requests(monkeypatch):
+    """On a saturated pool (requests held here, or at another gateway as of the last exchange) each
+    gateway's grants must reach the others before they grant into the same free slots: the
+    in-flight and fair-share exchanges then run every `flow.busy_exchange_s` instead of their
+    periods; a gateway alone has nobody to tell and keeps its periods."""
+    import asyncio
+
+    from gateway import background
+
+    class Load:  # gateway.load.LoadTracker's one question here
+        def __init__(self, others: bool) -> None:
+            self.others = others
+
+        def others_active(self) -> bool:
+            return self.others
+
+    fc = _flow_control(2, busy_exchange_s=0.02)
+    assert not fc.contended()  # nothing held anywhere
+    fc.queue.push("t", object(), now=100.0, cls=0, weight=1.0)
+    assert not fc.contended()  # held here, but no other gateway seen
+    fc.peers.n_gateways = 2
+    assert fc.contended()
+    fc.queue.pop()
+    assert not fc.contended()
+    fc.peers.others_holding = ("gw-b",)
+    assert fc.contended()  # another gateway holds requests
+
+    period = background._inflight_period
+    assert period(Load(True), 0.1, fc.contended, 0.02) == 0.02
+    assert period(Load(False), 0.1, fc.contended, 0.02) == 0.02
+    assert period(Load(True), 0.01, fc.contended, 0.02) == 0.01  # never slower than the normal period
+    fc.peers.others_holding = ()
+    assert period(Load(True), 0.1, fc.contended, 0.02) == 0.1
+    assert period(Load(False), 0.1, fc.contended, 0.02) == background.QUIET_EXCHANGE_S
+    assert period(Load(True), 0.1, None, None) == 0.1  # flow control off
+
+    class Board:  # replica_agent.feed.FairShareBoard: another gateway holding requests from the 3rd exchange
+        owner = "gw-a"
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def exchange_shares(self, row):
+            self.calls += 1
+            from replica_agent.feed import TenantShare
+            return {"gw-b": {"t": TenantShare(0.0, 1 if self.calls >= 3 else 0, 0, 0, 0, 0)}}
+
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+        if len(slept) == 4:
+            raise asyncio.CancelledError
+
+    class Health:
+        def ok(self) -> None: ...
+
+        def failed(self, exc) -> None:
+            raise AssertionError(exc)
+
+    monkeypatch.setattr(background.asyncio, "sleep", sleep)  # the loop's periods, without waiting them
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(background.run_share_exchange(fc, Board(), Health(), 0.1, 0.02))
+    assert slept == [0.1, 0.1, 0.02, 0.02]
