@@ -23,9 +23,9 @@ arrivals run, after a warm-up), the hit ratio (engine-reported cached / prompt t
 completed requests started after the warm-up) and the sims' slowdown (wall seconds per modelled
 second of their steps: above ~1.05 the machine, not the pool, was the bottleneck), the gateways'
 CPU per completed request (their processes together, while the requests ran; 429s included in
-the work, not in the count) and, with flow
-control on, how many of the quiet tenant's requests the gateways held and how long (from their
-`/metrics`: the part of its TTFT spent before an engine). Then the goals: quiet p99 with the noisy tenant within 1.25x of alone
+the work, not in the count) and, with flow control on, how many of the quiet tenant's requests
+the gateways held and how long (from their `/metrics`: the part of its TTFT spent before an
+engine). Then the goals: quiet p99 with the noisy tenant within 1.25x of alone
 (flow on), the off figure beside it, throughput within 3% of flow control off, hit ratio not
 lower. With flow control on the noisy tenant is shed with 429s; the bench sets the queue bounds
 (`--max-queue-wait-s`, `--max-queue-reqs`) so its runs end promptly.
