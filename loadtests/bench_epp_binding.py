@@ -26,10 +26,11 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import socket
 import sys
 import time
+
+from loadtests.runner import process_cpu_s
 
 METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 BINDINGS = ("upb+grpcio", "upb+grpclib", "betterproto+grpclib")
@@ -274,12 +275,6 @@ def server_main(binding: str, port: int, ready) -> None:
 
 
 # --------------------------------------------------------------------------- the Envoy-playing client
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def client_main(port: int, levels: list[int], seconds: float, chunks: int, server_pid: int, out) -> None:
     import grpc
     import uvloop
@@ -318,10 +313,10 @@ def client_main(port: int, levels: list[int], seconds: float, chunks: int, serve
             stop_at[0] = time.monotonic() + 0.5  # warm-up
             await asyncio.gather(*(worker() for _ in range(level)))
             count[0] = 0
-            cpu0, t0 = _cpu_s(server_pid), time.monotonic()
+            cpu0, t0 = process_cpu_s(server_pid), time.monotonic()
             stop_at[0] = t0 + seconds
             await asyncio.gather(*(worker() for _ in range(level)))
-            wall, cpu = time.monotonic() - t0, _cpu_s(server_pid) - cpu0
+            wall, cpu = time.monotonic() - t0, process_cpu_s(server_pid) - cpu0
             results[level] = {"requests": count[0], "req_per_s": count[0] / wall,
                               "server_cpu_ms_per_req": cpu / max(1, count[0]) * 1e3,
                               "server_cpu_share": cpu / wall}
