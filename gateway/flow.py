@@ -53,11 +53,10 @@ Rules:
   grants must reach the others before they grant into the same free slots; with four gateways
   exchanging every 100 ms a light tenant's requests still found full engines) each gateway
   publishes per tenant what it released, holds, has active, was asked for and has granted, and
-  reads the others': their releases are
-  credited to the tenants here (fair shares over the pool), their held requests count against the
-  per-tenant queue bound, their grants toward lightness, their arrivals as arrivals here
-  (headroom), and the tenant limiter gets the others' active requests and this gateway's share of
-  each tenant's rate. With the board away the gateway runs on its local share (divided by the
+  reads the others': their releases are credited to the tenants here (fair shares over the pool),
+  their held requests count against the per-tenant queue bound, their grants toward lightness,
+  their arrivals as arrivals here (headroom), and the tenant limiter gets the others' active
+  requests and this gateway's share of each tenant's rate. With the board away the gateway runs on its local share (divided by the
   gateways last seen), says so (`warmroute_gateway_flow_shared`, /readyz, the log) and shares
   again when the board returns.
 - Visible: held requests and their wait per tenant hash and class, admissions (direct or
