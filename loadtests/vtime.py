@@ -227,6 +227,15 @@ class SimResult:
     warms: int = 0  # background warms of new holders (cache_plan copy_in_background probe)
     refreshes: int = 0  # keep-alive refreshes sent (keep-alive probe)
     refresh_computed_tokens: int = 0  # prompt tokens the refreshes made the replicas compute (uncached)
+    arrival_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per completed request, as ttft_s (not for collapsed runs)
+
+    def late_ttft_s(self) -> np.ndarray:
+        """TTFT of the completed requests that arrived in the last third of the measured arrivals:
+        a run's state once its start is behind it (a plan that holds at the start can still drift)."""
+        a = self.arrival_s
+        if len(a) != len(self.ttft_s) or not len(a):
+            return np.zeros(0)
+        return self.ttft_s[a >= np.quantile(a, 2 / 3)]
 
     def summary(self) -> dict:
         t = self.ttft_s
@@ -234,6 +243,7 @@ class SimResult:
         pr = np.asarray(self.per_replica_requests, dtype=float)
         mean = pr.mean() if len(pr) else 0.0
         busy = self.per_replica_busy_s
+        late = self.late_ttft_s()
         return {
             "workload": self.workload,
             "policy": self.policy,
@@ -248,6 +258,8 @@ class SimResult:
             "ttft_p90_s": float(np.percentile(t, 90)) if len(t) else float("nan"),
             "ttft_p99_s": float(np.percentile(t, 99)) if len(t) else float("nan"),
             "ttft_max_s": float(t.max()) if len(t) else float("nan"),
+            "ttft_p50_late_s": float(np.percentile(late, 50)) if len(late) else float("nan"),
+            "ttft_p99_late_s": float(np.percentile(late, 99)) if len(late) else float("nan"),
             "e2e_p50_s": float(np.percentile(e, 50)) if len(e) else float("nan"),
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
@@ -572,6 +584,7 @@ def simulate(
         completed=n_done,
         duration_s=max(1e-9, last_t - first_arrival),
         ttft_s=ttft,
+        arrival_s=np.zeros(0) if collapsed else np.array([r.arrival for r in done], dtype=float),
         prompt_tokens=sum(r.prompt for r in done),
         cached_tokens=sum(r.cached for r in done),
         output_tokens=sum(r.max_out for r in done),

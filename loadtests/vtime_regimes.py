@@ -211,8 +211,10 @@ def build_case(regime: str, case_name: str, seed: int, n_requests: int | None = 
 
 def run_regime(regime: str, seeds, cases=None, policies=None, progress=None, pacing=None,
                plan_params: dict | None = None, engine: dict | None = None, keep_alive=None,
-               refresh_first: bool = False, gateways: int = 1) -> list[dict]:
-    """`plan_params`: extra cache_plan parameters (design probes such as copy_in_background, which
+               refresh_first: bool = False, gateways: int = 1, n_requests: int | None = None) -> list[dict]:
+    """`n_requests`: that many requests per case instead of the case's own (a longer run shows
+    whether a policy holds once its start is behind it; the rows' `ttft_p99_late_s`);
+    `plan_params`: extra cache_plan parameters (design probes such as copy_in_background, which
     also makes the static plan warm its new holders in the background);
     `engine`: SimParams fields that replace the regime's (e.g. long_prefill_token_threshold);
     `keep_alive`: the keep-alive probe's parameters (loadtests/vtime_keepalive.py), every policy;
@@ -225,7 +227,7 @@ def run_regime(regime: str, seeds, cases=None, policies=None, progress=None, pac
     for case_name in cases or list(reg.cases):
         case = reg.cases[case_name]
         for seed in seeds:
-            c = build_case(regime, case_name, seed)
+            c = build_case(regime, case_name, seed, n_requests=n_requests)
             w, warm, keys, rate, util, inf, bel = c.workload, c.warmup, c.keys, c.rate_rps, c.offered_util, c.inf, c.bel
             for pol in policies or reg.policies:
                 if pol.startswith("static_plan") and not case.warm:
@@ -309,8 +311,9 @@ def regime_markdown(regime: str, rows: list[dict], command: str) -> str:
     # its p99 by seconds), so a mean of three seeds can rank two policies either way; the median and
     # the worst seed say how a policy does on a typical run and on a bad one
     lines += ["", "Over seeds (per-seed TTFT p50 and p99: mean, median, worst seed):", "",
-              "| case | policy | seeds | TTFT p50 mean | median | worst | p99 mean | median | worst | e2e p50 mean | unfinished | hit mean |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| case | policy | seeds | TTFT p50 mean | median | worst | p99 mean | median | worst | e2e p50 mean | unfinished | hit mean "
+              "| last third's p50 median | last third's p99 median | worst |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = []
     for r in rows:
         if (r["case"], r["policy"]) not in keys:
@@ -319,10 +322,14 @@ def regime_markdown(regime: str, rows: list[dict], command: str) -> str:
         rs = [r for r in rows if r["case"] == case and r["policy"] == pol]
         p50 = [r["ttft_p50_s"] for r in rs]
         p99 = [r["ttft_p99_s"] for r in rs]
+        # the requests that arrived in the last third of each run (nan: a collapsed run's)
+        late50 = [r.get("ttft_p50_late_s", float("nan")) for r in rs]
+        late99 = [r.get("ttft_p99_late_s", float("nan")) for r in rs]
         lines.append(f"| {case} | {pol} | {len(rs)} | {_f(float(np.mean(p50)))} | {_f(float(np.median(p50)))} | {_f(max(p50))} | "
                      f"{_f(float(np.mean(p99)))} | {_f(float(np.median(p99)))} | {_f(max(p99))} | "
                      f"{_f(float(np.mean([r['e2e_p50_s'] for r in rs])))} | {sum(r['unfinished'] for r in rs)} | "
-                     f"{_f(float(np.mean([r['hit_ratio'] for r in rs])))} |")
+                     f"{_f(float(np.mean([r['hit_ratio'] for r in rs])))} | "
+                     f"{_f(float(np.median(late50)))} | {_f(float(np.median(late99)))} | {_f(max((x for x in late99 if x == x), default=float('nan')))} |")
     goals = regime_goals(rows)
     if goals:
         lines += ["", "Goals:", ""] + [f"- {g}" for g in goals]
@@ -331,7 +338,7 @@ def regime_markdown(regime: str, rows: list[dict], command: str) -> str:
 
 def regime_main(regime: str, seeds, cases, policies, command: str, md: str | None, js: str | None, pacing=None,
                 plan_params: dict | None = None, engine: dict | None = None, keep_alive=None,
-                refresh_first: bool = False, gateways: int = 1) -> int:
+                refresh_first: bool = False, gateways: int = 1, n_requests: int | None = None) -> int:
     if regime not in REGIMES:
         raise SystemExit(f"unknown regime {regime!r}; choose one of {', '.join(REGIMES)}")
     t0 = time.perf_counter()
@@ -344,7 +351,7 @@ def regime_main(regime: str, seeds, cases, policies, command: str, md: str | Non
               + f" misses {s['misses_copy']}/{s['misses_evicted']} ({s['wall_s']:.1f}s)", file=sys.stderr, flush=True)
 
     rows = run_regime(regime, seeds, cases or None, policies or None, progress, pacing, plan_params, engine, keep_alive,
-                      refresh_first=refresh_first, gateways=gateways)
+                      refresh_first=refresh_first, gateways=gateways, n_requests=n_requests)
     text = regime_markdown(regime, rows, command) + f"\n\n(total wall time {time.perf_counter() - t0:.0f} s)\n"
     print(text, end="")
     if md:

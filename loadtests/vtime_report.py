@@ -240,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-alive-priority", action="store_true",
                     help="with --keep-alive: refreshes wait ahead of every request (the gateway's keep_alive.engine_priority "
                          "on engines run with vLLM's --scheduling-policy priority); default: at the back of the queue")
+    ap.add_argument("--requests", type=int, default=None, metavar="N",
+                    help="with --regime: N requests per case instead of the case's own (1,500): does a policy hold "
+                         "once its start is behind it (the summary's last-third columns)")
     ap.add_argument("--gateways", type=int, default=1, metavar="N",
                     help="N gateway processes (workers or pods), each with its own policy instance, index "
                          "and in-flight counts, each request routed by one at random (loadtests/vtime_router.SimGateways; "
@@ -258,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                  "--keep-alive-in-flight a count >= 1 and --keep-alive-max-waiting a count >= 0")
     if args.gateways < 1:
         ap.error("--gateways takes a count >= 1")
+    if args.requests is not None and (args.requests < 1 or not args.regime):
+        ap.error("--requests takes a count >= 1 and goes with --regime")
     if (args.pace_min or args.copy_in_background or args.long_prefill_threshold or args.keep_alive) and not args.regime:
         ap.error("--pace-min, --copy-in-background, --long-prefill-threshold and --keep-alive go with --regime "
                  "(the probes run on the named regimes)")
@@ -284,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                            KeepAlive(idle_s=args.keep_alive, kv_frac=args.keep_alive_kv_frac,
                                      max_in_flight=args.keep_alive_in_flight,
                                      max_waiting=args.keep_alive_max_waiting) if args.keep_alive else None,
-                           refresh_first=args.keep_alive_priority, gateways=args.gateways)
+                           refresh_first=args.keep_alive_priority, gateways=args.gateways, n_requests=args.requests)
     bad = [x for x in args.policy if x not in POLICY_NAMES]
     if bad:
         ap.error(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICY_NAMES)}")

@@ -114,6 +114,39 @@ def test_seeds_take_lists_and_ranges_and_reject_the_rest():
             parse_seeds(bad)
     with pytest.raises(SystemExit):  # the CLI says so before running anything
         main(["--regime", "busy", "--seeds", "5-2"])
+    for bad in (["--regime", "busy", "--requests", "0"], ["--requests", "3000"]):  # a count, and only with a regime
+        with pytest.raises(SystemExit):
+            main(bad)
+
+
+def test_the_late_tail_is_the_tail_of_the_requests_that_arrived_in_the_last_third():
+    """A longer run (`--requests`) says whether a policy holds once its start is behind it: the
+    summary's late figures are over the requests that arrived last, whatever order they finished in."""
+    import numpy as np
+
+    from loadtests.vtime import SimResult
+
+    arrivals = np.arange(300, dtype=float)[::-1]  # finished latest-arrived first
+    ttft = np.where(arrivals >= 200, 5.0, 0.1)  # only the last hundred arrivals wait long
+    res = SimResult(workload="w", policy="p", n_replicas=1, requests=300, completed=300, duration_s=300.0, ttft_s=ttft,
+                    prompt_tokens=1, cached_tokens=0, output_tokens=1, per_replica_requests=[300],
+                    per_replica_busy_s=[1.0], wall_s=0.0, arrival_s=arrivals)
+    s = res.summary()
+    assert s["ttft_p50_late_s"] == 5.0 and s["ttft_p99_late_s"] == 5.0
+    assert s["ttft_p50_s"] == 0.1  # the whole run's median does not see it
+    # a run without arrivals (a collapsed one) has no late figures, and the table says nan
+    s = SimResult(workload="w", policy="p", n_replicas=1, requests=3, completed=3, duration_s=3.0, ttft_s=np.ones(3),
+                  prompt_tokens=1, cached_tokens=0, output_tokens=1, per_replica_requests=[3],
+                  per_replica_busy_s=[1.0], wall_s=0.0).summary()
+    assert np.isnan(s["ttft_p99_late_s"])
+
+
+def test_a_longer_run_builds_that_many_requests_and_reports_their_late_tail():
+    from loadtests.vtime_regimes import run_regime
+
+    (s,) = run_regime("busy", [0], cases=["shared_docs"], policies=["cache_plan"], n_requests=900)
+    assert s["requests"] == 900 and s["completed"] == 900
+    assert 0 < s["ttft_p50_late_s"] <= s["ttft_p99_late_s"] < 5.0  # uniform popularity holds to the end
 
 
 def _row(case, seed, policy, p50, p99, unfinished=0, hit=0.96):
@@ -133,11 +166,13 @@ def test_the_summary_gives_each_policys_median_and_worst_seed_and_how_many_seeds
     goals = regime_goals(rows)
     assert "shared_docs_zipf: cache_plan p50 and p99 <= 1.5x its uniform's, hit within 0.03, nothing unfinished: met on 2 of 3 seeds" in goals
     assert "shared_docs: cache_plan p50 and p99 <= 0.9x sglang_cache_aware's: met on 0 of 3 seeds" in goals  # p99 ties
+    rows[3]["ttft_p99_late_s"], rows[4]["ttft_p99_late_s"] = 2.0, 9.0  # seed 2's is nan (not recorded)
     md = regime_markdown("busy", rows, "cmd")
     zipf_line = next(ln for ln in md.splitlines() if ln.startswith("| shared_docs_zipf | cache_plan | 3 |"))
     cells = [c.strip() for c in zipf_line.strip("|").split("|")]
     # seeds, p50 mean / median / worst, p99 mean / median / worst
     assert cells[2:9] == ["3", "1.177", "0.280", "3.000", "5.867", "1.400", "15.000"]
+    assert cells[13:15] == ["-", "9.000"]  # the last third's p99: a median with a missing seed is unknown ("-"); the worst seed's known
 
 
 # -- several gateway processes (loadtests/vtime_router.SimGateways) ---------------------------------
