@@ -166,6 +166,14 @@ def test_the_summary_gives_each_policys_median_and_worst_seed_and_how_many_seeds
     goals = regime_goals(rows)
     assert "shared_docs_zipf: cache_plan p50 and p99 <= 1.5x its uniform's, hit within 0.03, nothing unfinished: met on 2 of 3 seeds" in goals
     assert "shared_docs: cache_plan p50 and p99 <= 0.9x sglang_cache_aware's: met on 0 of 3 seeds" in goals  # p99 ties
+    assert not any("the last third" in g for g in goals)  # no late figures, no late goal
+    for r in rows:  # past the start: uniform's last third 0.2 / 1.0; Zipf's seed 1 holds there, seeds 0 and 2 do not
+        r["ttft_p50_late_s"], r["ttft_p99_late_s"] = 0.2, 1.0
+    rows[3]["ttft_p99_late_s"], rows[4]["ttft_p99_late_s"], rows[5]["ttft_p50_late_s"] = 1.6, 1.4, 0.4
+    late = "shared_docs_zipf, the last third: cache_plan p50 and p99 <= 1.5x its uniform's last third, nothing unfinished"
+    assert f"{late}: met on 1 of 3 seeds" in regime_goals(rows)
+    for r in rows:
+        del r["ttft_p50_late_s"], r["ttft_p99_late_s"]
     rows[3]["ttft_p99_late_s"], rows[4]["ttft_p99_late_s"] = 2.0, 9.0  # seed 2's is nan (not recorded)
     md = regime_markdown("busy", rows, "cmd")
     zipf_line = next(ln for ln in md.splitlines() if ln.startswith("| shared_docs_zipf | cache_plan | 3 |"))
