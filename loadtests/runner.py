@@ -252,6 +252,13 @@ def _ms(d: dict[str, float]) -> dict[str, float]:
     return {k: round(v * 1000.0, 2) for k, v in d.items()}
 
 
+def last_third(samples: Sequence[Sample]) -> list[Sample]:
+    """The answered requests sent in the last third of the run (by send time): a run's state once
+    its start is behind it (the busy regime's caches and queues take a while to settle, or drift)."""
+    ok = sorted((s for s in samples if s.ok), key=lambda s: s.start_s)
+    return ok[len(ok) - len(ok) // 3:] if len(ok) >= 3 else []
+
+
 def summarize(samples: Sequence[Sample], wall_s: float, **params) -> dict:
     """The report of one policy/target (the bench JSON contract: README "Results", `warmroute bench`)."""
     ok = [s for s in samples if s.ok]
@@ -273,6 +280,7 @@ def summarize(samples: Sequence[Sample], wall_s: float, **params) -> dict:
         "throughput_rps": round(len(ok) / wall_s, 3) if wall_s > 0 else 0.0,
         "output_tokens_per_s": round(out_tokens / wall_s, 2) if wall_s > 0 else 0.0,
         "ttft_ms": _ms(percentiles(s.ttft_s for s in ok)),
+        "ttft_ms_last_third": _ms(percentiles(s.ttft_s for s in last_third(samples))),
         "itl_ms": _ms(percentiles(x for s in ok for x in s.itl_s)),
         "e2e_ms": _ms(percentiles(s.e2e_s for s in ok)),
         "prompt_tokens": prompt,

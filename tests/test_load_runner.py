@@ -67,3 +67,17 @@ async def test_a_turn_waits_for_the_previous_one_and_nothing_else_waits():
         assert all(s.ok for s in samples) and arrived["a1"] >= ended["a0"]
     finally:
         await runner.cleanup()
+
+
+def test_the_report_gives_the_tail_of_the_requests_sent_in_the_last_third():
+    """A busy run's start can dominate its tail (the busy regime: README "Past the start"): the
+    report also gives the TTFT of the answered requests sent last, whatever order they finished in."""
+    from loadtests.runner import Sample, last_third, summarize
+
+    samples = [Sample(f"r{i}", ok=True, start_s=float(i), ttft_s=(2.0 if i < 20 else 0.1)) for i in range(30)][::-1]
+    samples.append(Sample("failed", ok=False, start_s=99.0, error="TimeoutError"))  # not answered: not in it
+    assert [s.start_s for s in sorted(last_third(samples), key=lambda s: s.start_s)] == [float(i) for i in range(20, 30)]
+    report = summarize(samples, 30.0)
+    assert report["ttft_ms_last_third"]["p99"] == 100.0  # the slow start is not in it
+    assert report["ttft_ms"]["p99"] == 2000.0
+    assert last_third(samples[:2]) == []
