@@ -258,8 +258,9 @@ class SimResult:
             "ttft_p90_s": float(np.percentile(t, 90)) if len(t) else float("nan"),
             "ttft_p99_s": float(np.percentile(t, 99)) if len(t) else float("nan"),
             "ttft_max_s": float(t.max()) if len(t) else float("nan"),
-            "ttft_p50_late_s": float(np.percentile(late, 50)) if len(late) else float("nan"),
-            "ttft_p99_late_s": float(np.percentile(late, 99)) if len(late) else float("nan"),
+            # None (not nan: a summary compares equal to itself) when unknown: a collapsed run's
+            "ttft_p50_late_s": float(np.percentile(late, 50)) if len(late) else None,
+            "ttft_p99_late_s": float(np.percentile(late, 99)) if len(late) else None,
             "e2e_p50_s": float(np.percentile(e, 50)) if len(e) else float("nan"),
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,

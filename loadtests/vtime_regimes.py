@@ -249,6 +249,12 @@ def _f(x, nd=3):
     return "-" if x != x else f"{x:.{nd}f}"
 
 
+def _late(row: dict, key: str) -> float:
+    """A row's last-third figure, nan when unknown (a collapsed run, or a row from before they existed)."""
+    v = row.get(key)
+    return float("nan") if v is None else v
+
+
 def regime_goals(rows: list[dict]) -> list[str]:
     """The issue's goals for cache_plan, seed by seed, headed by how many seeds met each."""
     by = {(r["case"], r["seed"], r["policy"]): r for r in rows}
@@ -278,8 +284,8 @@ def regime_goals(rows: list[dict]) -> list[str]:
             out.append(f"shared_docs_zipf seed {seed}: cache_plan unfinished {z['unfinished']}, p50/p99 {z['ttft_p50_s']:.3f}/{z['ttft_p99_s']:.3f}s "
                        f"vs its uniform {u['ttft_p50_s']:.3f}/{u['ttft_p99_s']:.3f}s (<= 1.5x), hit {z['hit_ratio']:.3f} vs {u['hit_ratio']:.3f} "
                        f"(within 0.03): {'OK' if ok else 'MISS'}")
-            zl, ul = z.get("ttft_p99_late_s", float("nan")), u.get("ttft_p99_late_s", float("nan"))
-            if zl == zl and ul == ul:  # both ran to the end: the same goal past the start (a longer run's state)
+            zl, ul = z.get("ttft_p99_late_s"), u.get("ttft_p99_late_s")
+            if zl is not None and ul is not None:  # both ran to the end: the same goal past the start (a longer run's state)
                 ok = (z["unfinished"] == 0 and z["ttft_p50_late_s"] <= 1.5 * u["ttft_p50_late_s"] and zl <= 1.5 * ul)
                 met.setdefault("shared_docs_zipf, the last third: cache_plan p50 and p99 <= 1.5x its uniform's last third, nothing unfinished", []).append(ok)
     return [f"{goal}: met on {sum(oks)} of {len(oks)} seeds" for goal, oks in met.items()] + out
@@ -310,7 +316,7 @@ def regime_markdown(regime: str, rows: list[dict], command: str) -> str:
             _f(r["ttft_p50_s"]), _f(r["ttft_p90_s"]), _f(r["ttft_p99_s"]), _f(r["e2e_p50_s"]), str(r["unfinished"]),
             _f(r["hit_ratio"]), _f(r["oracle_hit_ratio"]), str(r["evicted_blocks"]), str(r["preemptions"]),
             f"{r['misses_copy']} / {r['misses_evicted']}", " ".join(str(x) for x in r["per_replica_requests"]),
-            f"{_f(r.get('ttft_p50_late_s', float('nan')))} / {_f(r.get('ttft_p99_late_s', float('nan')))}",
+            f"{_f(_late(r, 'ttft_p50_late_s'))} / {_f(_late(r, 'ttft_p99_late_s'))}",
         ]) + " |")
     # per policy, over the seeds: this regime is chaotic (one miss more or less early in a run moves
     # its p99 by seconds), so a mean of three seeds can rank two policies either way; the median and
@@ -327,9 +333,9 @@ def regime_markdown(regime: str, rows: list[dict], command: str) -> str:
         rs = [r for r in rows if r["case"] == case and r["policy"] == pol]
         p50 = [r["ttft_p50_s"] for r in rs]
         p99 = [r["ttft_p99_s"] for r in rs]
-        # the requests that arrived in the last third of each run (nan: a collapsed run's)
-        late50 = [r.get("ttft_p50_late_s", float("nan")) for r in rs]
-        late99 = [r.get("ttft_p99_late_s", float("nan")) for r in rs]
+        # the requests that arrived in the last third of each run (nan: a collapsed run's, unknown)
+        late50 = [_late(r, "ttft_p50_late_s") for r in rs]
+        late99 = [_late(r, "ttft_p99_late_s") for r in rs]
         lines.append(f"| {case} | {pol} | {len(rs)} | {_f(float(np.mean(p50)))} | {_f(float(np.median(p50)))} | {_f(max(p50))} | "
                      f"{_f(float(np.mean(p99)))} | {_f(float(np.median(p99)))} | {_f(max(p99))} | "
                      f"{_f(float(np.mean([r['e2e_p50_s'] for r in rs])))} | {sum(r['unfinished'] for r in rs)} | "

@@ -134,11 +134,11 @@ def test_the_late_tail_is_the_tail_of_the_requests_that_arrived_in_the_last_thir
     s = res.summary()
     assert s["ttft_p50_late_s"] == 5.0 and s["ttft_p99_late_s"] == 5.0
     assert s["ttft_p50_s"] == 0.1  # the whole run's median does not see it
-    # a run without arrivals (a collapsed one) has no late figures, and the table says nan
+    # a run without arrivals (a collapsed one) has no late figures (None, so a summary equals itself)
     s = SimResult(workload="w", policy="p", n_replicas=1, requests=3, completed=3, duration_s=3.0, ttft_s=np.ones(3),
                   prompt_tokens=1, cached_tokens=0, output_tokens=1, per_replica_requests=[3],
                   per_replica_busy_s=[1.0], wall_s=0.0).summary()
-    assert np.isnan(s["ttft_p99_late_s"])
+    assert s["ttft_p50_late_s"] is None and s["ttft_p99_late_s"] is None
 
 
 def test_a_longer_run_builds_that_many_requests_and_reports_their_late_tail():
@@ -174,7 +174,7 @@ def test_the_summary_gives_each_policys_median_and_worst_seed_and_how_many_seeds
     assert f"{late}: met on 1 of 3 seeds" in regime_goals(rows)
     for r in rows:
         del r["ttft_p50_late_s"], r["ttft_p99_late_s"]
-    rows[3]["ttft_p99_late_s"], rows[4]["ttft_p99_late_s"] = 2.0, 9.0  # seed 2's is nan (not recorded)
+    rows[3]["ttft_p99_late_s"], rows[4]["ttft_p99_late_s"] = 2.0, 9.0  # seed 2's unknown (not recorded)
     md = regime_markdown("busy", rows, "cmd")
     zipf_line = next(ln for ln in md.splitlines() if ln.startswith("| shared_docs_zipf | cache_plan | 3 |"))
     cells = [c.strip() for c in zipf_line.strip("|").split("|")]
