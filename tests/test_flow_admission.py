@@ -354,6 +354,7 @@ def test_the_exchanges_quicken_while_any_of_several_gateways_holds_requests(monk
     in-flight and fair-share exchanges then run every `flow.busy_exchange_s` instead of their
     periods; a gateway alone has nobody to tell and keeps its periods."""
     import asyncio
+    import threading
 
     from gateway import background
 
@@ -396,8 +397,11 @@ def test_the_exchanges_quicken_while_any_of_several_gateways_holds_requests(monk
             return {"gw-b": {"t": TenantShare(0.0, 1 if self.calls >= 3 else 0, 0, 0, 0, 0)}}
 
     slept: list[float] = []
+    real_sleep, here = asyncio.sleep, threading.get_ident()
 
-    async def sleep(s: float) -> None:
+    async def sleep(s: float, *args, **kwargs):
+        if threading.get_ident() != here:  # the patch is process-wide: another test's server thread, on its own loop
+            return await real_sleep(s, *args, **kwargs)
         slept.append(s)
         if len(slept) == 4:
             raise asyncio.CancelledError
