@@ -19,7 +19,10 @@ evicted before its first request is not). Not modelled: requests the samples do 
 gateway's keep-alive refreshes, another router's traffic), and flow control (send time is used as
 the engine's arrival). Pure apart from reading the samples file.
 
-    python -m loadtests.replay_engine --samples FILE --regime busy --case shared_docs_zipf --seed 1
+    python -m loadtests.replay_engine --samples FILE --regime busy --case shared_docs_zipf --seed 1 [--requests N]
+
+(`--requests N` for a run made with `compare_peers --regime-requests N`; samples that are not
+requests of the case as built are refused, never silently left out.)
 """
 from __future__ import annotations
 
@@ -132,8 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case", required=True)
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--router", default=None, help="the samples' router label (default: the only one)")
+    ap.add_argument("--requests", type=int, default=None, metavar="N",
+                    help="the run's request count when it was not the case's own (compare_peers --regime-requests N)")
     ap.add_argument("--window-s", type=float, default=5.0)
     args = ap.parse_args(argv)
+    if args.requests is not None and args.requests < 1:
+        ap.error("--requests takes a count >= 1")
     with open(args.samples) as f:
         samples = [json.loads(line) for line in f if line.strip()]
     routers = sorted({s.get("router", "") for s in samples})
@@ -143,7 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     reg = REGIMES[args.regime]
     if args.case not in reg.cases:
         ap.error(f"--case: {args.regime} has {', '.join(reg.cases)}")
-    print(report(replay(samples, build_case(args.regime, args.case, args.seed), reg.params), args.window_s))
+    case = build_case(args.regime, args.case, args.seed, n_requests=args.requests)
+    ids = {r.request_id for r in case.workload.requests}
+    foreign = sum(1 for s in samples if s["tag"] not in ids)
+    if foreign:  # another case, seed or length: replaying a part of the run would mislead
+        ap.error(f"{foreign} of {len(samples)} samples are not requests of {args.case} at seed {args.seed} with "
+                 f"{len(ids)} requests (a run with --regime-requests N needs --requests N)")
+    print(report(replay(samples, case, reg.params), args.window_s))
     return 0
 
 

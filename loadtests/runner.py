@@ -28,6 +28,8 @@ from typing import Any, Callable, Coroutine, Iterable, Sequence
 
 import aiohttp
 
+from loadtests.workloads import last_third_start
+
 __all__ = ["BenchRequest", "Sample", "run_load", "summarize", "percentiles", "CpuMeter", "process_cpu_s", "error_reason",
            "Interrupted", "run_interruptible", "wait_http"]
 
@@ -256,7 +258,7 @@ def last_third(samples: Sequence[Sample]) -> list[Sample]:
     """The answered requests sent in the last third of the run (by send time): a run's state once
     its start is behind it (the busy regime's caches and queues take a while to settle, or drift)."""
     ok = sorted((s for s in samples if s.ok), key=lambda s: s.start_s)
-    return ok[len(ok) - len(ok) // 3:] if len(ok) >= 3 else []
+    return ok[last_third_start(len(ok)):]
 
 
 def summarize(samples: Sequence[Sample], wall_s: float, **params) -> dict:

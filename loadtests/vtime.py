@@ -57,7 +57,8 @@ from gateway.config import FeedConfig
 from hashing.keys import block_extras, chain_keys, root_key
 from loadtests.vtime_replica import ReplicaModel, SimReq
 from loadtests.vtime_keepalive import KEEPALIVE, KeepAlive, Retainer, queue_refresh, refresh_request
-from loadtests.workloads import _END_IDS, _JOIN_IDS, _ROLE_IDS, Workload, WorkloadRequest, segment_token_ids
+from loadtests.workloads import (_END_IDS, _JOIN_IDS, _ROLE_IDS, Workload, WorkloadRequest, last_third_start,
+                                 segment_token_ids)
 from loadtests.vtime_pacing import PaceChains, Pacing
 from loadtests.vtime_router import SimGateways, SimRouter, VClock
 from policies.registry import get_policy
@@ -230,12 +231,13 @@ class SimResult:
     arrival_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per completed request, as ttft_s (not for collapsed runs)
 
     def late_ttft_s(self) -> np.ndarray:
-        """TTFT of the completed requests that arrived in the last third of the measured arrivals:
-        a run's state once its start is behind it (a plan that holds at the start can still drift)."""
+        """TTFT of the completed requests that arrived in the last third (by count, as the wall
+        clock's: `workloads.last_third_start`): a run's state once its start is behind it (a plan
+        that holds at the start can still drift)."""
         a = self.arrival_s
         if len(a) != len(self.ttft_s) or not len(a):
             return np.zeros(0)
-        return self.ttft_s[a >= np.quantile(a, 2 / 3)]
+        return self.ttft_s[np.argsort(a, kind="stable")[last_third_start(len(a)):]]
 
     def summary(self) -> dict:
         t = self.ttft_s

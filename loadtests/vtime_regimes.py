@@ -291,9 +291,10 @@ def regime_goals(rows: list[dict]) -> list[str]:
     return [f"{goal}: met on {sum(oks)} of {len(oks)} seeds" for goal, oks in met.items()] + out
 
 
-def regime_markdown(regime: str, rows: list[dict], command: str) -> str:
+def regime_markdown(regime: str, rows: list[dict], command: str, engine: dict | None = None) -> str:
+    """`engine`: the SimParams fields the run replaced (run_regime's), so the header states what ran."""
     reg = REGIMES[regime]
-    p = reg.params
+    p = dataclasses.replace(reg.params, **engine) if engine else reg.params
     lines = [
         f"Command: `{command}`",
         "",
@@ -363,7 +364,7 @@ def regime_main(regime: str, seeds, cases, policies, command: str, md: str | Non
 
     rows = run_regime(regime, seeds, cases or None, policies or None, progress, pacing, plan_params, engine, keep_alive,
                       refresh_first=refresh_first, gateways=gateways, n_requests=n_requests)
-    text = regime_markdown(regime, rows, command) + f"\n\n(total wall time {time.perf_counter() - t0:.0f} s)\n"
+    text = regime_markdown(regime, rows, command, engine) + f"\n\n(total wall time {time.perf_counter() - t0:.0f} s)\n"
     print(text, end="")
     if md:
         with open(md, "w") as f:

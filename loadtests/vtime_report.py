@@ -201,6 +201,30 @@ def parse_seeds(text: str) -> list[int]:
     return out
 
 
+def parse_engine(items: list[str]) -> dict:
+    """`--engine FIELD=VALUE` items -> SimParams fields to replace: numeric fields only, an int
+    field an integer, every value >= 0; ValueError naming the item otherwise."""
+    import dataclasses
+
+    from loadtests.vtime import SimParams
+
+    kinds = {f.name: f.type for f in dataclasses.fields(SimParams) if f.type in ("int", "float", "float | None")}
+    out: dict = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or name not in kinds:
+            raise ValueError(f"{item!r} is not FIELD=VALUE with FIELD one of {', '.join(sorted(kinds))}")
+        try:
+            value = int(text) if kinds[name] == "int" else float(text)
+        except ValueError:
+            raise ValueError(f"{item!r}: {name} takes {'an integer' if kinds[name] == 'int' else 'a number'}") from None
+        if not value >= 0:
+            raise ValueError(f"{item!r}: {name} takes a value >= 0")
+        out[name] = value
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small table: 4 and 16 replicas, fewer requests")
@@ -226,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-prefill-threshold", type=int, default=0, metavar="TOKENS",
                     help="with --regime: the engines cap one request's prefill at TOKENS per step (vLLM's "
                          "--long-prefill-token-threshold; default 0: the regime's engines, no cap)")
+    ap.add_argument("--engine", action="append", default=[], metavar="FIELD=VALUE",
+                    help="with --regime, repeatable: one engine or feed parameter of the regime replaced (a numeric "
+                         "loadtests.vtime.SimParams field, e.g. step_overhead_s=0.0119 or report_interval_s=0.2): how "
+                         "much a case's figures move when the model moves a little")
     ap.add_argument("--keep-alive", type=float, default=0.0, metavar="IDLE_S",
                     help="with --regime: keep-alive (the gateway's keep_alive rules, loadtests/vtime_keepalive.py): a long "
                          "prefix not used on its replica for IDLE_S seconds is refreshed there (default 0: off)")
@@ -253,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--pace-min takes tokens >= 0 (0: off) and --pace-chunk tokens >= 1")
     if args.long_prefill_threshold < 0:
         ap.error("--long-prefill-threshold takes tokens >= 0 (0: no cap)")
+    try:
+        engine = parse_engine(args.engine)
+    except ValueError as exc:
+        ap.error(f"--engine: {exc}")
+    if args.long_prefill_threshold:
+        engine["long_prefill_token_threshold"] = args.long_prefill_threshold
     if args.keep_alive_priority and not args.keep_alive:
         ap.error("--keep-alive-priority goes with --keep-alive")
     if (args.keep_alive < 0 or not 0 < args.keep_alive_kv_frac <= 1 or args.keep_alive_in_flight < 1
@@ -263,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--gateways takes a count >= 1")
     if args.requests is not None and (args.requests < 1 or not args.regime):
         ap.error("--requests takes a count >= 1 and goes with --regime")
-    if (args.pace_min or args.copy_in_background or args.long_prefill_threshold or args.keep_alive) and not args.regime:
-        ap.error("--pace-min, --copy-in-background, --long-prefill-threshold and --keep-alive go with --regime "
+    if (args.pace_min or args.copy_in_background or engine or args.keep_alive) and not args.regime:
+        ap.error("--pace-min, --copy-in-background, --long-prefill-threshold, --engine and --keep-alive go with --regime "
                  "(the probes run on the named regimes)")
     if args.regime:
         from loadtests.vtime_regimes import blind_stay_tol, regime_main
@@ -285,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                            Pacing(args.pace_min or None, args.pace_chunk, not args.pace_no_follow)
                            if args.pace_min > 0 or args.copy_in_background else None,
                            {"copy_in_background": True} if args.copy_in_background else None,
-                           {"long_prefill_token_threshold": args.long_prefill_threshold} if args.long_prefill_threshold else None,
+                           engine or None,
                            KeepAlive(idle_s=args.keep_alive, kv_frac=args.keep_alive_kv_frac,
                                      max_in_flight=args.keep_alive_in_flight,
                                      max_waiting=args.keep_alive_max_waiting) if args.keep_alive else None,

@@ -66,10 +66,11 @@ def _prefix_of(wr) -> str:
 
 
 def trace(regime: str, case: str, seed: int, policy: str = "cache_plan", keep_alive: KeepAlive | None = None,
-          n_requests: int | None = None, warm_chunk: int | None = None) -> Trace:
+          n_requests: int | None = None, warm_chunk: int | None = None, refresh_first: bool = False) -> Trace:
     """Run one case at one seed (as loadtests.vtime_regimes.run_regime does) and record every
     finished measured request. `warm_chunk`: the copy-in-background probe (`vtime_report
-    --copy-in-background --pace-chunk N`), new holders warmed in chunks of that many tokens."""
+    --copy-in-background --pace-chunk N`), new holders warmed in chunks of that many tokens;
+    `refresh_first`: keep-alive's refreshes wait ahead of every request (`--keep-alive-priority`)."""
     reg = REGIMES[regime]
     c = build_case(regime, case, seed, n_requests)
     rows: list = []
@@ -80,7 +81,7 @@ def trace(regime: str, case: str, seed: int, policy: str = "cache_plan", keep_al
     bg = warm_chunk is not None
     obj, pp = policy_with_params(policy, c.workload, c.keys, reg.replicas, {"copy_in_background": True} if bg else None)
     res = simulate(c.workload, obj, reg.replicas, reg.params, policy_params=pp, seed=seed, keys=c.keys,
-                   warmup=c.warmup or None, keep_alive=keep_alive, observe=observe,
+                   warmup=c.warmup or None, keep_alive=keep_alive, refresh_first=refresh_first, observe=observe,
                    pacing=Pacing(None, warm_chunk) if bg else None)
     rows.sort()
     t0 = rows[0][0] if rows else 0.0
@@ -140,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="cache_plan")
     ap.add_argument("--keep-alive", type=float, default=0.0, metavar="IDLE_S",
                     help="keep-alive with this idle time, the gateway's other keep_alive defaults (0: off)")
+    ap.add_argument("--keep-alive-max-waiting", type=int, default=KeepAlive().max_waiting, metavar="N",
+                    help="with --keep-alive: no refresh to a replica with more requests waiting (as vtime_report's)")
+    ap.add_argument("--keep-alive-priority", action="store_true",
+                    help="with --keep-alive: refreshes wait ahead of every request (as vtime_report's)")
     ap.add_argument("--copy-in-background", type=int, default=0, metavar="CHUNK",
                     help="the copy-in-background probe (as vtime_report --copy-in-background --pace-chunk CHUNK): "
                          "new holders warmed beside the traffic in CHUNK-token pieces (default 0: off)")
@@ -149,11 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.case not in REGIMES[args.regime].cases:
         ap.error(f"--case: one of {', '.join(REGIMES[args.regime].cases)}")
     if (args.keep_alive < 0 or args.window <= 0 or (args.requests is not None and args.requests < 1)
-            or args.copy_in_background < 0):
+            or args.copy_in_background < 0 or args.keep_alive_max_waiting < 0):
         ap.error("--keep-alive takes seconds >= 0, --window seconds > 0, --requests a count >= 1, "
-                 "--copy-in-background tokens >= 0")
-    ka = KeepAlive(idle_s=args.keep_alive) if args.keep_alive else None
-    tr = trace(args.regime, args.case, args.seed, args.policy, ka, args.requests, args.copy_in_background or None)
+                 "--copy-in-background tokens >= 0, --keep-alive-max-waiting a count >= 0")
+    if args.keep_alive_priority and not args.keep_alive:
+        ap.error("--keep-alive-priority goes with --keep-alive")
+    ka = KeepAlive(idle_s=args.keep_alive, max_waiting=args.keep_alive_max_waiting) if args.keep_alive else None
+    tr = trace(args.regime, args.case, args.seed, args.policy, ka, args.requests, args.copy_in_background or None,
+               refresh_first=args.keep_alive_priority)
     print(format_trace(tr, args.window))
     return 0
 

@@ -33,7 +33,9 @@ or `concurrency`, and its own shape parameters with defaults):
 - hot_prefix: one document carries `hot_share` of the traffic, the rest spread over many;
 - no_sharing: every prompt unique.
 Arrivals: Poisson at `rate_rps` (open loop), or all at 0 with `concurrency` set (closed loop; the
-runner keeps that many in flight, multi-turn follow-ups after their predecessor).
+runner keeps that many in flight, multi-turn follow-ups after their predecessor). A stream's
+"last third" (`last_third_start`: the last n // 3 of n requests in arrival order) is where both
+clocks measure a run once its start is behind it.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ __all__ = [
     "text_words_per_token",
     "exact_word_counts",
     "warmup_requests",
+    "last_third_start",
     "ROLE_HEADER_TOKENS",
     "MESSAGE_END_TOKENS",
     "JOIN_TOKENS",
@@ -496,6 +499,13 @@ WORKLOADS = {
     "hot_prefix": hot_prefix,
     "no_sharing": no_sharing,
 }
+
+
+def last_third_start(n: int) -> int:
+    """Where the last third of n requests in arrival order begins: the last n // 3 (none under 3).
+    One rule for the wall clock's answered requests (loadtests.runner.last_third) and virtual
+    time's finished ones (loadtests.vtime.SimResult.late_ttft_s)."""
+    return n - n // 3 if n >= 3 else n
 
 
 def build_workload(name: str, n_requests: int, **kw) -> Workload:

@@ -32,3 +32,24 @@ def test_replay_prewarms_what_the_run_found_cached_and_times_from_the_first_send
     text = report(warm)
     assert text.startswith(f"r0: {len(warm['r0'])} requests; TTFT p50 / p99 s: engine alone")
     assert "long misses 0 / 0" in text
+
+
+def test_samples_of_another_length_are_refused_not_half_replayed(tmp_path, capsys):
+    """A run of N requests (compare_peers --regime-requests N) replays with --requests N; without
+    it the case's own 1,500 would match only the first part of the run and report that part."""
+    import json
+
+    import pytest
+
+    from loadtests.replay_engine import main
+
+    c = build_case("busy", "shared_docs", 0, n_requests=1800)
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in _samples(c, 0.95)))
+    args = ["--samples", str(path), "--regime", "busy", "--case", "shared_docs", "--seed", "0"]
+    with pytest.raises(SystemExit):
+        main(args)
+    assert "300 of 1800 samples are not requests" in capsys.readouterr().err
+    assert main(args + ["--requests", "1800"]) == 0
+    out = capsys.readouterr().out
+    assert sum(int(line.split(":")[1].split()[0]) for line in out.splitlines() if line.startswith("r")) == 1800

@@ -119,6 +119,31 @@ def test_seeds_take_lists_and_ranges_and_reject_the_rest():
             main(bad)
 
 
+def test_engine_replaces_a_regime_parameter_and_the_report_says_so(tmp_path, capsys):
+    from loadtests.vtime_report import main, parse_engine
+
+    assert parse_engine(["step_overhead_s=0.0119", "max_batched_tokens=256"]) == {"step_overhead_s": 0.0119,
+                                                                                   "max_batched_tokens": 256}
+    for bad in (["step_overhead_s"], ["nope=1"], ["model=x"], ["max_batched_tokens=1.5"], ["step_overhead_s=-1"],
+                ["step_overhead_s=nan"]):
+        with pytest.raises(ValueError):
+            parse_engine(bad)
+    with pytest.raises(SystemExit):  # the CLI says so before running anything, and only with a regime
+        main(["--regime", "busy", "--engine", "nope=1"])
+    with pytest.raises(SystemExit):
+        main(["--engine", "step_overhead_s=0.0119"])
+    figures = {}
+    for step in ("0.012", "0.0125"):  # the regime's own step overhead, then 4% more
+        md = tmp_path / f"{step}.md"
+        assert main(["--regime", "busy", "--seeds", "0", "--workload", "shared_docs", "--policy", "cache_plan",
+                     "--requests", "300", "--engine", f"step_overhead_s={step}", "--md", str(md)]) == 0
+        text = md.read_text()
+        assert f"step = {float(step) * 1e3:g} ms" in text  # the header states the model that ran
+        figures[step] = next(line for line in text.splitlines() if line.startswith("| shared_docs | 0 |"))
+    capsys.readouterr()
+    assert figures["0.012"] != figures["0.0125"]  # the replaced parameter reached the engines
+
+
 def test_the_late_tail_is_the_tail_of_the_requests_that_arrived_in_the_last_third():
     """A longer run (`--requests`) says whether a policy holds once its start is behind it: the
     summary's late figures are over the requests that arrived last, whatever order they finished in."""
@@ -139,6 +164,29 @@ def test_the_late_tail_is_the_tail_of_the_requests_that_arrived_in_the_last_thir
                   prompt_tokens=1, cached_tokens=0, output_tokens=1, per_replica_requests=[3],
                   per_replica_busy_s=[1.0], wall_s=0.0).summary()
     assert s["ttft_p50_late_s"] is None and s["ttft_p99_late_s"] is None
+
+
+def test_both_clocks_take_the_same_last_third():
+    """One rule: the wall clock's answered requests and virtual time's finished ones, by count in
+    arrival order, whatever order they finished in (a count not divisible by three included)."""
+    import random
+
+    import numpy as np
+
+    from loadtests.runner import Sample, last_third
+    from loadtests.vtime import SimResult
+
+    for n in (2, 3, 7, 8, 9, 100):
+        arrivals = [float(i) for i in range(n)]
+        random.Random(n).shuffle(arrivals)  # finished in another order than they arrived
+        ttft = np.array([a * 10.0 for a in arrivals])  # each request named by its TTFT
+        res = SimResult(workload="w", policy="p", n_replicas=1, requests=n, completed=n, duration_s=1.0, ttft_s=ttft,
+                        prompt_tokens=1, cached_tokens=0, output_tokens=1, per_replica_requests=[n],
+                        per_replica_busy_s=[1.0], wall_s=0.0, arrival_s=np.array(arrivals))
+        samples = [Sample(tag=str(a), ok=True, start_s=a, ttft_s=a * 10.0) for a in arrivals]
+        wall = sorted(s.ttft_s for s in last_third(samples))
+        assert sorted(res.late_ttft_s().tolist()) == wall
+        assert len(wall) == n // 3 and (not wall or wall[0] == (n - n // 3) * 10.0)
 
 
 def test_a_longer_run_builds_that_many_requests_and_reports_their_late_tail():

@@ -74,3 +74,20 @@ def test_the_copy_in_background_probe_traces_the_same_run_as_the_report():
     assert tr.summary["ttft_p99_s"] == row["ttft_p99_s"] and tr.summary["misses_copy"] == row["misses_copy"]
     with pytest.raises(SystemExit):
         main(["--copy-in-background", "-1"])
+
+
+def test_keep_alive_rules_trace_the_same_run_as_the_report():
+    """`--keep-alive 1 --keep-alive-priority --keep-alive-max-waiting 8` runs what the report runs
+    with the same flags: the first line's figures are the report row's."""
+    from loadtests.vtime_keepalive import KeepAlive
+    from loadtests.vtime_regimes import run_regime
+
+    ka = KeepAlive(idle_s=1.0, max_waiting=8)
+    tr = trace("busy", "shared_docs_zipf", seed=2, n_requests=400, keep_alive=ka, refresh_first=True)
+    (row,) = run_regime("busy", [2], ["shared_docs_zipf"], ["cache_plan"], keep_alive=ka, refresh_first=True,
+                        n_requests=400)
+    assert tr.summary["ttft_p99_s"] == row["ttft_p99_s"] and tr.summary["refreshes"] == row["refreshes"] > 0
+    back = trace("busy", "shared_docs_zipf", seed=2, n_requests=400, keep_alive=ka)  # refreshes behind the queue
+    assert back.summary != tr.summary
+    with pytest.raises(SystemExit):  # priority only with keep-alive
+        main(["--keep-alive-priority"])
