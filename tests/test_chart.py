@@ -201,6 +201,30 @@ def test_deploy_mode_engines_and_their_agents_agree(name):
     assert gw_env["FEED_URL"] == ag_env["FEED_URL"]
 
 
+def test_engines_schedule_by_priority_exactly_when_the_gateway_sends_priorities():
+    """vLLM refuses a request priority other than 0 unless it runs --scheduling-policy priority: the
+    deployed engines get the flag when flow control or keep-alive sends priorities, attach mode's
+    notes ask for it, and nothing changes otherwise."""
+    def vllm_args(over: dict) -> list[str]:
+        r = render(deep_merge(ci_values("default"), over))
+        pod = r.get("StatefulSet", f"{FULL_NAME}-vllm")["spec"]["template"]["spec"]
+        return _args(next(c for c in pod["containers"] if c["name"] == "vllm"))
+
+    assert "--scheduling-policy" not in vllm_args({})
+    for over in ({"config": {"flow": {"engine_priority": True}}},
+                 {"config": {"keep_alive": {"enabled": True, "engine_priority": True}}}):
+        va = vllm_args(over)
+        assert va.count("--scheduling-policy") == 1 and _flag(va, "--scheduling-policy") == "priority"
+    # an operator's own flag is not doubled
+    va = vllm_args({"config": {"flow": {"engine_priority": True}},
+                    "replicas": {"deploy": {"extraArgs": ["--scheduling-policy", "priority"]}}})
+    assert va.count("--scheduling-policy") == 1
+    attach = ci_values("attach")
+    assert "--scheduling-policy" not in render(attach).notes
+    notes = render(deep_merge(attach, {"config": {"keep_alive": {"enabled": True, "engine_priority": True}}})).notes
+    assert "--scheduling-policy priority" in notes
+
+
 def test_attach_mode_adds_one_agent_per_listed_replica():
     values = ci_values("attach")
     r = render(values)

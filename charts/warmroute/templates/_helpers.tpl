@@ -129,6 +129,14 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 {{- end -}}
 
+{{/* "true" when the gateway sends vLLM request priorities (flow.engine_priority, keep_alive.engine_priority):
+the engines must then run --scheduling-policy priority, or they refuse every request with a priority
+other than 0 (400 "Priority scheduling is not enabled"). */}}
+{{- define "warmroute.enginePriority" -}}
+{{- $c := .Values.config -}}
+{{- if or (and $c.flow $c.flow.engine_priority) (and $c.keep_alive $c.keep_alive.engine_priority) -}}true{{- end -}}
+{{- end -}}
+
 {{/* The gateway's tokenizer source after defaults: builtin | hub | volume, and the hub model. */}}
 {{- define "warmroute.tokenizerHubModel" -}}
 {{- default (ternary .Values.replicas.deploy.model "" (eq .Values.replicas.mode "deploy")) .Values.gateway.tokenizer.hubModel -}}
