@@ -29,8 +29,9 @@ constructor), and how they report trouble.
   retainer says are due (gateway.keepalive) to replicas that are up, each its own task bounded by
   `timeout_s` (at most MAX_REFRESHES_IN_FLIGHT at once; beyond, the rest wait for the next check),
   and tells the retainer when each is over, so it hands out the next (its `max_in_flight` per
-  replica); a replica that left is forgotten. A refresh is not a client's request: no flow control, no
-  place in the routing load's in-flight counts, no retry.
+  replica); a replica that left is forgotten; one that refuses the refreshes' priority gets them
+  without it for a while (gateway.keepalive.refuses_priority, a warning logged). A refresh is not a
+  client's request: no flow control, no place in the routing load's in-flight counts, no retry.
 A failing dependency is logged once when it fails, then at most once a minute with the count, and
 once when it recovers (replica_agent.feed.FailureLog): a Redis outage is a few lines, not one per
 second.
@@ -49,7 +50,8 @@ from gateway.auth import ApiKeyStore, Authenticator, load_api_keys_file, parse_k
 from gateway.config import AuthConfig, KeepAliveConfig
 from gateway.index import KVIndex
 from gateway.index_sync import IndexSync
-from gateway.keepalive import REFRESH_PRIORITY, Retainer, refresh_body, refresh_computed_tokens
+from gateway.keepalive import (PRIORITY_RETRY_S, REFRESH_PRIORITY, Retainer, refresh_body, refresh_computed_tokens,
+                               refuses_priority)
 from gateway.load import LoadTracker
 from gateway.membership import Membership
 from gateway.model import ModelInfo
@@ -226,12 +228,18 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     bs = model.block_size
     pending: set = set()
+    unprioritised: dict[str, float] = {}  # replica -> until when its refreshes carry no priority (it refused one)
 
     async def refresh(rid: str, url: str, body: dict, rf) -> None:
         try:
             async with session.post(url + "/v1/completions", json=body, timeout=timeout) as r:
                 raw = await r.read()
                 ok = r.status == 200
+            if not ok and "priority" in body and refuses_priority(r.status, raw):
+                if rid not in unprioritised:
+                    log.warning("replica %s refuses request priorities (vLLM without --scheduling-policy priority): "
+                                "its keep-alive refreshes go without one for %.0f s", rid, PRIORITY_RETRY_S)
+                unprioritised[rid] = time.monotonic() + PRIORITY_RETRY_S
             if not ok:
                 raise RuntimeError(f"replica {rid} answered a refresh with HTTP {r.status}")
             computed = refresh_computed_tokens(raw, len(body["prompt"]))
@@ -262,8 +270,11 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
                     retainer.done(rf)  # not sent: due again at a later check
                     continue
                 ids, salt = rf.payload
+                if unprioritised.get(st.replica_id, 0.0) <= time.monotonic():
+                    unprioritised.pop(st.replica_id, None)
                 body = refresh_body(model.name, ids, len(rf.keys), bs, salt,
-                                    priority=REFRESH_PRIORITY if cfg.engine_priority else None)
+                                    priority=REFRESH_PRIORITY if cfg.engine_priority and st.replica_id not in unprioritised
+                                    else None)
                 task = asyncio.create_task(refresh(st.replica_id, st.url, body, rf))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
