@@ -203,25 +203,37 @@ def test_deploy_mode_engines_and_their_agents_agree(name):
 
 def test_engines_schedule_by_priority_exactly_when_the_gateway_sends_priorities():
     """vLLM refuses a request priority other than 0 unless it runs --scheduling-policy priority: the
-    deployed engines get the flag when flow control or keep-alive sends priorities, attach mode's
-    notes ask for it, and nothing changes otherwise."""
-    def vllm_args(over: dict) -> list[str]:
-        r = render(deep_merge(ci_values("default"), over))
+    deployed engines get the flag when flow control or keep-alive sends priorities (keep-alive, on
+    by default, does in deploy mode unless told not to), attach mode's notes ask for it, and
+    nothing changes otherwise."""
+    def rendered(over: dict, base: str = "default") -> tuple[list[str], dict]:
+        r = render(deep_merge(ci_values(base), over))
+        cfg = yaml.safe_load(r.configmap_data(FULL_NAME)["gateway.yaml"])
+        if base != "default":
+            return [], cfg
         pod = r.get("StatefulSet", f"{FULL_NAME}-vllm")["spec"]["template"]["spec"]
-        return _args(next(c for c in pod["containers"] if c["name"] == "vllm"))
+        return _args(next(c for c in pod["containers"] if c["name"] == "vllm")), cfg
 
-    assert "--scheduling-policy" not in vllm_args({})
-    for over in ({"config": {"flow": {"engine_priority": True}}},
-                 {"config": {"keep_alive": {"enabled": True, "engine_priority": True}}}):
-        va = vllm_args(over)
-        assert va.count("--scheduling-policy") == 1 and _flag(va, "--scheduling-policy") == "priority"
-    # an operator's own flag is not doubled
-    va = vllm_args({"config": {"flow": {"engine_priority": True}},
-                    "replicas": {"deploy": {"extraArgs": ["--scheduling-policy", "priority"]}}})
-    assert va.count("--scheduling-policy") == 1
+    va, cfg = rendered({})  # the chart's default: keep-alive on, its refreshes ahead of the queue
+    assert _flag(va, "--scheduling-policy") == "priority" and va.count("--scheduling-policy") == 1
+    ka = config_from_dict(cfg, env={}).keep_alive
+    assert ka.enabled and ka.engine_priority and ka.max_waiting == 8 and ka.idle_s == 1.0
+    for off in ({"config": {"keep_alive": {"enabled": False}}}, {"config": {"keep_alive": {"engine_priority": False}}}):
+        va, cfg = rendered(off)
+        assert "--scheduling-policy" not in va and not cfg["keep_alive"].get("engine_priority")
+    va, cfg = rendered({"config": {"keep_alive": {"engine_priority": False, "max_waiting": 3}}})
+    assert cfg["keep_alive"]["max_waiting"] == 3  # an operator's own value stands
+    va, _ = rendered({"config": {"keep_alive": {"enabled": False}, "flow": {"engine_priority": True}}})
+    assert _flag(va, "--scheduling-policy") == "priority"
+    va, _ = rendered({"replicas": {"deploy": {"extraArgs": ["--scheduling-policy", "priority"]}}})
+    assert va.count("--scheduling-policy") == 1  # an operator's own flag is not doubled
+    # attach mode: the chart does not run the engines, so keep-alive's refreshes carry no priority
+    # unless asked, and then NOTES asks for the engines' flag
     attach = ci_values("attach")
+    _, cfg = rendered({}, "attach")
+    assert cfg["keep_alive"]["enabled"] and not cfg["keep_alive"].get("engine_priority")
     assert "--scheduling-policy" not in render(attach).notes
-    notes = render(deep_merge(attach, {"config": {"keep_alive": {"enabled": True, "engine_priority": True}}})).notes
+    notes = render(deep_merge(attach, {"config": {"keep_alive": {"engine_priority": True}}})).notes
     assert "--scheduling-policy priority" in notes
 
 

@@ -134,7 +134,16 @@ the engines must then run --scheduling-policy priority, or they refuse every req
 other than 0 (400 "Priority scheduling is not enabled"). */}}
 {{- define "warmroute.enginePriority" -}}
 {{- $c := .Values.config -}}
-{{- if or (and $c.flow $c.flow.engine_priority) (and $c.keep_alive $c.keep_alive.engine_priority) -}}true{{- end -}}
+{{- if or (and $c.flow $c.flow.engine_priority) (include "warmroute.keepAlivePriority" .) -}}true{{- end -}}
+{{- end -}}
+
+{{/* "true" when keep-alive's refreshes carry a priority: config.keep_alive.engine_priority if set, else
+on in deploy mode (whose engines the chart runs with --scheduling-policy priority) while keep-alive is. */}}
+{{- define "warmroute.keepAlivePriority" -}}
+{{- $ka := default (dict) .Values.config.keep_alive -}}
+{{- if hasKey $ka "engine_priority" -}}
+{{- if $ka.engine_priority }}true{{ end -}}
+{{- else if and $ka.enabled (eq .Values.replicas.mode "deploy") -}}true{{- end -}}
 {{- end -}}
 
 {{/* The gateway's tokenizer source after defaults: builtin | hub | volume, and the hub model. */}}
