@@ -203,7 +203,7 @@ def parse_seeds(text: str) -> list[int]:
 
 def parse_engine(items: list[str]) -> dict:
     """`--engine FIELD=VALUE` items -> SimParams fields to replace: numeric fields only, an int
-    field an integer, every value >= 0; ValueError naming the item otherwise."""
+    field an integer, every value >= 0 (the KV and batch sizes >= 1); ValueError naming the item otherwise."""
     import dataclasses
 
     from loadtests.vtime import SimParams
@@ -219,8 +219,9 @@ def parse_engine(items: list[str]) -> dict:
             value = int(text) if kinds[name] == "int" else float(text)
         except ValueError:
             raise ValueError(f"{item!r}: {name} takes {'an integer' if kinds[name] == 'int' else 'a number'}") from None
-        if not value >= 0:
-            raise ValueError(f"{item!r}: {name} takes a value >= 0")
+        least = 1 if name in ("block_size", "num_blocks", "max_num_seqs", "max_batched_tokens") else 0
+        if not value >= least:
+            raise ValueError(f"{item!r}: {name} takes a value >= {least}")
         out[name] = value
     return out
 

@@ -125,7 +125,7 @@ def test_engine_replaces_a_regime_parameter_and_the_report_says_so(tmp_path, cap
     assert parse_engine(["step_overhead_s=0.0119", "max_batched_tokens=256"]) == {"step_overhead_s": 0.0119,
                                                                                    "max_batched_tokens": 256}
     for bad in (["step_overhead_s"], ["nope=1"], ["model=x"], ["max_batched_tokens=1.5"], ["step_overhead_s=-1"],
-                ["step_overhead_s=nan"]):
+                ["step_overhead_s=nan"], ["block_size=0"]):
         with pytest.raises(ValueError):
             parse_engine(bad)
     with pytest.raises(SystemExit):  # the CLI says so before running anything, and only with a regime
