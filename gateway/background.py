@@ -30,7 +30,7 @@ constructor), and how they report trouble.
   `timeout_s` (at most MAX_REFRESHES_IN_FLIGHT at once; beyond, the rest wait for the next check),
   and tells the retainer when each is over, so it hands out the next (its `max_in_flight` per
   replica); a replica that left is forgotten; one that refuses the refreshes' priority gets them
-  without it for a while (gateway.keepalive.refuses_priority, a warning logged). A refresh is not a
+  without it for a while (gateway.rewrite.refuses_priority, a warning logged). A refresh is not a
   client's request: no flow control, no place in the routing load's in-flight counts, no retry.
 A failing dependency is logged once when it fails, then at most once a minute with the count, and
 once when it recovers (replica_agent.feed.FailureLog): a Redis outage is a few lines, not one per
@@ -50,11 +50,11 @@ from gateway.auth import ApiKeyStore, Authenticator, load_api_keys_file, parse_k
 from gateway.config import AuthConfig, KeepAliveConfig
 from gateway.index import KVIndex
 from gateway.index_sync import IndexSync
-from gateway.keepalive import (PRIORITY_RETRY_S, REFRESH_PRIORITY, Retainer, refresh_body, refresh_computed_tokens,
-                               refuses_priority)
+from gateway.keepalive import REFRESH_PRIORITY, Retainer, refresh_body, refresh_computed_tokens
 from gateway.load import LoadTracker
 from gateway.membership import Membership
 from gateway.model import ModelInfo
+from gateway.rewrite import PRIORITY_RETRY_S, refuses_priority
 from replica_agent.feed import FailureLog, FairShareBoard, InflightBoard
 
 if TYPE_CHECKING:  # gateway.flow imports this module (file_mtime)

@@ -110,6 +110,7 @@ class RequestContext:
     keys: list = field(default_factory=list)  # block keys of the first prompt (key)
     routing: Routing | None = None  # the decision (decide)
     body: bytes = b""  # the upstream request body (rewrite)
+    engine_priority: int | None = None  # the vLLM priority the body carries (flow.engine_priority; rewrite)
     attempt: Try | None = None  # the attempt under way or the one that answered (dispatch)
     status: int = 500  # the HTTP status the client got (499: it went away first)
     error: str = ""  # the error code when the gateway answered with an error itself

@@ -11,10 +11,15 @@ Rules:
   503 (nothing tried), 504 (the last one timed out) or 502, with `Retry-After`.
 - The first answer goes to `answer(ctx, attempt, upstream_span)` (the front's relay), whose
   result (the HTTP status the client got) is returned.
+- A body carrying flow control's vLLM priority that the replica refuses (400, rewrite.
+  refuses_priority: an engine not run with `--scheduling-policy priority`) is sent again to the
+  same replica without it, and that replica gets no priority for PRIORITY_RETRY_S (one warning):
+  a misconfigured engine serves its requests in arrival order instead of failing them.
 """
 from __future__ import annotations
 
 import logging
+import time
 from typing import Awaitable, Callable
 
 from gateway.config import ProxyConfig
@@ -22,6 +27,7 @@ from gateway.context import RequestContext, Try
 from gateway.errors import ApiError
 from gateway.membership import Membership
 from gateway.proxy import Attempt, UpstreamFailure, attempt
+from gateway.rewrite import PRIORITY_RETRY_S, refuses_priority, without_priority
 from gateway.routing import RoutingState, predicted_matched_tokens
 from gateway.telemetry import Metrics
 from gateway.upstream import UpstreamPool
@@ -42,6 +48,7 @@ class Dispatcher:
         self.routing = routing
         self.metrics = metrics
         self.proxy = proxy
+        self.unprioritised: dict[str, float] = {}  # replica -> until when it gets no priority (it refused one)
 
     async def run(self, ctx: RequestContext, answer: Answer) -> int:
         """Send `ctx.body` to the ranked replicas in turn (module rules); the client's status."""
@@ -58,9 +65,16 @@ class Dispatcher:
             up_span.inject(headers, ctx.headers)
             try:
                 try:
-                    at = await attempt(self.pool, st.url, ctx.route, ctx.body, headers, stream=ctx.request.stream,
+                    prio = ctx.engine_priority is not None and self._prioritised(cand.replica_id)
+                    body = ctx.body if prio or ctx.engine_priority is None else without_priority(ctx.payload)
+                    at = await attempt(self.pool, st.url, ctx.route, body, headers, stream=ctx.request.stream,
                                        client_wants_usage=ctx.request.client_wants_usage,
                                        first_byte_timeout_s=self.proxy.first_byte_timeout_s)
+                    if prio and at.status == 400 and refuses_priority(at.status, at.body):
+                        self._refused(cand.replica_id)
+                        at = await attempt(self.pool, st.url, ctx.route, without_priority(ctx.payload), headers,
+                                           stream=ctx.request.stream, client_wants_usage=ctx.request.client_wants_usage,
+                                           first_byte_timeout_s=self.proxy.first_byte_timeout_s)
                 except UpstreamFailure as f:
                     last = f
                     self._failed(ctx, f, up_span, retrying=n + 1 < len(ranked))
@@ -74,6 +88,20 @@ class Dispatcher:
                 tr.flight.finish()
                 up_span.end()
         raise _exhausted(last)
+
+    def _prioritised(self, rid: str) -> bool:
+        until = self.unprioritised.get(rid)
+        if until is None:
+            return True
+        if until <= time.monotonic():
+            del self.unprioritised[rid]
+            return True
+        return False
+
+    def _refused(self, rid: str) -> None:
+        self.unprioritised[rid] = time.monotonic() + PRIORITY_RETRY_S
+        log.warning("replica %s refuses request priorities (vLLM without --scheduling-policy priority): its requests "
+                    "go without one for %.0f s", rid, PRIORITY_RETRY_S)
 
     def _start(self, ctx: RequestContext, n: int, cand: Candidate) -> Try:
         return start_try(self.routing, ctx, n, cand)

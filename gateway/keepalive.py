@@ -40,8 +40,9 @@ Rules:
   `--scheduling-policy priority` it is admitted at the next step instead of waiting in the queue
   while the LRU goes on evicting what it was sent to keep (on the busy regime's wall clock the
   refreshes recomputed 17-40k prompt tokens a run without it, 1.7-28k with it: README). An engine
-  that refuses the priority (`refuses_priority`: its default policy) gets its refreshes without
-  one for `PRIORITY_RETRY_S`, then is tried with it again (it may have been restarted with it).
+  that refuses the priority (gateway.rewrite.refuses_priority: its default policy) gets its
+  refreshes without one for gateway.rewrite.PRIORITY_RETRY_S, then is tried with it again (it may have been
+  restarted with it).
 """
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
-__all__ = ["KeepAlive", "PRIORITY_RETRY_S", "REFRESH_PRIORITY", "Refresh", "Retainer", "planned_root", "refresh_body",
-           "refresh_computed_tokens", "refuses_priority"]
+__all__ = ["KeepAlive", "REFRESH_PRIORITY", "Refresh", "Retainer", "planned_root", "refresh_body",
+           "refresh_computed_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,15 +180,7 @@ def planned_root(terms: dict) -> int:
 
 
 REFRESH_PRIORITY = -1  # vLLM's priority of a refresh with engine_priority: lower goes first
-PRIORITY_RETRY_S = 300.0  # a replica that refused a refresh's priority gets refreshes without one this long
 
-
-def refuses_priority(status: int, raw: bytes) -> bool:
-    """An engine's answer to a refresh that carried a priority, refusing it because the engine does
-    not schedule by priority (vLLM on its default policy: 400 "Got priority -1 but Priority
-    scheduling is not enabled"). The refresh is then sent without one: on such an engine it waits
-    in the queue like any request instead of failing every time."""
-    return status == 400 and b"priority" in raw.lower()
 
 
 def refresh_body(model: str, token_ids, blocks: int, block_size: int, salt: str, *,

@@ -167,6 +167,7 @@ class Pipeline:
         self.routing.placed(self.policy, routing.request, routing.decision)  # once, as sent (rank may have run twice)
         p = self.cfg.proxy
         prio = (0 if ctx.flow.light else 1) if self.cfg.flow.engine_priority and ctx.flow is not None else None
+        ctx.engine_priority = prio
         ctx.body = upstream_body(ctx.payload, ctx.request, salt=ctx.salt, model_name=self.model.name,
                                  force_include_usage=p.force_include_usage, kv_cache_report_mode=p.kv_cache_report_mode,
                                  engine_priority=prio)

@@ -9,7 +9,9 @@ vLLM `priority` is dropped: on engines run with `--scheduling-policy priority` i
 would put it ahead of every other tenant's requests in the engine's queue, past flow control's
 fair order (on the default policy a non-zero one is refused); with `flow.engine_priority` the
 gateway sets it (0 for a tenant under its fair share, 1 for the rest). Everything else passes through as
-the client sent it.
+the client sent it. An engine that refuses a priority (`refuses_priority`: vLLM on its default
+policy) is sent the same body without one (`without_priority`): the dispatch and keep-alive's
+refreshes fall back to that instead of failing the request.
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ import msgspec
 
 from gateway.context import ParsedRequest
 
-__all__ = ["upstream_body"]
+__all__ = ["upstream_body", "refuses_priority", "without_priority", "PRIORITY_RETRY_S"]
 
 _encode = msgspec.json.encode
+PRIORITY_RETRY_S = 300.0  # a replica that refused a priority gets requests and refreshes without one this long
 
 
 def upstream_body(payload: dict, req: ParsedRequest, *, salt: str, model_name: str, force_include_usage: bool,
@@ -38,3 +41,15 @@ def upstream_body(payload: dict, req: ParsedRequest, *, salt: str, model_name: s
         xa = payload.get("vllm_xargs")
         payload["vllm_xargs"] = {**(xa if isinstance(xa, dict) else {}), "kv_cache_report_mode": kv_cache_report_mode}
     return _encode(payload)
+
+
+def refuses_priority(status: int, raw: bytes) -> bool:
+    """An engine's answer to a request that carried a vLLM `priority`, refusing it because the engine
+    does not schedule by priority (vLLM on its default policy: 400 "Got priority 1 but Priority
+    scheduling is not enabled")."""
+    return status == 400 and b"priority" in raw.lower()
+
+
+def without_priority(payload: dict) -> bytes:
+    """The upstream body `upstream_body` made from `payload`, without its `priority`."""
+    return _encode({k: v for k, v in payload.items() if k != "priority"})

@@ -27,6 +27,8 @@ class HeldReplica:
         self.gates: list[asyncio.Event] = []
         self.health = 200
         self.auto = False  # answer whole at once (after `drain`)
+        self.fcfs = False  # refuse a priority other than 0 as vLLM's default policy does (400)
+        self.refused: list[str] = []  # labels of the requests refused for their priority
         self.runner = None
         self.url = ""
 
@@ -46,6 +48,11 @@ class HeldReplica:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if self.fcfs and body.get("priority", 0) != 0:
+            self.refused.append(body["messages"][-1]["content"])
+            msg = f"Got priority {body['priority']} but Priority scheduling is not enabled."
+            return web.json_response({"error": {"message": msg, "type": "BadRequestError", "param": None, "code": 400}},
+                                     status=400)
         self.bodies.append(body)
         self.arrived.append(body["messages"][-1]["content"])
         gate = asyncio.Event()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import aiohttp
 import pytest
@@ -402,6 +403,38 @@ async def test_engine_priority_tells_the_engine_who_is_under_its_share(tmp_path,
                 assert set(got.values()) == {None}, got
             rep.drain()
             assert all(r[0] == 200 for r in await asyncio.gather(q1, q2, *noisy))
+    finally:
+        await g.close()
+        await rep.close()
+
+
+async def test_an_engine_that_refuses_priorities_serves_the_request_without_one(tmp_path, tok, caplog):
+    """flow.engine_priority on an engine that does not schedule by priority (vLLM's default policy
+    answers 400 to any priority but 0): the refused request is sent again without its priority and
+    served, the gateway says so once, and that replica's later requests go without one at once."""
+    rep = await HeldReplica().start()
+    rep.fcfs = True
+    g = await _gateway(tmp_path, tok, {"r0": rep.url}, {"max_num_seqs": 4, "headroom_reqs": 1, "engine_priority": True})
+    flow = g.gateway.flow
+    try:
+        with caplog.at_level(logging.WARNING, logger="warmroute.gateway"):
+            async with aiohttp.ClientSession() as s:
+                await _quiet_once(s, g, rep)
+                noisy = []
+                for i in range(3):  # as above: n0 and n1 under noisy's share (priority 0), n2 over it (1)
+                    noisy.append(asyncio.create_task(ask(s, g.url, "k-noisy", f"n{i}")))
+                    await asyncio.sleep(0.02)
+                await until(lambda: rep.open_count() == 3, what="noisy's three requests, the third without its priority")
+                assert rep.refused == ["n2"] and len(flow.queue) == 0
+                got = {b["messages"][-1]["content"]: b.get("priority") for b in rep.bodies}
+                assert got == {"q0": 0, "n0": 0, "n1": 0, "n2": None}, got
+                n3 = asyncio.create_task(ask(s, g.url, "k-noisy", "n3"))  # over its share again, while the quiet one is recent
+                rep.release(1)  # n0 ends: n3 may take its slot
+                await until(lambda: "n3" in rep.arrived, timeout_s=5.0, what="n3")
+                assert rep.refused == ["n2"] and rep.bodies[-1].get("priority") is None  # no second refusal
+                rep.drain()
+                assert all(r[0] == 200 for r in await asyncio.gather(n3, *noisy))
+        assert sum("refuses request priorities" in r.getMessage() for r in caplog.records) == 1
     finally:
         await g.close()
         await rep.close()

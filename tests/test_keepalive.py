@@ -150,7 +150,7 @@ def test_refresh_body_is_the_blocks_plus_one_token_with_the_salt():
 
 
 def test_only_a_refused_priority_sends_refreshes_without_one():
-    from gateway.keepalive import refuses_priority
+    from gateway.rewrite import refuses_priority
 
     vllm = b'{"error": {"message": "Got priority -1 but Priority scheduling is not enabled.", "code": 400}}'
     assert refuses_priority(400, vllm)
