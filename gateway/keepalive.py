@@ -41,8 +41,8 @@ Rules:
   while the LRU goes on evicting what it was sent to keep (on the busy regime's wall clock the
   refreshes recomputed 17-40k prompt tokens a run without it, 1.7-28k with it: README). An engine
   that refuses the priority (gateway.rewrite.refuses_priority: its default policy) gets its
-  refreshes without one for gateway.rewrite.PRIORITY_RETRY_S, then is tried with it again (it may have been
-  restarted with it).
+  refreshes without one for gateway.rewrite.PRIORITY_RETRY_S, then is tried with it again (it may
+  have been restarted with it).
 """
 from __future__ import annotations
 
@@ -180,7 +180,6 @@ def planned_root(terms: dict) -> int:
 
 
 REFRESH_PRIORITY = -1  # vLLM's priority of a refresh with engine_priority: lower goes first
-
 
 
 def refresh_body(model: str, token_ids, blocks: int, block_size: int, salt: str, *,
