@@ -54,7 +54,7 @@ from gateway.keepalive import REFRESH_PRIORITY, Retainer, refresh_body, refresh_
 from gateway.load import LoadTracker
 from gateway.membership import Membership
 from gateway.model import ModelInfo
-from gateway.rewrite import PRIORITY_RETRY_S, refuses_priority
+from gateway.rewrite import PRIORITY_RETRY_S, PriorityRefusals, refuses_priority
 from replica_agent.feed import FailureLog, FairShareBoard, InflightBoard
 
 if TYPE_CHECKING:  # gateway.flow imports this module (file_mtime)
@@ -228,18 +228,17 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     bs = model.block_size
     pending: set = set()
-    unprioritised: dict[str, float] = {}  # replica -> until when its refreshes carry no priority (it refused one)
+    refusals = PriorityRefusals()  # replicas that refused the refreshes' priority lately
 
     async def refresh(rid: str, url: str, body: dict, rf) -> None:
         try:
             async with session.post(url + "/v1/completions", json=body, timeout=timeout) as r:
                 raw = await r.read()
                 ok = r.status == 200
-            if not ok and "priority" in body and refuses_priority(r.status, raw):
-                if rid not in unprioritised:
-                    log.warning("replica %s refuses request priorities (vLLM without --scheduling-policy priority): "
-                                "its keep-alive refreshes go without one for %.0f s", rid, PRIORITY_RETRY_S)
-                unprioritised[rid] = time.monotonic() + PRIORITY_RETRY_S
+            refused = not ok and "priority" in body and refuses_priority(r.status, raw)
+            if refused and refusals.refused(rid, time.monotonic()):
+                log.warning("replica %s refuses request priorities (vLLM without --scheduling-policy priority): "
+                            "its keep-alive refreshes go without one for %.0f s", rid, PRIORITY_RETRY_S)
             if not ok:
                 raise RuntimeError(f"replica {rid} answered a refresh with HTTP {r.status}")
             computed = refresh_computed_tokens(raw, len(body["prompt"]))
@@ -270,11 +269,8 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
                     retainer.done(rf)  # not sent: due again at a later check
                     continue
                 ids, salt = rf.payload
-                if unprioritised.get(st.replica_id, 0.0) <= time.monotonic():
-                    unprioritised.pop(st.replica_id, None)
-                body = refresh_body(model.name, ids, len(rf.keys), bs, salt,
-                                    priority=REFRESH_PRIORITY if cfg.engine_priority and st.replica_id not in unprioritised
-                                    else None)
+                prio = cfg.engine_priority and refusals.allows(st.replica_id, time.monotonic())
+                body = refresh_body(model.name, ids, len(rf.keys), bs, salt, priority=REFRESH_PRIORITY if prio else None)
                 task = asyncio.create_task(refresh(st.replica_id, st.url, body, rf))
                 pending.add(task)
                 task.add_done_callback(pending.discard)

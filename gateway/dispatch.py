@@ -27,7 +27,7 @@ from gateway.context import RequestContext, Try
 from gateway.errors import ApiError
 from gateway.membership import Membership
 from gateway.proxy import Attempt, UpstreamFailure, attempt
-from gateway.rewrite import PRIORITY_RETRY_S, refuses_priority, without_priority
+from gateway.rewrite import PRIORITY_RETRY_S, PriorityRefusals, refuses_priority, without_priority
 from gateway.routing import RoutingState, predicted_matched_tokens
 from gateway.telemetry import Metrics
 from gateway.upstream import UpstreamPool
@@ -48,7 +48,7 @@ class Dispatcher:
         self.routing = routing
         self.metrics = metrics
         self.proxy = proxy
-        self.unprioritised: dict[str, float] = {}  # replica -> until when it gets no priority (it refused one)
+        self.refusals = PriorityRefusals()  # replicas that refused flow control's priority lately
 
     async def run(self, ctx: RequestContext, answer: Answer) -> int:
         """Send `ctx.body` to the ranked replicas in turn (module rules); the client's status."""
@@ -65,12 +65,12 @@ class Dispatcher:
             up_span.inject(headers, ctx.headers)
             try:
                 try:
-                    prio = ctx.engine_priority is not None and self._prioritised(cand.replica_id)
+                    prio = ctx.engine_priority is not None and self.refusals.allows(cand.replica_id, time.monotonic())
                     body = ctx.body if prio or ctx.engine_priority is None else without_priority(ctx.payload)
                     at = await attempt(self.pool, st.url, ctx.route, body, headers, stream=ctx.request.stream,
                                        client_wants_usage=ctx.request.client_wants_usage,
                                        first_byte_timeout_s=self.proxy.first_byte_timeout_s)
-                    if prio and at.status == 400 and refuses_priority(at.status, at.body):
+                    if prio and refuses_priority(at.status, at.body):
                         self._refused(cand.replica_id)
                         at = await attempt(self.pool, st.url, ctx.route, without_priority(ctx.payload), headers,
                                            stream=ctx.request.stream, client_wants_usage=ctx.request.client_wants_usage,
@@ -89,19 +89,10 @@ class Dispatcher:
                 up_span.end()
         raise _exhausted(last)
 
-    def _prioritised(self, rid: str) -> bool:
-        until = self.unprioritised.get(rid)
-        if until is None:
-            return True
-        if until <= time.monotonic():
-            del self.unprioritised[rid]
-            return True
-        return False
-
     def _refused(self, rid: str) -> None:
-        self.unprioritised[rid] = time.monotonic() + PRIORITY_RETRY_S
-        log.warning("replica %s refuses request priorities (vLLM without --scheduling-policy priority): its requests "
-                    "go without one for %.0f s", rid, PRIORITY_RETRY_S)
+        if self.refusals.refused(rid, time.monotonic()):
+            log.warning("replica %s refuses request priorities (vLLM without --scheduling-policy priority): its "
+                        "requests go without one for %.0f s", rid, PRIORITY_RETRY_S)
 
     def _start(self, ctx: RequestContext, n: int, cand: Candidate) -> Try:
         return start_try(self.routing, ctx, n, cand)

@@ -19,7 +19,7 @@ import msgspec
 
 from gateway.context import ParsedRequest
 
-__all__ = ["upstream_body", "refuses_priority", "without_priority", "PRIORITY_RETRY_S"]
+__all__ = ["upstream_body", "refuses_priority", "without_priority", "PRIORITY_RETRY_S", "PriorityRefusals"]
 
 _encode = msgspec.json.encode
 PRIORITY_RETRY_S = 300.0  # a replica that refused a priority gets requests and refreshes without one this long
@@ -53,3 +53,28 @@ def refuses_priority(status: int, raw: bytes) -> bool:
 def without_priority(payload: dict) -> bytes:
     """The upstream body `upstream_body` made from `payload`, without its `priority`."""
     return _encode({k: v for k, v in payload.items() if k != "priority"})
+
+
+class PriorityRefusals:
+    """The replicas that refused a priority, each sent none for PRIORITY_RETRY_S after its refusal,
+    then tried with one again (it may have been restarted with --scheduling-policy priority). Pure:
+    the caller gives the time (time.monotonic)."""
+
+    __slots__ = ("_until",)
+
+    def __init__(self) -> None:
+        self._until: dict[str, float] = {}
+
+    def allows(self, rid: str, now: float) -> bool:
+        """Whether requests to `rid` may carry a priority at `now`."""
+        until = self._until.get(rid)
+        if until is not None and until <= now:
+            del self._until[rid]
+            until = None
+        return until is None
+
+    def refused(self, rid: str, now: float) -> bool:
+        """`rid` refused one at `now`; True when it was not already known to (the caller says so once)."""
+        new = self.allows(rid, now)
+        self._until[rid] = now + PRIORITY_RETRY_S
+        return new

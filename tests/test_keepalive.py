@@ -158,6 +158,17 @@ def test_only_a_refused_priority_sends_refreshes_without_one():
     assert not refuses_priority(500, vllm) and not refuses_priority(200, b"{}")
 
 
+def test_a_replica_that_refused_a_priority_gets_none_for_a_while_and_is_named_once():
+    from gateway.rewrite import PRIORITY_RETRY_S, PriorityRefusals
+
+    r = PriorityRefusals()
+    assert r.allows("a", 0.0)
+    assert r.refused("a", 10.0) is True and not r.allows("a", 10.0) and r.allows("b", 10.0)
+    assert r.refused("a", 20.0) is False  # known already: no second warning, the window restarts
+    assert not r.allows("a", 20.0 + PRIORITY_RETRY_S - 1) and r.allows("a", 20.0 + PRIORITY_RETRY_S)
+    assert r.refused("a", 20.0 + PRIORITY_RETRY_S + 1) is True  # tried again, refused again: said again
+
+
 def test_a_refreshs_cost_is_read_from_the_engines_usage():
     usage = {"prompt_tokens": 1281, "prompt_tokens_details": {"cached_tokens": 1280}}
     assert refresh_computed_tokens(json.dumps({"usage": usage}).encode(), 1281) == 1
