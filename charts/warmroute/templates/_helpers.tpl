@@ -129,21 +129,25 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 {{- end -}}
 
-{{/* "true" when the gateway sends vLLM request priorities (flow.engine_priority, keep_alive.engine_priority):
-the engines must then run --scheduling-policy priority, or they refuse every request with a priority
-other than 0 (400 "Priority scheduling is not enabled"). */}}
+{{/* "true" when the gateway sends vLLM request priorities (flow.engine_priority, keep-alive's engine_priority
+as rendered): the engines must then run --scheduling-policy priority, or they refuse every request with a
+priority other than 0 (400 "Priority scheduling is not enabled"). */}}
 {{- define "warmroute.enginePriority" -}}
 {{- $c := .Values.config -}}
-{{- if or (and $c.flow $c.flow.engine_priority) (include "warmroute.keepAlivePriority" .) -}}true{{- end -}}
+{{- $ka := include "warmroute.keepAlive" . | fromJson -}}
+{{- if or (and $c.flow $c.flow.engine_priority) $ka.engine_priority -}}true{{- end -}}
 {{- end -}}
 
-{{/* "true" when keep-alive's refreshes carry a priority: config.keep_alive.engine_priority if set, else
-on in deploy mode (whose engines the chart runs with --scheduling-policy priority) while keep-alive is. */}}
-{{- define "warmroute.keepAlivePriority" -}}
-{{- $ka := default (dict) .Values.config.keep_alive -}}
-{{- if hasKey $ka "engine_priority" -}}
-{{- if $ka.engine_priority }}true{{ end -}}
-{{- else if and $ka.enabled (eq .Values.replicas.mode "deploy") -}}true{{- end -}}
+{{/* config.keep_alive as the gateway gets it (JSON): in deploy mode, whose engines the chart runs with
+--scheduling-policy priority, keep-alive's refreshes go ahead of the queue (engine_priority true) and may
+then go to a replica with a queue (max_waiting 8), unless set. */}}
+{{- define "warmroute.keepAlive" -}}
+{{- $ka := deepCopy (default (dict) .Values.config.keep_alive) -}}
+{{- if and $ka.enabled (eq .Values.replicas.mode "deploy") (not (hasKey $ka "engine_priority")) -}}
+{{- $_ := set $ka "engine_priority" true -}}
+{{- if not (hasKey $ka "max_waiting") }}{{ $_ := set $ka "max_waiting" 8 }}{{ end -}}
+{{- end -}}
+{{- toJson $ka -}}
 {{- end -}}
 
 {{/* The gateway's tokenizer source after defaults: builtin | hub | volume, and the hub model. */}}
