@@ -9,11 +9,13 @@ constructor), and how they report trouble.
   gateways see each other's load, and each exchange refreshes our counters' TTL, after which a
   killed gateway's stop weighing on the replicas); then trades copies in progress with the other
   gateways (`exchange_copies`, gateway.routing: a second round trip) and, for a policy that shares
-  them (cache_plan), placements (`exchange_placements`: a third); every QUIET_EXCHANGE_S
-  instead while no other gateway has anything in flight (idle CPU: each exchange wakes Redis and
-  this process), and every `flow.busy_exchange_s` while flow control holds requests here or at
-  another gateway (`busy`: a saturated pool, where a grant the others see late fills a slot twice;
-  the counters only, copies and placements keep `inflight_poll_s`).
+  them (cache_plan), placements (`exchange_placements`: a third, which also carries keep-alive's
+  refreshes and gives both to this gateway's `retainer`: gateway.keepalive, `touched`); every
+  QUIET_EXCHANGE_S instead while no other gateway has anything in flight and keep-alive keeps
+  nothing here (idle CPU: each exchange wakes Redis and this process), and every
+  `flow.busy_exchange_s` while flow control holds requests here or at another gateway (`busy`: a
+  saturated pool, where a grant the others see late fills a slot twice; the counters only, copies
+  and placements keep `inflight_poll_s`).
   Counters the feed lost (Redis restarted empty, or our key expired while it was unreachable) are
   noticed in the exchange's reply and published again whole; changes a failed exchange did not
   apply are sent again with the next one.
@@ -26,7 +28,8 @@ constructor), and how they report trouble.
 - `discover_model` / `run_model_discovery`: the model name and context length from the replicas'
   `/v1/models` when config does not give them.
 - `run_keep_alive`: every quarter of `keep_alive.idle_s` (at most 1 s), sends the refreshes the
-  retainer says are due (gateway.keepalive) to replicas that are up, each its own task bounded by
+  retainer says are due (gateway.keepalive) to replicas that are up (each queued for the other
+  gateways, `routing.refreshed`, whose retainers count it as a use), each its own task bounded by
   `timeout_s` (at most MAX_REFRESHES_IN_FLIGHT at once; beyond, the rest wait for the next check),
   and tells the retainer when each is over, so it hands out the next (its `max_in_flight` per
   replica); a replica that left is forgotten; one that refuses the refreshes' priority gets them
@@ -63,7 +66,7 @@ if TYPE_CHECKING:  # gateway.flow imports this module (file_mtime)
     from policies.base import Policy
 
 __all__ = ["trouble", "run_index_sync", "run_inflight_exchange", "run_keys_reload", "discover_model",
-           "run_model_discovery", "file_mtime", "run_keep_alive", "MAX_REFRESHES_IN_FLIGHT"]
+           "run_model_discovery", "file_mtime", "run_keep_alive", "keep_alive_check_s", "MAX_REFRESHES_IN_FLIGHT"]
 
 log = logging.getLogger("warmroute.gateway")
 
@@ -94,10 +97,12 @@ QUIET_EXCHANGE_S = 1.0  # the exchange period while no other gateway has work in
 
 async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health: FailureLog, period_s: float, *,
                                 routing: "RoutingState | None" = None, policy: "Policy | None" = None,
-                                busy: Callable[[], bool] | None = None, busy_period_s: float | None = None) -> None:
+                                busy: Callable[[], bool] | None = None, busy_period_s: float | None = None,
+                                retainer: Retainer | None = None) -> None:
     traded = 0.0  # when copies and placements were last traded (monotonic)
     while True:
-        await asyncio.sleep(_inflight_period(load, period_s, busy, busy_period_s))
+        await asyncio.sleep(_inflight_period(load, period_s, busy, busy_period_s,
+                                             keeping=retainer is not None and retainer.keeping()))
         pending = load.take_pending()
         try:
             try:
@@ -120,7 +125,8 @@ async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health:
                 traded = now
                 routing.apply_shared(await board.exchange_copies(routing.take_shared()))
                 if policy is not None and getattr(policy, "shares_placements", False):  # the plan's inputs
-                    routing.apply_placements(policy, await board.exchange_placements(routing.take_placements()))
+                    got = await board.exchange_placements(routing.take_placements())
+                    routing.apply_placements(policy, got, retainer, time.monotonic())
             health.ok()
         except asyncio.CancelledError:
             raise
@@ -130,12 +136,14 @@ async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health:
 
 
 def _inflight_period(load: LoadTracker, period_s: float, busy: Callable[[], bool] | None,
-                     busy_period_s: float | None) -> float:
+                     busy_period_s: float | None, *, keeping: bool = False) -> float:
     if busy is not None and busy_period_s and busy():  # flow control holds requests somewhere: the pool is saturated
         return min(period_s, busy_period_s)
     # while the other gateways have nothing in flight (or there are none), a slower exchange:
-    # their first requests then weigh on our view at most QUIET_EXCHANGE_S late
-    return period_s if load.others_active() else max(period_s, QUIET_EXCHANGE_S)
+    # their first requests then weigh on our view at most QUIET_EXCHANGE_S late; not while
+    # keep-alive keeps roots (`keeping`): their refreshes must reach the others within the
+    # retainer's defer_s, or every gateway refreshes them (gateway.keepalive)
+    return period_s if keeping or load.others_active() else max(period_s, QUIET_EXCHANGE_S)
 
 
 async def flush_inflight(board: InflightBoard, load: LoadTracker) -> dict:
@@ -222,9 +230,15 @@ def file_mtime(path: str | None) -> float:
         return 0.0
 
 
+def keep_alive_check_s(idle_s: float) -> float:
+    """How often `run_keep_alive` asks the retainer what is due: a quarter of `idle_s`, at most 1 s."""
+    return min(1.0, idle_s / 4)
+
+
 async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: aiohttp.ClientSession,
-                         membership: Membership, index: KVIndex, model: ModelInfo, metrics, health: FailureLog) -> None:
-    period = min(1.0, cfg.idle_s / 4)
+                         membership: Membership, index: KVIndex, model: ModelInfo, metrics, health: FailureLog,
+                         routing: "RoutingState | None" = None) -> None:
+    period = keep_alive_check_s(cfg.idle_s)
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     bs = model.block_size
     pending: set = set()
@@ -272,6 +286,8 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
                 prio = cfg.engine_priority and refusals.allows(st.replica_id, time.monotonic())
                 body = refresh_body(model.name, ids, len(rf.keys), bs, salt, priority=REFRESH_PRIORITY if prio else None)
                 task = asyncio.create_task(refresh(st.replica_id, st.url, body, rf))
+                if routing is not None:
+                    routing.refreshed(st.replica_id, rf.kept, retainer.rank)  # the other gateways count it as a use
                 pending.add(task)
                 task.add_done_callback(pending.discard)
     finally:

@@ -33,6 +33,16 @@ Rules:
   prefix and prefills the lost part on the replica least able to afford it (busy regime, wall
   clock, without this rule: the busiest replica's refreshes computed 3-16k prompt tokens a run,
   each other replica's 0.2-4.8k; with it 1.2-3.3k in all; README);
+- with several gateways (pods, `--workers`), each keeps the roots it routed, and what the others
+  did counts as if done here (`touched`: their requests, from the plan's shared placements, and
+  their refreshes, traded the same way; gateway.routing): a root any gateway used within `idle_s`
+  is not due anywhere. Each gateway draws a random `rank`, which its refreshes carry; a root whose
+  refreshes came from a lower-ranked gateway within `forget_s` is due here only after `idle_s +
+  defer_s` (the gateway sets it over its check period and two exchange periods), by when that
+  gateway's refresh has arrived and counted as a use: one gateway refreshes each root, and if it
+  stops, the others do `defer_s` later. Without this each gateway measured idleness on its own
+  share of the stream, and with four processes a root was refreshed by each of them: 4.5x the
+  refreshes of one (README);
 - a refresh carries the root's own token ids and cache salt (the tenant's, from the request that
   made it), so its blocks are exactly the root's;
 - with `engine_priority` it also carries vLLM priority -1, ahead of every client request (flow
@@ -64,20 +74,21 @@ class KeepAlive:
     max_per_replica: int = 256  # kept prefixes per replica at most
     max_in_flight: int = 4  # refreshes out at once per replica
     max_waiting: int = 2  # no refresh to a replica reporting more requests waiting than this
+    defer_s: float = 0.0  # longer idle before a refresh where a lower-ranked gateway refreshes (module rules)
 
     @classmethod
-    def from_config(cls, k, block_size: int) -> "KeepAlive":
+    def from_config(cls, k, block_size: int, *, defer_s: float = 0.0) -> "KeepAlive":
         """The rules of the gateway's `keep_alive` section (gateway.config.KeepAliveConfig): token
         counts become blocks (min_tokens rounded down, at least one)."""
         return cls(idle_s=k.idle_s, min_blocks=max(1, k.min_tokens // block_size), forget_s=k.forget_s,
                    kv_frac=k.kv_frac, max_per_replica=k.max_per_replica, max_in_flight=k.max_in_flight,
-                   max_waiting=k.max_waiting)
+                   max_waiting=k.max_waiting, defer_s=defer_s)
 
     def __post_init__(self) -> None:
         if (self.idle_s <= 0 or self.min_blocks < 1 or self.forget_s <= 0 or not 0 < self.kv_frac <= 1
-                or self.max_per_replica < 1 or self.max_in_flight < 1 or self.max_waiting < 0):
+                or self.max_per_replica < 1 or self.max_in_flight < 1 or self.max_waiting < 0 or not self.defer_s >= 0):
             raise ValueError("keep-alive needs idle_s > 0, min_blocks >= 1, forget_s > 0, 0 < kv_frac <= 1, "
-                             "max_per_replica >= 1, max_in_flight >= 1 and max_waiting >= 0")
+                             "max_per_replica >= 1, max_in_flight >= 1, max_waiting >= 0 and defer_s >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,16 +106,20 @@ class _Kept:
     used: float  # last request or refresh
     requested: float  # last request
     rate: float  # requests per second, decayed over forget_s, as of `requested`
+    rival: float = math.inf  # the lowest rank of another gateway seen refreshing it (Retainer.rank)
+    rival_at: float = -math.inf  # when that was heard
 
     def busy(self, t: float, forget_s: float) -> float:
         return self.rate * math.exp(-(t - self.requested) / forget_s)
 
 
 class Retainer:
-    """The kept prefixes of every replica, and which are due for a refresh (module rules)."""
+    """The kept prefixes of every replica, and which are due for a refresh (module rules). `rank`:
+    this gateway's place among several (any number; the lowest refreshes, the others defer)."""
 
-    def __init__(self, ka: KeepAlive) -> None:
+    def __init__(self, ka: KeepAlive, rank: float = 0.0) -> None:
         self.ka = ka
+        self.rank = float(rank)
         self.kept: dict = {}  # replica -> {last key: _Kept}
         self.sent = 0  # refreshes handed out by due()
         self.in_flight: dict = {}  # replica -> {kept prefix's last key}: handed out, not done()
@@ -124,6 +139,26 @@ class Retainer:
             kept[k] = e = _Kept(tuple(keys[:root_blocks]), payload() if payload is not None else None, t, t, 0.0)
         e.rate = e.busy(t, self.ka.forget_s) + 1.0 / self.ka.forget_s
         e.requested = e.used = t
+
+    def touched(self, replica: Hashable, key: Hashable, t: float, *, rank: float | None = None) -> None:
+        """Another gateway used the prefix kept here as `key` (its last block key) on `replica` at
+        about `t`: sent a request of it there (`rank` None) or refreshed it (`rank`: that gateway's).
+        Counted as if here (module rules); nothing when this gateway does not keep it (it has no
+        token ids to refresh it with)."""
+        e = self.kept.get(replica, {}).get(key)
+        if e is None:
+            return
+        e.used = max(e.used, t)
+        if rank is None:
+            if t >= e.requested:
+                e.rate = e.busy(t, self.ka.forget_s) + 1.0 / self.ka.forget_s
+                e.requested = t
+        elif rank <= e.rival or t - e.rival_at > self.ka.forget_s:
+            e.rival, e.rival_at = rank, t
+
+    def keeping(self) -> bool:
+        """Whether any prefix is kept (on any replica)."""
+        return any(self.kept.values())
 
     def forget(self, replica: Hashable) -> None:
         """The replica left (or restarted empty): nothing is kept there."""
@@ -156,7 +191,8 @@ class Retainer:
                 if len(e.keys) > room:
                     continue
                 room -= len(e.keys)
-                if t - e.used >= ka.idle_s and k not in out_here:
+                defer = ka.defer_s if e.rival < self.rank and t - e.rival_at <= ka.forget_s else 0.0
+                if t - e.used >= ka.idle_s + defer and k not in out_here:
                     due.append((k, e))
             due.sort(key=lambda ke: ke[1].used)  # the longest idle first: the engine's LRU evicts it first
             for k, e in due:

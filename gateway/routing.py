@@ -35,7 +35,10 @@ Placements, shared (with `share_copies`, for a policy with `shares_placements`: 
 record the policy's `placed` returns is queued for the other gateways (`take_placements`), whose
 instances apply it (`apply_placements`), so each plan measures the whole stream, not its
 process's share. Virtual time, busy regime, cache_plan, four processes, seeds 0-19, median TTFT
-p50 / p99: see the README ("Several gateway processes").
+p50 / p99: see the README ("Several gateway processes"). With keep-alive on, the same exchange
+carries each refresh this gateway sent (`refreshed`: a REFRESH_RECORD) and, on the receiving
+side, every placement and refresh counts as a use of the root in its retainer
+(gateway.keepalive, `touched`), so a root is refreshed by one gateway, not by each.
 """
 from __future__ import annotations
 
@@ -46,12 +49,14 @@ from typing import Any, Callable, Mapping, Sequence
 from gateway.context import Routing
 from gateway.index import KVIndex
 from gateway.index_health import IndexHealth
+from gateway.keepalive import Retainer
 from gateway.load import Flight, LoadTracker
 from policies.base import Decision, Policy, ReplicaView, RequestView
 from policies.calibration import Calibrator
 
 SHARE_MIN_NEW_BLOCKS = 32  # new blocks (512 tokens at 16 per block) from which a dispatch is shared
 MAX_SHARED_PENDING = 1024  # dispatches (and placements) queued for the others between two exchanges (oldest dropped beyond)
+REFRESH_RECORD = "refresh"  # first item of a keep-alive refresh's record among the placements: [it, replica, kept key, rank]
 
 __all__ = ["RoutingState", "build_views", "explain", "predicted_matched_tokens", "queued_prefill_tokens",
            "PRIOR_UNCACHED_TOKENS"]
@@ -74,6 +79,7 @@ class RoutingState:
         self.share_copies = False  # queue long new prefixes for the other gateways (module header)
         self._shared: list[tuple[str, tuple[int, ...], float]] = []  # (replica, keys, expiry by clock) not yet taken
         self._placements: list = []  # the policy's placement records not yet taken
+        self._refreshes: list = []  # keep-alive's refreshes not yet taken (REFRESH_RECORD records)
         self.placements_traded = {"sent": 0, "applied": 0, "skipped": 0}  # for /debug/index
 
     def views(self, replica_ids: Sequence[str], keys: Sequence[int], available: Mapping[str, bool]) -> list[ReplicaView]:
@@ -149,24 +155,44 @@ class RoutingState:
             if len(self._placements) > MAX_SHARED_PENDING:
                 del self._placements[0]
 
+    def refreshed(self, replica_id: str, kept_key: int, rank: float) -> None:
+        """Keep-alive sent a refresh of the root kept as `kept_key` to the replica (this gateway's
+        retainer's `rank`): queued with the placements for the other gateways' retainers
+        (gateway.keepalive, `touched`)."""
+        if self.share_copies:
+            self._refreshes.append([REFRESH_RECORD, replica_id, kept_key, rank])
+            if len(self._refreshes) > MAX_SHARED_PENDING:
+                del self._refreshes[0]
+
     def take_placements(self) -> list:
-        """The placement records queued since the last call."""
+        """The placement records queued since the last call, then the refresh records."""
         out, self._placements = self._placements, []
         self.placements_traded["sent"] += len(out)
+        out += self._refreshes
+        self._refreshes = []
         return out
 
-    def apply_placements(self, policy: Policy, records: Sequence) -> int:
-        """Other gateways' placement records into `policy`; a malformed one (another version's) is
-        skipped. Returns how many were applied."""
+    def apply_placements(self, policy: Policy, records: Sequence, retainer: Retainer | None = None,
+                         now: float = 0.0) -> int:
+        """Other gateways' placement records into `policy` and, with a `retainer` (keep-alive on),
+        each placement's root and each refresh record as used there at `now`; a malformed record
+        (another version's) is skipped. Returns how many placements were applied."""
         applied = 0
         for record in records:
+            if isinstance(record, list) and record[:1] == [REFRESH_RECORD]:
+                if (retainer is not None and len(record) == 4 and isinstance(record[1], str)
+                        and isinstance(record[2], int) and isinstance(record[3], float)):
+                    retainer.touched(record[1], record[2], now, rank=record[3])
+                continue
             try:
                 policy.placed_elsewhere(record)
                 applied += 1
             except ValueError:
                 continue
+            if retainer is not None:
+                retainer.touched(record[2], record[0], now)  # (root key, blocks, replica, ...)
         self.placements_traded["applied"] += applied
-        self.placements_traded["skipped"] += len(records) - applied
+        self.placements_traded["skipped"] += sum(1 for r in records if not (isinstance(r, list) and r[:1] == [REFRESH_RECORD])) - applied
         return applied
 
     def checked(self, replica_id: str, predicted_tokens: int, reported_tokens: int, queued_s: float = 0.0) -> None:

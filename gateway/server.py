@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from dataclasses import dataclass
 
 import aiohttp
@@ -26,8 +27,8 @@ from aiohttp import web
 from gateway.admin import build_admin_app
 from gateway.assemble import build_authenticator, build_policy, build_salter
 from gateway.auth import TenantLimiter
-from gateway.background import (discover_model, flush_inflight, run_index_sync, run_inflight_exchange, run_keep_alive,
-                                run_keys_reload, run_model_discovery, run_share_exchange, trouble)
+from gateway.background import (discover_model, flush_inflight, keep_alive_check_s, run_index_sync, run_inflight_exchange,
+                                run_keep_alive, run_keys_reload, run_model_discovery, run_share_exchange, trouble)
 from gateway.config import GatewayConfig, check_files
 from gateway.dispatch import Dispatcher
 from gateway.errors import ApiError
@@ -96,7 +97,11 @@ class Gateway:
         self.index_sync: IndexSync | None = None
         k = cfg.keep_alive
         # keep-alive of the plan's long roots (gateway.keepalive)
-        self.retainer = Retainer(KeepAlive.from_config(k, cfg.model.block_size)) if k.enabled else None
+        # refreshes of a root another gateway refreshes wait one check and two exchanges longer
+        # (gateway.keepalive): by then its refresh has counted here as a use
+        defer_s = keep_alive_check_s(k.idle_s) + 2 * cfg.feed.inflight_poll_s + 0.05
+        self.retainer = (Retainer(KeepAlive.from_config(k, cfg.model.block_size, defer_s=defer_s), rank=random.random())
+                         if k.enabled else None)
         if k.enabled and cfg.policy.name != "cache_plan":  # not an error: flags may set the policy after the file
             log.warning("keep_alive is enabled but only cache_plan plans roots to keep; with policy %s nothing is kept",
                         cfg.policy.name)
@@ -160,7 +165,7 @@ class Gateway:
         if self.retainer is not None:
             self._spawn(run_keep_alive(self.retainer, cfg.keep_alive, session=self.session, membership=self.membership,
                                        index=self.index, model=self.model, metrics=self.metrics,
-                                       health=trouble("replicas (keep-alive refreshes)")), "keep-alive")
+                                       health=trouble("replicas (keep-alive refreshes)"), routing=self.routing), "keep-alive")
         if cfg.flow.enabled:
             self._spawn(self.flow.run(), "flow")
         if self.api_port:
@@ -189,7 +194,7 @@ class Gateway:
         self._spawn(run_inflight_exchange(self.feed, self.routing.load, self.board_health, self.cfg.feed.inflight_poll_s,
                                           routing=self.routing, policy=self.policy,
                                           busy=self.flow.contended if flow_on else None,
-                                          busy_period_s=self.cfg.flow.busy_exchange_s), "inflight")
+                                          busy_period_s=self.cfg.flow.busy_exchange_s, retainer=self.retainer), "inflight")
         if flow_on:
             self._spawn(run_share_exchange(self.flow, fair_share_board(self.feed), self.share_health,
                                            self.cfg.flow.share_interval_s, self.cfg.flow.busy_exchange_s), "flow-shares")

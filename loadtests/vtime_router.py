@@ -141,7 +141,8 @@ class SimGateways:
     runs every `feed.inflight_poll_s` (0.1 s; at the first arrival after it) and with every load
     report. Not shared, as in the gateway: speculative index entries of short new parts (under
     gateway.routing.SHARE_MIN_NEW_BLOCKS) and calibration. Keep-alive, when on, runs one retainer
-    for all (as if one process kept every planned root) and reads the first gateway's index."""
+    for all (as if one process kept every planned root: what the gateways' traded refreshes and
+    ranks come to, gateway.keepalive) and reads the first gateway's index."""
 
     def __init__(self, routers: list, rng: random.Random) -> None:
         if not routers:

@@ -384,6 +384,7 @@ def test_the_exchanges_quicken_while_any_of_several_gateways_holds_requests(monk
     assert period(Load(True), 0.1, fc.contended, 0.02) == 0.1
     assert period(Load(False), 0.1, fc.contended, 0.02) == background.QUIET_EXCHANGE_S
     assert period(Load(True), 0.1, None, None) == 0.1  # flow control off
+    assert period(Load(False), 0.1, None, None, keeping=True) == 0.1  # keep-alive's refreshes must reach the others
 
     class Board:  # replica_agent.feed.FairShareBoard: another gateway holding requests from the 3rd exchange
         owner = "gw-a"

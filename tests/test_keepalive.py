@@ -47,6 +47,63 @@ def test_an_idle_root_is_due_with_its_payload():
     assert ret.sent == 2
 
 
+def test_another_gateways_request_or_refresh_counts_as_a_use_here():
+    """With several gateways, a kept root another gateway sent a request of (or refreshed) is not
+    idle here: it is due only idle_s after the last use by any of them; another gateway's use of a
+    root this one does not keep changes nothing (it has no token ids to refresh it with)."""
+    ka = KeepAlive(idle_s=1.0, min_blocks=64, forget_s=30.0)
+    ret = Retainer(ka)
+    keys = _doc(1)
+    ret.used("a", keys, 100, t=0.0, payload=lambda: ("ids", "salt"))
+    ret.touched("a", keys[99], 0.8)  # another gateway's request of it at 0.8 s
+    assert ret.due(1.5, _held, _cap) == []
+    ret.touched("a", keys[99], 1.7, rank=0.5)  # another gateway's refresh
+    assert ret.due(2.5, _held, _cap) == []
+    assert [rf.kept for rf in ret.due(2.8, _held, _cap)] == [keys[99]]  # defer_s 0: no deferring
+    # others' requests keep it from being forgotten too; their refreshes do not (nobody asked for it)
+    ret2 = Retainer(ka)
+    ret2.used("a", keys, 100, t=0.0, payload=lambda: ("ids", "salt"))
+    ret2.touched("a", keys[99], 25.0)
+    ret2.touched("a", keys[99], 40.0, rank=0.5)
+    assert len(ret2.due(45.0, _held, _cap)) == 1  # requested 20 s ago: still kept
+    assert ret2.due(56.0, _held, _cap) == [] and ret2.kept["a"] == {}  # 31 s since the last request
+    ret2.touched("a", keys[99], 57.0)
+    ret2.touched("b", keys[99], 57.0)
+    assert ret2.kept == {"a": {}}
+
+
+def test_only_the_lowest_ranked_gateway_refreshes_a_root_and_another_takes_over_when_it_stops():
+    """Gateways refreshing the same root: one that has heard a lower-ranked gateway's refresh of it
+    waits defer_s longer, by when that refresh arrives as a use, so it sends none; a higher-ranked
+    one's refreshes defer nothing here; once the lower-ranked one is silent for forget_s, it no
+    longer defers."""
+    ka = KeepAlive(idle_s=1.0, min_blocks=64, forget_s=30.0, defer_s=0.5)
+    low, high = Retainer(ka, rank=0.2), Retainer(ka, rank=0.7)
+    keys = _doc(1)
+    for ret in (low, high):
+        ret.used("a", keys, 100, t=0.0, payload=lambda: ("ids", "salt"))
+    sent = {"low": 0, "high": 0}
+    mail: list = []  # (arrival, to, key, rank): each refresh reaches the other gateway 0.2 s after it is sent
+    t = 0.0
+    while t < 20.0:  # both check every 0.25 s
+        t = round(t + 0.25, 2)
+        for at, to, key, rank in [m for m in mail if m[0] <= t]:
+            to.touched("a", key, at, rank=rank)
+            mail.remove((at, to, key, rank))
+        for name, ret, other in (("low", low, high), ("high", high, low)):
+            for rf in ret.due(t, _held, _cap):
+                sent[name] += 1
+                ret.done(rf)
+                mail.append((t + 0.2, other, rf.kept, ret.rank))
+    # the first round both send (neither has heard the other yet), then low alone, one each idle_s
+    assert sent["high"] == 1 and 16 <= sent["low"] <= 20
+    low.touched("a", keys[99], 20.0, rank=0.7)  # a higher-ranked gateway's refresh defers nothing here
+    assert len(low.due(21.0, _held, _cap)) == 1
+    # low stops; high waits idle_s + defer_s while low's last refresh is within forget_s, then idle_s
+    last = high.kept["a"][keys[99]].used
+    assert high.due(last + 1.4, _held, _cap) == [] and len(high.due(last + 1.5, _held, _cap)) == 1
+
+
 def test_short_roots_and_unplanned_requests_are_not_kept():
     ret = Retainer(KeepAlive(idle_s=1.0, min_blocks=64))
     ret.used("a", _doc(1, blocks=43), 43, t=0.0)  # a 700-token system prompt
@@ -402,3 +459,58 @@ async def test_with_engine_priority_refreshes_carry_vllms_priority(tok, tmp_path
         assert ok >= 2 and errors == 0 and not refused, text[-2000:]
     else:
         assert ok >= 2 and errors == 1 and len(refused) == 1, text[-2000:]
+
+
+@pytest.mark.asyncio
+async def test_two_gateways_keeping_one_document_refresh_it_about_as_often_as_one(tok, tmp_path, monkeypatch):
+    """Two gateways on one feed, both routing a document (so both keep it): the refreshes each
+    sends travel with their placements, the one that hears a lower-ranked gateway's refreshes
+    defers to it, and the replica gets about one gateway's refreshes, not two gateways' (each
+    gateway alone would refresh it every idle_s)."""
+    from gateway.server import start_gateway
+    from loadtests.sim.server import SimConfig, start_sim_server
+    from replica_agent.agent import AgentConfig, start_agent
+    from replica_agent.feed import open_feed
+    from tests.conftest import free_port
+
+    monkeypatch.setenv("WARMROUTE_SALT_SECRET", "keepalive-test-secret")
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("tenant-a: [key-a]\n")
+    port = free_port()
+    sim = await start_sim_server(SimConfig(model="warmroute-sim", kv_events_endpoint=f"tcp://*:{port}"))
+    agent = await start_agent(AgentConfig(replica_id="r0", kv_events_endpoint=f"tcp://127.0.0.1:{port}",
+                                          engine_url=sim.url, load_interval_s=0.2), open_feed("memory://keepalive-two"))
+    cfg = config_from_dict({
+        "server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
+        "membership": {"replicas": [f"r0={sim.url}"], "health_interval_s": 0.2, "eject_base_s": 30.0},
+        "auth": {"enabled": True, "api_keys_file": str(keys)},
+        "policy": {"name": "cache_plan"},
+        "keep_alive": {"enabled": True, "idle_s": 0.3, "min_tokens": 64},
+    }, env={})
+    gws = [await start_gateway(cfg, feed=open_feed("memory://keepalive-two"), tokenizer=tok) for _ in range(2)]
+    doc = " ".join(f"paragraph {i} of the document two gateways keep." for i in range(60))
+    body = {"model": "warmroute-sim", "messages": [{"role": "user", "content": doc}], "max_tokens": 2}
+    try:
+        for _ in range(100):
+            if all(g.gateway.index.is_live("r0") for g in gws):
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer key-a"}) as s:
+            for g in gws + gws:  # each gateway routes it twice: its second request is planned, and kept
+                async with s.post(g.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                await asyncio.sleep(0.3)  # the engine's events reach both indexes
+            assert all(g.gateway.retainer.keeping() for g in gws)
+            sent0 = [g.gateway.retainer.sent for g in gws]
+            await asyncio.sleep(3.0)
+            sent = [g.gateway.retainer.sent - s0 for g, s0 in zip(gws, sent0)]
+            text = "".join([await _metrics(s, g.admin_url) for g in gws])
+    finally:
+        for g in gws:
+            await g.close()
+        await agent.close()
+        await sim.close()
+    # alone, each would send one every idle_s + check (0.3-0.375 s): 8-10 in 3 s, so 16-20 for two
+    assert 5 <= sum(sent) <= 12, sent
+    assert min(sent) <= 2, sent  # the higher-ranked one defers (its first round may be doubled)
+    assert _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="error"') == 0

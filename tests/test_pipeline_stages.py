@@ -226,6 +226,45 @@ def test_a_sharing_policys_placements_are_queued_and_applied_elsewhere():
     assert quiet.take_placements() == []  # no feed: nothing queued
 
 
+def test_keep_alives_refreshes_and_the_plans_placements_count_as_uses_in_the_other_gateways_retainers():
+    """With keep-alive on, a refresh one gateway sent travels with its placements; the other
+    gateway's retainer counts it, and each placement of a root it keeps, as a use there (so the
+    root is not due there too), and its policy never sees the refresh record."""
+    from gateway.keepalive import KeepAlive, Retainer
+    from gateway.routing import REFRESH_RECORD
+
+    clock = _Clock()
+    st, other = _state(clock), _state(clock)
+    st.share_copies = other.share_copies = True
+    doc = list(range(1, 101))
+    st.index.apply(FeedEvent("a", 1, "stored", tuple(doc)))
+    st.index.apply(FeedEvent("b", 1, "load", (), load=LoadReport(0, 0, 0.1, 0.0, 0.0, 1000, 16, 0.0)))
+    rv = RequestView(prompt_tokens=16 * 102, block_size=16, keys=tuple(doc) + (998, 999))
+    plan, there = get_policy("cache_plan"), get_policy("cache_plan")
+    st.placed(plan, rv, st.decide(rv, {"a": True, "b": True}, plan, random.Random(0)).decision)
+    st.refreshed("a", doc[99], 0.25)
+    records = st.take_placements()
+    assert records[-1] == [REFRESH_RECORD, "a", doc[99], 0.25] and len(records) == 2
+    assert st.placements_traded["sent"] == 1  # placements only
+    kept = Retainer(KeepAlive(idle_s=1.0, min_blocks=64))
+    kept.used("a", rv.keys, 100, t=0.0, payload=lambda: ("ids", "salt"))
+    assert len(kept.due(1.1, lambda r, k: len(k), lambda r: 1000)) == 1  # idle here: due
+    kept = Retainer(KeepAlive(idle_s=1.0, min_blocks=64))
+    kept.used("a", rv.keys, 100, t=0.0, payload=lambda: ("ids", "salt"))
+    assert other.apply_placements(there, records, kept, now=0.5) == 1
+    assert other.placements_traded == {"sent": 0, "applied": 1, "skipped": 0}
+    e = kept.kept["a"][doc[99]]
+    assert e.used == 0.5 and e.requested == 0.5 and e.rival == 0.25  # the request, then the refresh
+    assert kept.due(1.1, lambda r, k: len(k), lambda r: 1000) == []  # used elsewhere 0.6 s ago
+    assert there.load_share("a") == pytest.approx(plan.load_share("a"))  # the refresh is not a placement
+    st.refreshed("b", doc[99], 0.25)
+    other.apply_placements(there, st.take_placements() + [[REFRESH_RECORD, "a", doc[99], "x"]], kept, now=1.0)
+    assert set(kept.kept) == {"a"} and kept.kept["a"][doc[99]].used == 0.5  # b: not kept here; a bad rank: skipped
+    quiet = _state(clock)  # no feed: nothing queued
+    quiet.refreshed("a", doc[99], 0.25)
+    assert quiet.take_placements() == []
+
+
 # ----------------------------------------------------------------------------------- learn
 
 
