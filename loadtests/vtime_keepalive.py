@@ -12,15 +12,20 @@ waits at the back of the queue (FCFS engines), or with `refresh_first` (`--keep-
 the gateway's keep_alive.engine_priority on engines run with vLLM's priority policy, which orders
 its waiting queue by (priority, arrival)) behind the refreshes already waiting and ahead of every
 request.
+
+`add_keep_alive_args` / `keep_alive_from_args`: the `--keep-alive*` flags of the virtual-time tools
+(vtime_report, vtime_trace), one definition for both.
 """
 from __future__ import annotations
 
+import argparse
 from types import SimpleNamespace
 
 from gateway.keepalive import KeepAlive, Refresh, Retainer
 from loadtests.vtime_replica import SimReq
 
-__all__ = ["KeepAlive", "Retainer", "KEEPALIVE", "queue_refresh", "refresh_request"]
+__all__ = ["KeepAlive", "Retainer", "KEEPALIVE", "queue_refresh", "refresh_request", "add_keep_alive_args",
+           "keep_alive_from_args"]
 
 KEEPALIVE = "keepalive"  # SimReq.pace of a refresh (no chain, no client)
 _REFRESH_ID_BASE = 1 << 41  # refresh requests' indices, above any workload's and the pace chunks'
@@ -45,3 +50,35 @@ def queue_refresh(waiting, r: SimReq, *, first: bool) -> None:
     while i < len(waiting) and waiting[i].pace is KEEPALIVE:
         i += 1
     waiting.insert(i, r)
+
+
+def add_keep_alive_args(ap: argparse.ArgumentParser) -> None:
+    """The `--keep-alive*` flags (`keep_alive_from_args` reads them)."""
+    ap.add_argument("--keep-alive", type=float, default=0.0, metavar="IDLE_S",
+                    help="keep-alive (the gateway's keep_alive rules, loadtests/vtime_keepalive.py): a long prefix not "
+                         "used on its replica for IDLE_S seconds is refreshed there (default 0: off)")
+    ap.add_argument("--keep-alive-kv-frac", type=float, default=KeepAlive().kv_frac, metavar="F",
+                    help="with --keep-alive: a replica's kept prefixes stay under this share of its KV (default %(default)s)")
+    ap.add_argument("--keep-alive-in-flight", type=int, default=KeepAlive().max_in_flight, metavar="N",
+                    help="with --keep-alive: refreshes out at once per replica (default: the gateway's "
+                         "keep_alive.max_in_flight default, %(default)s)")
+    ap.add_argument("--keep-alive-max-waiting", type=int, default=KeepAlive().max_waiting, metavar="N",
+                    help="with --keep-alive: no refresh to a replica whose last load report has more requests waiting "
+                         "(default: the gateway's keep_alive.max_waiting default, %(default)s)")
+    ap.add_argument("--keep-alive-priority", action="store_true",
+                    help="with --keep-alive: refreshes wait ahead of every request (the gateway's keep_alive.engine_priority "
+                         "on engines run with vLLM's --scheduling-policy priority); default: at the back of the queue")
+
+
+def keep_alive_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> KeepAlive | None:
+    """The rules `add_keep_alive_args`' flags give (None: off); a bad value is the parser's error."""
+    if args.keep_alive_priority and not args.keep_alive:
+        ap.error("--keep-alive-priority goes with --keep-alive")
+    if (args.keep_alive < 0 or not 0 < args.keep_alive_kv_frac <= 1 or args.keep_alive_in_flight < 1
+            or args.keep_alive_max_waiting < 0):
+        ap.error("--keep-alive takes seconds >= 0 (0: off), --keep-alive-kv-frac a share in (0, 1], "
+                 "--keep-alive-in-flight a count >= 1 and --keep-alive-max-waiting a count >= 0")
+    if not args.keep_alive:
+        return None
+    return KeepAlive(idle_s=args.keep_alive, kv_frac=args.keep_alive_kv_frac, max_in_flight=args.keep_alive_in_flight,
+                     max_waiting=args.keep_alive_max_waiting)

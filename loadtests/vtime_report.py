@@ -45,7 +45,7 @@ import time
 
 from loadtests.oracle import infinite_bound, pooled_belady_bound
 from loadtests.vtime import SimParams, prepare_keys, simulate
-from loadtests.vtime_keepalive import KeepAlive
+from loadtests.vtime_keepalive import add_keep_alive_args, keep_alive_from_args
 from loadtests.vtime_pacing import Pacing
 from loadtests.workloads import Workload, build_workload
 from policies.registry import POLICY_NAMES
@@ -255,20 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --regime, repeatable: one engine or feed parameter of the regime replaced (a numeric "
                          "loadtests.vtime.SimParams field, e.g. step_overhead_s=0.0119 or report_interval_s=0.2): how "
                          "much a case's figures move when the model moves a little")
-    ap.add_argument("--keep-alive", type=float, default=0.0, metavar="IDLE_S",
-                    help="with --regime: keep-alive (the gateway's keep_alive rules, loadtests/vtime_keepalive.py): a long "
-                         "prefix not used on its replica for IDLE_S seconds is refreshed there (default 0: off)")
-    ap.add_argument("--keep-alive-kv-frac", type=float, default=0.9, metavar="F",
-                    help="with --keep-alive: a replica's kept prefixes stay under this share of its KV (default 0.9)")
-    ap.add_argument("--keep-alive-in-flight", type=int, default=KeepAlive().max_in_flight, metavar="N",
-                    help="with --keep-alive: refreshes out at once per replica (default: the gateway's "
-                         "keep_alive.max_in_flight default, %(default)s)")
-    ap.add_argument("--keep-alive-max-waiting", type=int, default=KeepAlive().max_waiting, metavar="N",
-                    help="with --keep-alive: no refresh to a replica whose last load report has more requests waiting "
-                         "(default: the gateway's keep_alive.max_waiting default, %(default)s)")
-    ap.add_argument("--keep-alive-priority", action="store_true",
-                    help="with --keep-alive: refreshes wait ahead of every request (the gateway's keep_alive.engine_priority "
-                         "on engines run with vLLM's --scheduling-policy priority); default: at the back of the queue")
+    add_keep_alive_args(ap)  # with --regime
     ap.add_argument("--requests", type=int, default=None, metavar="N",
                     help="with --regime: N requests per case instead of the case's own (1,500): does a policy hold "
                          "once its start is behind it (the summary's last-third columns)")
@@ -288,12 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--engine: {exc}")
     if args.long_prefill_threshold:
         engine["long_prefill_token_threshold"] = args.long_prefill_threshold
-    if args.keep_alive_priority and not args.keep_alive:
-        ap.error("--keep-alive-priority goes with --keep-alive")
-    if (args.keep_alive < 0 or not 0 < args.keep_alive_kv_frac <= 1 or args.keep_alive_in_flight < 1
-            or args.keep_alive_max_waiting < 0):
-        ap.error("--keep-alive takes seconds >= 0 (0: off), --keep-alive-kv-frac a share in (0, 1], "
-                 "--keep-alive-in-flight a count >= 1 and --keep-alive-max-waiting a count >= 0")
+    keep_alive = keep_alive_from_args(ap, args)
     if args.gateways < 1:
         ap.error("--gateways takes a count >= 1")
     if args.requests is not None and (args.requests < 1 or not args.regime):
@@ -321,9 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                            if args.pace_min > 0 or args.copy_in_background else None,
                            {"copy_in_background": True} if args.copy_in_background else None,
                            engine or None,
-                           KeepAlive(idle_s=args.keep_alive, kv_frac=args.keep_alive_kv_frac,
-                                     max_in_flight=args.keep_alive_in_flight,
-                                     max_waiting=args.keep_alive_max_waiting) if args.keep_alive else None,
+                           keep_alive,
                            refresh_first=args.keep_alive_priority, gateways=args.gateways, n_requests=args.requests)
     bad = [x for x in args.policy if x not in POLICY_NAMES]
     if bad:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loadtests.vtime import is_long_miss, simulate
-from loadtests.vtime_keepalive import KeepAlive
+from loadtests.vtime_keepalive import KeepAlive, add_keep_alive_args, keep_alive_from_args
 from loadtests.vtime_pacing import Pacing
 from loadtests.vtime_regimes import REGIMES, build_case, policy_with_params
 
@@ -139,12 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case", default="shared_docs_zipf")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policy", default="cache_plan")
-    ap.add_argument("--keep-alive", type=float, default=0.0, metavar="IDLE_S",
-                    help="keep-alive with this idle time, the gateway's other keep_alive defaults (0: off)")
-    ap.add_argument("--keep-alive-max-waiting", type=int, default=KeepAlive().max_waiting, metavar="N",
-                    help="with --keep-alive: no refresh to a replica with more requests waiting (as vtime_report's)")
-    ap.add_argument("--keep-alive-priority", action="store_true",
-                    help="with --keep-alive: refreshes wait ahead of every request (as vtime_report's)")
+    add_keep_alive_args(ap)
     ap.add_argument("--copy-in-background", type=int, default=0, metavar="CHUNK",
                     help="the copy-in-background probe (as vtime_report --copy-in-background --pace-chunk CHUNK): "
                          "new holders warmed beside the traffic in CHUNK-token pieces (default 0: off)")
@@ -153,13 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.case not in REGIMES[args.regime].cases:
         ap.error(f"--case: one of {', '.join(REGIMES[args.regime].cases)}")
-    if (args.keep_alive < 0 or args.window <= 0 or (args.requests is not None and args.requests < 1)
-            or args.copy_in_background < 0 or args.keep_alive_max_waiting < 0):
-        ap.error("--keep-alive takes seconds >= 0, --window seconds > 0, --requests a count >= 1, "
-                 "--copy-in-background tokens >= 0, --keep-alive-max-waiting a count >= 0")
-    if args.keep_alive_priority and not args.keep_alive:
-        ap.error("--keep-alive-priority goes with --keep-alive")
-    ka = KeepAlive(idle_s=args.keep_alive, max_waiting=args.keep_alive_max_waiting) if args.keep_alive else None
+    if args.window <= 0 or (args.requests is not None and args.requests < 1) or args.copy_in_background < 0:
+        ap.error("--window takes seconds > 0, --requests a count >= 1, --copy-in-background tokens >= 0")
+    ka = keep_alive_from_args(ap, args)
     tr = trace(args.regime, args.case, args.seed, args.policy, ka, args.requests, args.copy_in_background or None,
                refresh_first=args.keep_alive_priority)
     print(format_trace(tr, args.window))
