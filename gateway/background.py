@@ -11,8 +11,9 @@ constructor), and how they report trouble.
   gateways (`exchange_copies`, gateway.routing: a second round trip) and, for a policy that shares
   them (cache_plan), placements (`exchange_placements`: a third, which also carries keep-alive's
   refreshes and gives both to this gateway's `retainer`: gateway.keepalive, `touched`); every
-  QUIET_EXCHANGE_S instead while no other gateway has anything in flight and keep-alive keeps
-  nothing here (idle CPU: each exchange wakes Redis and this process), and every
+  QUIET_EXCHANGE_S instead while no other gateway has anything in flight, unless keep-alive keeps
+  something here and other gateways' records arrived within its forget_s (idle CPU: each
+  exchange wakes Redis and this process), and every
   `flow.busy_exchange_s` while flow control holds requests here or at another gateway (`busy`: a
   saturated pool, where a grant the others see late fills a slot twice; the counters only, copies
   and placements keep `inflight_poll_s`).
@@ -101,8 +102,10 @@ async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health:
                                 retainer: Retainer | None = None) -> None:
     traded = 0.0  # when copies and placements were last traded (monotonic)
     while True:
-        await asyncio.sleep(_inflight_period(load, period_s, busy, busy_period_s,
-                                             keeping=retainer is not None and retainer.keeping()))
+        # keep-alive with other gateways around (their records heard within forget_s): trade at once
+        keeping = (retainer is not None and routing is not None and retainer.keeping()
+                   and routing.clock() - routing.others_heard_at <= retainer.ka.forget_s)
+        await asyncio.sleep(_inflight_period(load, period_s, busy, busy_period_s, keeping=keeping))
         pending = load.take_pending()
         try:
             try:
@@ -141,8 +144,8 @@ def _inflight_period(load: LoadTracker, period_s: float, busy: Callable[[], bool
         return min(period_s, busy_period_s)
     # while the other gateways have nothing in flight (or there are none), a slower exchange:
     # their first requests then weigh on our view at most QUIET_EXCHANGE_S late; not while
-    # keep-alive keeps roots (`keeping`): their refreshes must reach the others within the
-    # retainer's defer_s, or every gateway refreshes them (gateway.keepalive)
+    # keep-alive keeps roots and other gateways are around (`keeping`): refreshes must reach
+    # the others within the retainer's defer_s, or every gateway refreshes them (gateway.keepalive)
     return period_s if keeping or load.others_active() else max(period_s, QUIET_EXCHANGE_S)
 
 

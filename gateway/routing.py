@@ -42,6 +42,7 @@ side, every placement and refresh counts as a use of the root in its retainer
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -81,6 +82,8 @@ class RoutingState:
         self._placements: list = []  # the policy's placement records not yet taken
         self._refreshes: list = []  # keep-alive's refreshes not yet taken (REFRESH_RECORD records)
         self.placements_traded = {"sent": 0, "applied": 0, "skipped": 0}  # for /debug/index
+        self.refreshes_traded = {"sent": 0, "heard": 0}  # keep-alive's refresh records (for /debug/index)
+        self.others_heard_at = -math.inf  # when another gateway's placement or refresh record last arrived (clock)
 
     def views(self, replica_ids: Sequence[str], keys: Sequence[int], available: Mapping[str, bool]) -> list[ReplicaView]:
         """One view per replica for a request with `keys`; `available`: rid -> passes health."""
@@ -168,6 +171,7 @@ class RoutingState:
         """The placement records queued since the last call, then the refresh records."""
         out, self._placements = self._placements, []
         self.placements_traded["sent"] += len(out)
+        self.refreshes_traded["sent"] += len(self._refreshes)
         out += self._refreshes
         self._refreshes = []
         return out
@@ -178,11 +182,14 @@ class RoutingState:
         each placement's root and each refresh record as used there at `now`; a malformed record
         (another version's) is skipped. Returns how many placements were applied."""
         applied = 0
+        if records:
+            self.others_heard_at = self.clock()
         for record in records:
             if isinstance(record, list) and record[:1] == [REFRESH_RECORD]:
                 if (retainer is not None and len(record) == 4 and isinstance(record[1], str)
                         and isinstance(record[2], int) and isinstance(record[3], float)):
                     retainer.touched(record[1], record[2], now, rank=record[3])
+                    self.refreshes_traded["heard"] += 1
                 continue
             try:
                 policy.placed_elsewhere(record)

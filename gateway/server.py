@@ -97,8 +97,8 @@ class Gateway:
         self.index_sync: IndexSync | None = None
         k = cfg.keep_alive
         # keep-alive of the plan's long roots (gateway.keepalive)
-        # refreshes of a root another gateway refreshes wait one check and two exchanges longer
-        # (gateway.keepalive): by then its refresh has counted here as a use
+        # refreshes of a root another gateway refreshes wait one check and two exchanges longer, and
+        # 50 ms to spare (gateway.keepalive): by then its refresh has counted here as a use
         defer_s = keep_alive_check_s(k.idle_s) + 2 * cfg.feed.inflight_poll_s + 0.05
         self.retainer = (Retainer(KeepAlive.from_config(k, cfg.model.block_size, defer_s=defer_s), rank=random.random())
                          if k.enabled else None)

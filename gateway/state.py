@@ -79,6 +79,12 @@ def describe(gw) -> dict:
         # exchange; lost with it if it fails, like copies in progress), applied, and skipped as
         # malformed (another version's)
         "placements": dict(gw.routing.placements_traded),
+        # keep-alive (off: None): this process's rank among the gateways (the lowest refreshes a
+        # root they keep; gateway.keepalive), prefixes kept per replica, refreshes sent, and the
+        # refresh records traded with the other gateways (sent, heard)
+        "keep_alive": None if gw.retainer is None else {
+            "rank": gw.retainer.rank, "kept": {rid: len(k) for rid, k in gw.retainer.kept.items()},
+            "refreshes": gw.retainer.sent, "traded": dict(gw.routing.refreshes_traded)},
         "feed": {"ok": gw.cfg.feed.load_only or gw.feed_ok, "failed_polls": gw.board_health.failures,
                  "sync": dict(gw.index_sync.stats) if gw.index_sync else None},
         "index": {"entries": st.entries, "bytes_estimate": st.bytes_estimate, "evictions": st.evictions,

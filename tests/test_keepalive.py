@@ -501,10 +501,18 @@ async def test_two_gateways_keeping_one_document_refresh_it_about_as_often_as_on
                     assert r.status == 200, await r.text()
                 await asyncio.sleep(0.3)  # the engine's events reach both indexes
             assert all(g.gateway.retainer.keeping() for g in gws)
+            # until a gateway has heard another's records its exchange may be in its 1 s quiet
+            # period (gateway.background): measured once both have
+            await asyncio.sleep(2.0)
+            assert all(g.gateway.routing.others_heard_at > 0 for g in gws)
             sent0 = [g.gateway.retainer.sent for g in gws]
             await asyncio.sleep(3.0)
             sent = [g.gateway.retainer.sent - s0 for g, s0 in zip(gws, sent0)]
             text = "".join([await _metrics(s, g.admin_url) for g in gws])
+            views = []
+            for g in gws:  # what an operator sees of it
+                async with s.get(g.admin_url + "/debug/index") as r:
+                    views.append((await r.json())["keep_alive"])
     finally:
         for g in gws:
             await g.close()
@@ -514,3 +522,7 @@ async def test_two_gateways_keeping_one_document_refresh_it_about_as_often_as_on
     assert 5 <= sum(sent) <= 12, sent
     assert min(sent) <= 2, sent  # the higher-ranked one defers (its first round may be doubled)
     assert _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="error"') == 0
+    low, high = sorted(views, key=lambda v: v["rank"])
+    assert low["kept"] == high["kept"] == {"r0": 1}
+    assert low["traded"]["sent"] >= 4 and high["traded"]["heard"] >= 4  # the refreshing one's records reached the other
+    assert all(0 <= v["refreshes"] - v["traded"]["sent"] <= 1 for v in views)  # the last may await its exchange

@@ -4,6 +4,7 @@ failure path."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 
 import msgspec
@@ -251,7 +252,9 @@ def test_keep_alives_refreshes_and_the_plans_placements_count_as_uses_in_the_oth
     assert len(kept.due(1.1, lambda r, k: len(k), lambda r: 1000)) == 1  # idle here: due
     kept = Retainer(KeepAlive(idle_s=1.0, min_blocks=64))
     kept.used("a", rv.keys, 100, t=0.0, payload=lambda: ("ids", "salt"))
+    assert other.others_heard_at == -math.inf  # nothing from another gateway yet
     assert other.apply_placements(there, records, kept, now=0.5) == 1
+    assert other.others_heard_at == clock.t and other.refreshes_traded == {"sent": 0, "heard": 1}
     assert other.placements_traded == {"sent": 0, "applied": 1, "skipped": 0}
     e = kept.kept["a"][doc[99]]
     assert e.used == 0.5 and e.requested == 0.5 and e.rival == 0.25  # the request, then the refresh
