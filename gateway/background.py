@@ -13,10 +13,9 @@ constructor), and how they report trouble.
   refreshes and gives both to this gateway's `retainer`: gateway.keepalive, `touched`); every
   QUIET_EXCHANGE_S instead while no other gateway has anything in flight, unless keep-alive keeps
   something here and other gateways' records arrived within its forget_s (idle CPU: each
-  exchange wakes Redis and this process), and every
-  `flow.busy_exchange_s` while flow control holds requests here or at another gateway (`busy`: a
-  saturated pool, where a grant the others see late fills a slot twice; the counters only, copies
-  and placements keep `inflight_poll_s`).
+  exchange wakes Redis and this process), and every `flow.busy_exchange_s` while flow control
+  holds requests here or at another gateway (`busy`: a saturated pool, where a grant the others
+  see late fills a slot twice; the counters only, copies and placements keep `inflight_poll_s`).
   Counters the feed lost (Redis restarted empty, or our key expired while it was unreachable) are
   noticed in the exchange's reply and published again whole; changes a failed exchange did not
   apply are sent again with the next one.

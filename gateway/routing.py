@@ -181,11 +181,12 @@ class RoutingState:
         """Other gateways' placement records into `policy` and, with a `retainer` (keep-alive on),
         each placement's root and each refresh record as used there at `now`; a malformed record
         (another version's) is skipped. Returns how many placements were applied."""
-        applied = 0
+        applied = refreshes = 0
         if records:
             self.others_heard_at = self.clock()
         for record in records:
             if isinstance(record, list) and record[:1] == [REFRESH_RECORD]:
+                refreshes += 1
                 if (retainer is not None and len(record) == 4 and isinstance(record[1], str)
                         and isinstance(record[2], int) and isinstance(record[3], float)):
                     retainer.touched(record[1], record[2], now, rank=record[3])
@@ -199,7 +200,7 @@ class RoutingState:
             if retainer is not None:
                 retainer.touched(record[2], record[0], now)  # (root key, blocks, replica, ...)
         self.placements_traded["applied"] += applied
-        self.placements_traded["skipped"] += sum(1 for r in records if not (isinstance(r, list) and r[:1] == [REFRESH_RECORD])) - applied
+        self.placements_traded["skipped"] += len(records) - refreshes - applied
         return applied
 
     def checked(self, replica_id: str, predicted_tokens: int, reported_tokens: int, queued_s: float = 0.0) -> None:
