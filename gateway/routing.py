@@ -84,6 +84,7 @@ class RoutingState:
         self.placements_traded = {"sent": 0, "applied": 0, "skipped": 0}  # for /debug/index
         self.refreshes_traded = {"sent": 0, "heard": 0}  # keep-alive's refresh records (for /debug/index)
         self.others_heard_at = -math.inf  # when another gateway's placement or refresh record last arrived (clock)
+        self._history_read = False  # the first batch of placements applied (the feed's kept history)
 
     def views(self, replica_ids: Sequence[str], keys: Sequence[int], available: Mapping[str, bool]) -> list[ReplicaView]:
         """One view per replica for a request with `keys`; `available`: rid -> passes health."""
@@ -180,9 +181,14 @@ class RoutingState:
                          now: float = 0.0) -> int:
         """Other gateways' placement records into `policy` and, with a `retainer` (keep-alive on),
         each placement's root and each refresh record as used there at `now`; a malformed record
-        (another version's) is skipped. Returns how many placements were applied."""
+        (another version's) is skipped. Returns how many placements were applied. The first call's
+        records are the feed's kept history (the first read returns every batch it keeps, of any
+        age): they feed the plan, not the retainer, which would take them as uses made `now`, and
+        a gateway long gone as the lowest-ranked refresher."""
         applied = refreshes = 0
-        if records:
+        if not self._history_read:
+            self._history_read, retainer = True, None
+        elif records:
             self.others_heard_at = self.clock()
         for record in records:
             if isinstance(record, list) and record[:1] == [REFRESH_RECORD]:

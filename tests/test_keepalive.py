@@ -449,7 +449,12 @@ async def test_with_engine_priority_refreshes_carry_vllms_priority(tok, tmp_path
     with caplog.at_level(logging.WARNING, logger="warmroute.gateway"):
         async with _kept_document(tok, tmp_path, monkeypatch, keep_alive={"engine_priority": True},
                                   sim_policy=sim_policy) as (g, sim, s, root_tokens):
-            await asyncio.sleep(1.2)
+            for _ in range(60):  # refreshes every idle_s (0.3 s): two served within 1.2 s on a quiet machine
+                await asyncio.sleep(0.1)
+                text = await _metrics(s, g.admin_url)
+                if _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="ok",replica="r0"}') >= 2:
+                    break
+            await asyncio.sleep(0.5)  # and no other error after them
             text = await _metrics(s, g.admin_url)
     ok = _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="ok",replica="r0"}')
     errors = _metric(text, 'warmroute_gateway_keepalive_refreshes_total{outcome="error"')

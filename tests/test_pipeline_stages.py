@@ -249,9 +249,15 @@ def test_keep_alives_refreshes_and_the_plans_placements_count_as_uses_in_the_oth
     assert st.placements_traded["sent"] == 1  # placements only
     kept = Retainer(KeepAlive(idle_s=1.0, min_blocks=64))
     kept.used("a", rv.keys, 100, t=0.0, payload=lambda: ("ids", "salt"))
+    # the first batch a gateway reads is the feed's kept history, of unknown age: the plan's, not the retainer's
+    late, there_late = _state(clock), get_policy("cache_plan")
+    assert late.apply_placements(there_late, records, kept, now=0.5) == 1 and there_late.load_share("a") > 0.0
+    assert late.refreshes_traded["heard"] == 0 and late.others_heard_at == -math.inf
+    assert kept.kept["a"][doc[99]].used == 0.0 and kept.kept["a"][doc[99]].rival == math.inf
     assert len(kept.due(1.1, lambda r, k: len(k), lambda r: 1000)) == 1  # idle here: due
     kept = Retainer(KeepAlive(idle_s=1.0, min_blocks=64))
     kept.used("a", rv.keys, 100, t=0.0, payload=lambda: ("ids", "salt"))
+    other.apply_placements(there, [], kept)  # its first read: no history
     assert other.others_heard_at == -math.inf  # nothing from another gateway yet
     assert other.apply_placements(there, records, kept, now=0.5) == 1
     assert other.others_heard_at == clock.t and other.refreshes_traded == {"sent": 0, "heard": 1}
