@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections import deque
 from typing import Any, Callable, Mapping, Sequence
 
 from gateway.context import Routing
@@ -78,9 +79,12 @@ class RoutingState:
         # reads what the engines published since its last read (IndexSync.wake); none without a feed
         self.freshen: Callable[[], None] = lambda: None
         self.share_copies = False  # queue long new prefixes for the other gateways (module header)
-        self._shared: list[tuple[str, tuple[int, ...], float]] = []  # (replica, keys, expiry by clock) not yet taken
-        self._placements: list = []  # the policy's placement records not yet taken
-        self._refreshes: list = []  # keep-alive's refreshes not yet taken (REFRESH_RECORD records)
+        # queued for the other gateways until the next exchange takes them (the oldest dropped beyond
+        # MAX_SHARED_PENDING): dispatches (replica, keys, expiry by clock), the policy's placement
+        # records, keep-alive's refreshes (REFRESH_RECORD records)
+        self._shared: deque[tuple[str, tuple[int, ...], float]] = deque(maxlen=MAX_SHARED_PENDING)
+        self._placements: deque = deque(maxlen=MAX_SHARED_PENDING)
+        self._refreshes: deque = deque(maxlen=MAX_SHARED_PENDING)
         self.placements_traded = {"sent": 0, "applied": 0, "skipped": 0}  # for /debug/index
         self.refreshes_traded = {"sent": 0, "heard": 0}  # keep-alive's refresh records (for /debug/index)
         self.others_heard_at = -math.inf  # when another gateway's placement or refresh record last arrived (clock)
@@ -130,8 +134,6 @@ class RoutingState:
             known = max(view.matched_blocks_gpu, view.matched_blocks_cpu) if view is not None else 0
             if self.share_copies and len(keys) - known >= SHARE_MIN_NEW_BLOCKS:
                 self._shared.append((replica_id, tuple(keys), self.clock() + ttl))
-                if len(self._shared) > MAX_SHARED_PENDING:
-                    del self._shared[0]
         return flight
 
     def take_shared(self) -> list[tuple[str, tuple[int, ...], float]]:
@@ -139,7 +141,7 @@ class RoutingState:
         keys, ttl_s left)."""
         now = self.clock()
         out = [(rid, keys, until - now) for rid, keys, until in self._shared if until > now]
-        self._shared = []
+        self._shared.clear()
         return out
 
     def apply_shared(self, entries: Sequence[tuple[str, Sequence[int], float]]) -> None:
@@ -156,8 +158,6 @@ class RoutingState:
         record = policy.placed(request, decision)
         if record is not None and self.share_copies and getattr(policy, "shares_placements", False):
             self._placements.append(record)
-            if len(self._placements) > MAX_SHARED_PENDING:
-                del self._placements[0]
 
     def refreshed(self, replica_id: str, kept_key: int, rank: float) -> None:
         """Keep-alive sent a refresh of the root kept as `kept_key` to the replica (this gateway's
@@ -165,16 +165,15 @@ class RoutingState:
         (gateway.keepalive, `touched`)."""
         if self.share_copies:
             self._refreshes.append([REFRESH_RECORD, replica_id, kept_key, rank])
-            if len(self._refreshes) > MAX_SHARED_PENDING:
-                del self._refreshes[0]
 
     def take_placements(self) -> list:
         """The placement records queued since the last call, then the refresh records."""
-        out, self._placements = self._placements, []
+        out = list(self._placements)
         self.placements_traded["sent"] += len(out)
         self.refreshes_traded["sent"] += len(self._refreshes)
         out += self._refreshes
-        self._refreshes = []
+        self._placements.clear()
+        self._refreshes.clear()
         return out
 
     def apply_placements(self, policy: Policy, records: Sequence, retainer: Retainer | None = None,
