@@ -67,14 +67,10 @@ class Dispatcher:
                 try:
                     prio = ctx.engine_priority is not None and self.refusals.allows(cand.replica_id, time.monotonic())
                     body = ctx.body if prio or ctx.engine_priority is None else without_priority(ctx.payload)
-                    at = await attempt(self.pool, st.url, ctx.route, body, headers, stream=ctx.request.stream,
-                                       client_wants_usage=ctx.request.client_wants_usage,
-                                       first_byte_timeout_s=self.proxy.first_byte_timeout_s)
+                    at = await self._send(ctx, st.url, body, headers)
                     if prio and refuses_priority(at.status, at.body):
                         self._refused(cand.replica_id)
-                        at = await attempt(self.pool, st.url, ctx.route, without_priority(ctx.payload), headers,
-                                           stream=ctx.request.stream, client_wants_usage=ctx.request.client_wants_usage,
-                                           first_byte_timeout_s=self.proxy.first_byte_timeout_s)
+                        at = await self._send(ctx, st.url, without_priority(ctx.payload), headers)
                 except UpstreamFailure as f:
                     last = f
                     self._failed(ctx, f, up_span, retrying=n + 1 < len(ranked))
@@ -88,6 +84,11 @@ class Dispatcher:
                 tr.flight.finish()
                 up_span.end()
         raise _exhausted(last)
+
+    def _send(self, ctx: RequestContext, url: str, body: bytes, headers: dict) -> Awaitable[Attempt]:
+        return attempt(self.pool, url, ctx.route, body, headers, stream=ctx.request.stream,
+                       client_wants_usage=ctx.request.client_wants_usage,
+                       first_byte_timeout_s=self.proxy.first_byte_timeout_s)
 
     def _refused(self, rid: str) -> None:
         if self.refusals.refused(rid, time.monotonic()):
