@@ -40,7 +40,9 @@ Rules:
   refreshes came from a lower-ranked gateway within `forget_s` is due here only after `idle_s +
   defer_s` (the gateway sets it over its check period and two exchange periods), by when that
   gateway's refresh has arrived and counted as a use: one gateway refreshes each root, and if it
-  stops, the others do `defer_s` later. Without this each gateway measured idleness on its own
+  stops, the others do `defer_s` later, once: a gateway that refreshes a root has no rival for it
+  until it hears one again (before 2026-12-06 it deferred to a stopped gateway's rank for
+  `forget_s`, 30 s: every refresh of the root `defer_s` late). Without this each gateway measured idleness on its own
   share of the stream, and with four processes a root was refreshed by each of them: 4.5x the
   refreshes of one (README);
 - a refresh carries the root's own token ids and cache salt (the tenant's, from the request that
@@ -203,6 +205,7 @@ class Retainer:
                     del kept[k]
                     continue
                 e.used = t
+                e.rival = math.inf  # a lower-ranked rival deferred to missed its turn: none until heard again
                 self.sent += 1
                 out_here.add(k)
                 out.append(Refresh(replica, e.keys[:n], e.payload, k))

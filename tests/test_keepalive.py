@@ -75,8 +75,8 @@ def test_another_gateways_request_or_refresh_counts_as_a_use_here():
 def test_only_the_lowest_ranked_gateway_refreshes_a_root_and_another_takes_over_when_it_stops():
     """Gateways refreshing the same root: one that has heard a lower-ranked gateway's refresh of it
     waits defer_s longer, by when that refresh arrives as a use, so it sends none; a higher-ranked
-    one's refreshes defer nothing here; once the lower-ranked one is silent for forget_s, it no
-    longer defers."""
+    one's refreshes defer nothing here; once the lower-ranked one has missed its turn, it no longer
+    defers (until that one is heard again)."""
     ka = KeepAlive(idle_s=1.0, min_blocks=64, forget_s=30.0, defer_s=0.5)
     low, high = Retainer(ka, rank=0.2), Retainer(ka, rank=0.7)
     keys = _doc(1)
@@ -99,9 +99,17 @@ def test_only_the_lowest_ranked_gateway_refreshes_a_root_and_another_takes_over_
     assert sent["high"] == 1 and 16 <= sent["low"] <= 20
     low.touched("a", keys[99], 20.0, rank=0.7)  # a higher-ranked gateway's refresh defers nothing here
     assert len(low.due(21.0, _held, _cap)) == 1
-    # low stops; high waits idle_s + defer_s while low's last refresh is within forget_s, then idle_s
+    # low stops: high waits idle_s + defer_s once (low's turn), then refreshes every idle_s
     last = high.kept["a"][keys[99]].used
-    assert high.due(last + 1.4, _held, _cap) == [] and len(high.due(last + 1.5, _held, _cap)) == 1
+    assert high.due(last + 1.4, _held, _cap) == []
+    (rf,) = high.due(last + 1.5, _held, _cap)
+    high.done(rf)
+    assert high.due(last + 2.4, _held, _cap) == []
+    (rf,) = high.due(last + 2.5, _held, _cap)
+    high.done(rf)
+    # low is heard again: high defers to it again
+    high.touched("a", keys[99], last + 3.0, rank=0.2)
+    assert high.due(last + 4.4, _held, _cap) == [] and len(high.due(last + 4.5, _held, _cap)) == 1
 
 
 def test_short_roots_and_unplanned_requests_are_not_kept():
