@@ -10,7 +10,7 @@ misses (under half the prompt cached), and the median per window of the run. Whe
 the engine's queue is the whole story and the routing is what made it; where the measured time is
 longer, something outside the engine model added it (the gateway's holds, the HTTP path, the sims
 falling behind their time model, or prompts heavier than the model's: the 2026-12-04 finding,
-README "The token rendering's framing").
+loadtests/results/busy_regime_log.md, "The token rendering's framing").
 
 Rules: the prompt is the workload's token rendering (what virtual time runs); before the stream a
 replica gets, one at a time, the regime's warm-up requests whose shared prefix its first request

@@ -6,7 +6,7 @@ must not collapse under skew (nothing unfinished, hit ratio near uniform's, the 
 spread over several holders). With the chat template's framing (every message's end tokens: the
 prompts the wall clock sends) the regime runs hotter than it did before 2026-12-04, and on this
 seed the plan alone no longer keeps the Zipf tail short (p50 3.3 s, 24 requests recomputing their
-document: README "The token rendering's framing"); with keep-alive (the gateway's `keep_alive`,
+document: loadtests/results/busy_regime_log.md, "The token rendering's framing"); with keep-alive (the gateway's `keep_alive`,
 refreshes at the back of the queue) it does, and that configuration carries the latency bounds."""
 from __future__ import annotations
 
@@ -277,7 +277,7 @@ def test_the_busy_uniform_case_holds_with_two_gateways(policy, p99_max):
     requests only through the in-flight exchange and the engines' reports, on the busy regime's
     uniform case (seed 1): cache_plan keeps every document on its holder; cache_aware no longer
     collapses (before the mean request size went by age, gateway/load.py, this seed left 729
-    requests unfinished and its p99 was 103 s: README "Several gateway processes")."""
+    requests unfinished and its p99 was 103 s: loadtests/results/busy_regime_log.md, "Several gateway processes")."""
     s, _, _ = _run("shared_docs", policy, seed=1, gateways=2)
     assert s["unfinished"] == 0
     assert s["hit_ratio"] > 0.955
