@@ -38,8 +38,8 @@ import subprocess
 import sys
 from typing import Any, Mapping, Sequence
 
-from loadtests.bench_gateway_overhead import MODEL, _cpu_s, _free_port, fake_upstream_main, run_level
-from loadtests.runner import wait_http
+from loadtests.bench_gateway_overhead import MODEL, _free_port, fake_upstream_main, run_level
+from loadtests.runner import process_cpu_s, wait_http
 
 
 class TransportOnlyPicker:
@@ -174,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
             row: dict = {"concurrency": c}
             for name, (url, pid) in targets.items():
                 ppid = picker_pids.get(name)
-                cpu0, pcpu0 = _cpu_s(pid), _cpu_s(ppid) if ppid else 0.0
+                cpu0, pcpu0 = process_cpu_s(pid), process_cpu_s(ppid) if ppid else 0.0
                 res = uvloop.run(run_level(url, c, args.seconds, args.tokens, stagger_s=stagger))
                 n = max(1, res["requests"])
-                res["proxy_cpu_ms_per_request"] = (_cpu_s(pid) - cpu0) * 1000 / n
+                res["proxy_cpu_ms_per_request"] = (process_cpu_s(pid) - cpu0) * 1000 / n
                 if ppid:
-                    res["picker_cpu_ms_per_request"] = (_cpu_s(ppid) - pcpu0) * 1000 / n
+                    res["picker_cpu_ms_per_request"] = (process_cpu_s(ppid) - pcpu0) * 1000 / n
                 row[name] = res
             base = row["envoy"]["ttft_ms"]
             for name in picker_pids:
