@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import json
 import math
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from gateway.errors import ApiError
 
 __all__ = [
     "Identity", "ApiKeyStore", "JwtVerifier", "Authenticator", "TenantPolicy", "TenantLimiter",
-    "tenant_hash", "hash_api_key", "parse_key_entry", "load_api_keys_file", "read_keys_file", "NO_AUTH_TENANT",
+    "tenant_hash", "hash_api_key", "parse_key_entry", "load_api_keys_file", "read_keys_file", "file_mtime", "NO_AUTH_TENANT",
 ]
 
 NO_AUTH_TENANT = "default"  # the single tenant of --no-auth mode
@@ -80,6 +81,15 @@ def load_api_keys_file(path: str | Path) -> dict[str, list[bytes]]:
             raise ValueError(f"api keys file {path}: tenant {tenant!r} needs a list of keys")
         out[tenant] = [parse_key_entry(k, where=f"api keys file {path}: tenant {tenant!r}") for k in keys]
     return out
+
+
+def file_mtime(path: str | Path | None) -> float:
+    """The keys file's modification time, 0 when unset or unreadable: its readers (the key store's
+    reload, flow control's weights) re-read it when this changes."""
+    try:
+        return os.stat(path).st_mtime if path else 0.0
+    except OSError:
+        return 0.0
 
 
 def read_keys_file(path: str | Path) -> dict[str, Any]:

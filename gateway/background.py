@@ -43,13 +43,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Callable
 
 import aiohttp
 
-from gateway.auth import ApiKeyStore, Authenticator, load_api_keys_file, parse_key_entry
+from gateway.auth import ApiKeyStore, Authenticator, file_mtime, load_api_keys_file, parse_key_entry
 from gateway.config import AuthConfig, KeepAliveConfig
 from gateway.index import KVIndex
 from gateway.index_sync import IndexSync
@@ -60,13 +59,13 @@ from gateway.model import ModelInfo
 from gateway.rewrite import PRIORITY_RETRY_S, PriorityRefusals, refuses_priority
 from replica_agent.feed import FailureLog, FairShareBoard, InflightBoard
 
-if TYPE_CHECKING:  # gateway.flow imports this module (file_mtime)
+if TYPE_CHECKING:
     from gateway.flow import FlowControl
     from gateway.routing import RoutingState
     from policies.base import Policy
 
 __all__ = ["trouble", "run_index_sync", "run_inflight_exchange", "run_keys_reload", "discover_model",
-           "run_model_discovery", "file_mtime", "run_keep_alive", "keep_alive_check_s", "MAX_REFRESHES_IN_FLIGHT"]
+           "run_model_discovery", "run_keep_alive", "keep_alive_check_s", "MAX_REFRESHES_IN_FLIGHT"]
 
 log = logging.getLogger("warmroute.gateway")
 
@@ -223,13 +222,6 @@ async def run_model_discovery(session: aiohttp.ClientSession, membership: Member
     while not model.known or model.max_model_len is None:
         await discover_model(session, membership, model, fallback_max_model_len=fallback_max_model_len)
         await asyncio.sleep(2.0)
-
-
-def file_mtime(path: str | None) -> float:
-    try:
-        return os.stat(path).st_mtime if path else 0.0
-    except OSError:
-        return 0.0
 
 
 def keep_alive_check_s(idle_s: float) -> float:

@@ -78,8 +78,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from gateway.admission import (REPORT_SLACK_S, FlowClass, FlowRules, SlotLedger, has_room, load_tenant_flows,
                                matched_blocks, occupancy_reqs, retry_after_s)
-from gateway.auth import TenantLimiter
-from gateway.background import file_mtime
+from gateway.auth import TenantLimiter, file_mtime
 from gateway.config import ConfigError, GatewayConfig
 from gateway.context import RequestContext
 from gateway.errors import ApiError
