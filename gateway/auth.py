@@ -37,7 +37,8 @@ from gateway.errors import ApiError
 
 __all__ = [
     "Identity", "ApiKeyStore", "JwtVerifier", "Authenticator", "TenantPolicy", "TenantLimiter",
-    "tenant_hash", "hash_api_key", "parse_key_entry", "load_api_keys_file", "read_keys_file", "file_mtime", "NO_AUTH_TENANT",
+    "tenant_hash", "hash_api_key", "parse_key_entry", "load_api_keys_file", "read_keys_file", "file_mtime",
+    "NO_AUTH_TENANT",
 ]
 
 NO_AUTH_TENANT = "default"  # the single tenant of --no-auth mode

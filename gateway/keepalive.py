@@ -32,7 +32,7 @@ Rules:
   at that check: a refresh behind a long queue arrives after the LRU has taken part of its
   prefix and prefills the lost part on the replica least able to afford it (busy regime, wall
   clock, without this rule: the busiest replica's refreshes computed 3-16k prompt tokens a run,
-  each other replica's 0.2-4.8k; with it 1.2-3.3k in all; loadtests/results/busy_regime_log.md);
+  each other replica's 0.2-4.8k; with it 1.2-3.3k in all: loadtests/results/busy_regime_log.md);
 - with several gateways (pods, `--workers`), each keeps the roots it routed, and what the others
   did counts as if done here (`touched`: their requests, from the plan's shared placements, and
   their refreshes, traded the same way; gateway.routing): a root any gateway used within `idle_s`
@@ -42,19 +42,20 @@ Rules:
   gateway's refresh has arrived and counted as a use: one gateway refreshes each root, and if it
   stops, the others do `defer_s` later, once: a gateway that refreshes a root has no rival for it
   until it hears one again (before 2026-12-06 it deferred to a stopped gateway's rank for
-  `forget_s`, 30 s: every refresh of the root `defer_s` late). Without this each gateway measured idleness on its own
-  share of the stream, and with four processes a root was refreshed by each of them: 4.5x the
-  refreshes of one (loadtests/results/busy_regime_log.md);
+  `forget_s`, 30 s: every refresh of the root `defer_s` late). Without this each gateway
+  measured idleness on its own share of the stream, and with four processes a root was refreshed
+  by each of them: 4.5x the refreshes of one (loadtests/results/busy_regime_log.md);
 - a refresh carries the root's own token ids and cache salt (the tenant's, from the request that
   made it), so its blocks are exactly the root's;
 - with `engine_priority` it also carries vLLM priority -1, ahead of every client request (flow
   control's engine priority uses 0 and 1; clients' own are dropped): on engines run with
   `--scheduling-policy priority` it is admitted at the next step instead of waiting in the queue
   while the LRU goes on evicting what it was sent to keep (on the busy regime's wall clock the
-  refreshes recomputed 17-40k prompt tokens a run without it, 1.7-28k with it: loadtests/results/busy_regime_log.md). An engine
-  that refuses the priority (gateway.rewrite.refuses_priority: its default policy) gets its
-  refreshes without one for gateway.rewrite.PRIORITY_RETRY_S, then is tried with it again (it may
-  have been restarted with it).
+  refreshes recomputed 17-40k prompt tokens a run without it, 1.7-28k with it:
+  loadtests/results/busy_regime_log.md). An engine that refuses the priority
+  (gateway.rewrite.refuses_priority: its default policy) gets its refreshes without one for
+  gateway.rewrite.PRIORITY_RETRY_S, then is tried with it again (it may have been restarted with
+  it).
 """
 from __future__ import annotations
 
@@ -205,7 +206,7 @@ class Retainer:
                     del kept[k]
                     continue
                 e.used = t
-                e.rival = math.inf  # a lower-ranked rival deferred to missed its turn: none until heard again
+                e.rival = math.inf  # refreshed here: a lower-ranked rival missed its turn; none till heard again
                 self.sent += 1
                 out_here.add(k)
                 out.append(Refresh(replica, e.keys[:n], e.payload, k))

@@ -28,15 +28,15 @@ the blocks went, several seconds for a 3,000-token prefill on a busy replica, th
 otherwise see no holder and each place the prefix's next requests, or make a copy, on their own.
 Virtual time, busy regime, cache_aware, Zipf popularity, seeds 0-19, four gateway processes:
 median TTFT p50 / p99 13.8 / 62.9 s, 290 requests unfinished, without it; with it see
-loadtests/results/busy_regime_log.md ("Several gateway processes"). A request's shorter uncached tail (a question) is nobody else's
-prefix: not shared.
+loadtests/results/busy_regime_log.md ("Several gateway processes"). A request's shorter uncached
+tail (a question) is nobody else's prefix: not shared.
 
 Placements, shared (with `share_copies`, for a policy with `shares_placements`: cache_plan): the
 record the policy's `placed` returns is queued for the other gateways (`take_placements`), whose
 instances apply it (`apply_placements`), so each plan measures the whole stream, not its
 process's share. Virtual time, busy regime, cache_plan, four processes, seeds 0-19, median TTFT
-p50 / p99: see loadtests/results/busy_regime_log.md ("Several gateway processes"). With keep-alive on, the same exchange
-carries each refresh this gateway sent (`refreshed`: a REFRESH_RECORD) and, on the receiving
+p50 / p99: see loadtests/results/busy_regime_log.md ("Several gateway processes"). With keep-alive
+on, the same exchange carries each refresh this gateway sent (`refreshed`: a REFRESH_RECORD) and, on the receiving
 side, every placement and refresh counts as a use of the root in its retainer
 (gateway.keepalive, `touched`), so a root is refreshed by one gateway, not by each.
 """

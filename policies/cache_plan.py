@@ -172,7 +172,8 @@ blocks, replica, work, copied, holders) and the gateway trades them through the 
 in-flight exchange (0.1 s); placed_elsewhere() applies another gateway's exactly as placed() does,
 so each instance measures the whole stream, up to one exchange late, instead of its process's
 share. Without it, four processes planned on a quarter each: more copies than one (103 against
-54 over twenty busy Zipf seeds) and a longer median TTFT (loadtests/results/busy_regime_log.md, "Several gateway processes").
+54 over twenty busy Zipf seeds) and a longer median TTFT (loadtests/results/busy_regime_log.md,
+"Several gateway processes").
 Pure: no I/O, no clock; `rng` only in cache_aware's ties.
 """
 from __future__ import annotations

@@ -8,14 +8,18 @@ import json
 import runpy
 import sys
 
+
 class _Parsed(BaseException):
-    pass
+    """Raised once a module's arguments parsed: it stops the module before it runs."""
+
 
 _orig = argparse.ArgumentParser.parse_args
+
 
 def _parse_args(self, args=None, namespace=None):
     _orig(self, args, namespace)
     raise _Parsed()
+
 
 argparse.ArgumentParser.parse_args = _parse_args
 out = []
@@ -31,6 +35,6 @@ for argv in json.load(sys.stdin):
         out.append([argv, None])
     except SystemExit as e:
         out.append([argv, f"exit {e.code}: {err.getvalue().strip()[-300:]}"])
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - reported as this command's failure
         out.append([argv, f"{type(e).__name__}: {e}"])
 print(json.dumps(out))

@@ -70,8 +70,9 @@ async def test_a_turn_waits_for_the_previous_one_and_nothing_else_waits():
 
 
 def test_the_report_gives_the_tail_of_the_requests_sent_in_the_last_third():
-    """A busy run's start can dominate its tail (the busy regime: loadtests/results/busy_regime_log.md, "Past the start"): the
-    report also gives the TTFT of the answered requests sent last, whatever order they finished in."""
+    """A busy run's start can dominate its tail (the busy regime: loadtests/results/busy_regime_log.md,
+    "Past the start"): the report also gives the TTFT of the answered requests sent last, whatever
+    order they finished in."""
     from loadtests.runner import Sample, last_third, summarize
 
     samples = [Sample(f"r{i}", ok=True, start_s=float(i), ttft_s=(2.0 if i < 20 else 0.1)) for i in range(30)][::-1]

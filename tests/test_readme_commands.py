@@ -38,7 +38,8 @@ def test_the_extraction_finds_the_readmes_benchmarks():
 
 
 def test_a_removed_flag_is_caught():
-    res = _parse([["loadtests.bench_flow", "--gateways", "1", "--no-such-flag"], ["loadtests.bench_flow", "--gateways", "1"]])
+    res = _parse([["loadtests.bench_flow", "--gateways", "1", "--no-such-flag"],
+                  ["loadtests.bench_flow", "--gateways", "1"]])
     assert res[0][1] and "unrecognized arguments: --no-such-flag" in res[0][1] and res[1][1] is None
 
 

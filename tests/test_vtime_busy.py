@@ -6,8 +6,9 @@ must not collapse under skew (nothing unfinished, hit ratio near uniform's, the 
 spread over several holders). With the chat template's framing (every message's end tokens: the
 prompts the wall clock sends) the regime runs hotter than it did before 2026-12-04, and on this
 seed the plan alone no longer keeps the Zipf tail short (p50 3.3 s, 24 requests recomputing their
-document: loadtests/results/busy_regime_log.md, "The token rendering's framing"); with keep-alive (the gateway's `keep_alive`,
-refreshes at the back of the queue) it does, and that configuration carries the latency bounds."""
+document: loadtests/results/busy_regime_log.md, "The token rendering's framing"); with keep-alive
+(the gateway's `keep_alive`, refreshes at the back of the queue) it does, and that configuration
+carries the latency bounds."""
 from __future__ import annotations
 
 import collections
