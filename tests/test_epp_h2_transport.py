@@ -155,3 +155,36 @@ async def test_a_health_check_answers_through_a_two_byte_window():
     finally:
         cli.writer.close()
         await srv.stop(0)
+
+
+async def test_a_request_body_larger_than_the_stream_window_flows_as_the_window_is_given_back():
+    """A 3 MiB body over a 1 MiB stream window: the picker gives the window back once half of it is
+    consumed (gateway/epp/http2.py), so the client can go on sending until the whole body is in
+    and the pick is answered."""
+    picker = StaticPickerDouble(["10.0.0.1:8000"])
+    srv = EppServer(picker, host="127.0.0.1", port=0, transport="h2")
+    port = await srv.start()
+    cli = RawClient(1 << 20)
+    try:
+        await cli.open(port)
+        big = b'{"model":"m","messages":[],"x":"' + b"a" * (3 << 20) + b'"}'
+        step = 1 << 16
+        payload = grpc_frame(headers()) + b"".join(
+            grpc_frame(body(big[i:i + step], i + step >= len(big))) for i in range(0, len(big), step))
+        sent = 0
+        for _ in range(400):
+            room = min(cli.conn.local_flow_control_window(1), cli.conn.max_outbound_frame_size)
+            if sent < len(payload) and room > 0:
+                n = min(room, len(payload) - sent)
+                cli.conn.send_data(1, payload[sent:sent + n])
+                sent += n
+                await cli.flush()
+                continue
+            if len(cli.replies()) >= 2 or cli.reset:
+                break
+            await cli.read_some(1 << 20)
+        assert sent == len(payload) and not cli.reset
+        assert len(cli.replies()) >= 2 and picker.picks[-1][1] == big
+    finally:
+        cli.writer.close()
+        await srv.stop(0)

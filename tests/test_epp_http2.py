@@ -132,16 +132,34 @@ def test_a_larger_initial_window_from_the_peer_opens_every_stream():
     assert ("window", 0) in rec.events and srv.room(1) == 1000
 
 
-def test_consumed_data_gives_the_window_back_once_per_take():
-    cli, srv, rec = pair()
+def test_consumed_data_gives_the_window_back_once_half_of_it_is_used():
+    """A window update goes out once the consumed bytes reach half the advertised window (stream
+    and connection each), with all of them; a small body gives nothing back (its own write, and
+    frames for the peer to read, for no use); a stream whose peer finished sending gets none."""
+    cli, srv, rec = pair(stream_window=1000, connection_window=4000)
     cli.send_headers(1, REQUEST)
     cli.send_data(1, b"a" * 300)
-    cli.send_data(1, b"b" * 200)
+    cli.send_data(1, b"b" * 100)
     srv.receive(cli.data_to_send())
     srv.ack(1, 300)
-    srv.ack(1, 200)
+    srv.ack(1, 100)
+    assert srv.take() == b""  # 400 of 1000: not due
+    cli.send_data(1, b"c" * 100)
+    srv.receive(cli.data_to_send())
+    srv.ack(1, 100)
     updates = [e for e in cli.receive_data(srv.take()) if isinstance(e, h2.events.WindowUpdated)]
-    assert sorted((e.stream_id, e.delta) for e in updates) == [(0, 500), (1, 500)]
+    assert [(e.stream_id, e.delta) for e in updates] == [(1, 500)]  # the connection's 500 of 4000: not due
+    assert srv.take() == b""
+    cli.send_headers(3, REQUEST)
+    cli.send_data(3, b"d" * 900)
+    cli.send_data(3, b"e" * 100, end_stream=True)
+    cli.send_data(1, b"f" * 600)
+    srv.receive(cli.data_to_send())
+    srv.ack(3, 1000)
+    srv.ack(1, 600)
+    updates = [e for e in cli.receive_data(srv.take()) if isinstance(e, h2.events.WindowUpdated)]
+    # stream 3 ended: nothing for it; stream 1 its 600; the connection all 2,100 it took since the last
+    assert sorted((e.stream_id, e.delta) for e in updates) == [(0, 2100), (1, 600)]
     assert srv.take() == b""
 
 

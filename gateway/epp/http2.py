@@ -18,8 +18,12 @@ Rules:
   what `take()` returns and closes. A stream error resets that stream only.
 - Inbound flow control: we advertise `stream_window` per stream and `connection_window` for the
   connection, and count what the peer sends against them (over: FLOW_CONTROL_ERROR); the caller
-  gives windows back with `ack(sid, n)` as it consumes data (one WINDOW_UPDATE per stream per
-  `take()`, one for the connection).
+  gives windows back with `ack(sid, n)` as it consumes data. A WINDOW_UPDATE goes out at a
+  `take()` once the window it reopens is due: the consumed bytes reach half the advertised window,
+  or what the peer may still send falls under half of it (a stream whose peer has finished
+  sending gets none). Why not one per `take()`: a small request body then cost a write of its own
+  (the window update ahead of the picker's answer) and two frames more for Envoy to read per
+  message; with windows of 1 and 16 MiB nothing of a chat request's few kilobytes needs giving back.
 - Outbound flow control: `room(sid)` is what may be sent now (the smaller window, at most one
   frame); `send_data` never sends more (the caller waits for `on_window`).
 """
@@ -125,15 +129,19 @@ class Http2Server:
             self._out.append(_frame(_WINDOW_UPDATE, 0, 0, _U32.pack(self.connection_window - _DEFAULT_WINDOW)))
 
     def take(self) -> bytes:
-        """The bytes queued since the last call (window updates included)."""
+        """The bytes queued since the last call (window updates included, once due: module rules)."""
         if self._acks:
-            for sid, n in self._acks.items():
+            half = self.stream_window // 2
+            for sid in list(self._acks):
                 st = self.streams.get(sid)
-                if st is not None and not st.remote_closed:
+                if st is None or st.remote_closed:  # the peer sends no more on it: nothing to give back
+                    del self._acks[sid]
+                elif self._acks[sid] >= half or st.recv < half:
+                    n = self._acks.pop(sid)
                     st.recv += n
                     self._out.append(_frame(_WINDOW_UPDATE, 0, sid, _U32.pack(n)))
-            self._acks.clear()
-        if self._conn_ack:
+        half = self.connection_window // 2
+        if self._conn_ack and (self._conn_ack >= half or self._recv_conn < half):
             self._recv_conn += self._conn_ack
             self._out.append(_frame(_WINDOW_UPDATE, 0, 0, _U32.pack(self._conn_ack)))
             self._conn_ack = 0
