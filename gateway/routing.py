@@ -36,8 +36,8 @@ record the policy's `placed` returns is queued for the other gateways (`take_pla
 instances apply it (`apply_placements`), so each plan measures the whole stream, not its
 process's share. Virtual time, busy regime, cache_plan, four processes, seeds 0-19, median TTFT
 p50 / p99: see loadtests/results/busy_regime_log.md ("Several gateway processes"). With keep-alive
-on, the same exchange carries each refresh this gateway sent (`refreshed`: a REFRESH_RECORD) and, on the receiving
-side, every placement and refresh counts as a use of the root in its retainer
+on, the same exchange carries each refresh this gateway sent (`refreshed`: a REFRESH_RECORD) and,
+on the receiving side, every placement and refresh counts as a use of the root in its retainer
 (gateway.keepalive, `touched`), so a root is refreshed by one gateway, not by each.
 """
 from __future__ import annotations
