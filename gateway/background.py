@@ -20,9 +20,10 @@ constructor), and how they report trouble.
   noticed in the exchange's reply and published again whole; changes a failed exchange did not
   apply are sent again with the next one.
 - `run_share_exchange`: every `flow.share_interval_s` (`flow.busy_exchange_s` while requests are
-  held here or at another gateway), flow control's row on the fair-share board out and the other
-  gateways' rows in (gateway.flow_share: what they mean); when the board fails,
-  flow control runs on its local share and the loop retries once a second.
+  held here or at another gateway; QUIET_EXCHANGE_S while no other gateway was on the board at
+  the last exchange), flow control's row on the fair-share board out and the other gateways' rows
+  in (gateway.flow_share: what they mean); when the board fails, flow control runs on its local
+  share and the loop retries once a second.
 - `run_keys_reload`: re-reads the API-keys file when its mtime changes (keeps the old keys if the
   new file is invalid).
 - `discover_model` / `run_model_discovery`: the model name and context length from the replicas'
@@ -307,4 +308,15 @@ async def run_share_exchange(flow: FlowControl, board: FairShareBoard, health: F
             flow.board_lost()
             await asyncio.sleep(max(period_s, 1.0))
             continue
-        await asyncio.sleep(min(period_s, busy_period_s) if busy_period_s and flow.contended() else period_s)
+        await asyncio.sleep(_share_period(flow, period_s, busy_period_s))
+
+
+def _share_period(flow: FlowControl, period_s: float, busy_period_s: float | None) -> float:
+    if busy_period_s and flow.contended():
+        return min(period_s, busy_period_s)
+    # Alone on the board at the last exchange: nobody reads our row but a gateway that starts, and
+    # it reads it at its first exchange; we hear of it at most QUIET_EXCHANGE_S late, as the
+    # in-flight exchange does (idle CPU: each exchange is a Redis round trip, ~0.4 ms here)
+    if flow.peers.shared and flow.peers.n_gateways == 1:
+        return max(period_s, QUIET_EXCHANGE_S)
+    return period_s

@@ -64,7 +64,7 @@ class MembershipConfig:
     dns_port: int = 8000  # engine port behind the headless Service
     dns_refresh_s: float = 10.0  # re-resolve period
     health_path: str = "/health"  # active probe path
-    health_interval_s: float = 2.0  # active probe period
+    health_interval_s: float = 2.0  # active probe period (a replica that answered a request within it is not probed)
     health_timeout_s: float = 1.0  # active probe timeout
     health_timeouts_to_down: int = 3  # consecutive probe timeouts before a replica counts as down
     eject_base_s: float = 1.0  # first passive ejection; doubles per consecutive failure
@@ -176,7 +176,7 @@ class FlowConfig:
     allowed_priorities_claim: str = "warmroute_allowed_priorities"  # JWT claim listing classes the header may ask for
     tenants: dict[str, FlowTenantConfig] = field(default_factory=dict)  # per tenant id
     release_interval_s: float = 0.02  # while requests are held: re-check room this often (besides first tokens and finishes)
-    share_interval_s: float = 0.1  # exchange fair shares and queue lengths with the other gateways (feed) this often
+    share_interval_s: float = 0.1  # exchange fair shares and queue lengths with the other gateways (feed) this often (1 s while none was seen)
     busy_exchange_s: float = 0.025  # while any gateway holds requests: that and the in-flight exchange run this often
 
 

@@ -9,6 +9,9 @@ ejects it for `eject_base_s x 2^(consecutive failures - 1)`, capped at `eject_ma
 resets the count. A successful probe does not end an ejection early (the backoff is the point);
 a failed probe marks the replica down until a probe succeeds. A newly added replica starts
 available (optimistic: the first probe follows within one interval, and failures eject it).
+A replica that answered a request within the last probe interval (`report_success`) is not
+probed: the answer is the evidence a probe would fetch (`needs_probe`), and each probe is a
+request through the client of the gateway's one event loop.
 `set_members` returns what joined and what left; the owner purges leavers from the KV index.
 
 I/O part (`MembershipRunner`): resolves a Kubernetes headless Service by DNS (A records; replica
@@ -39,6 +42,7 @@ class ReplicaState:
     ejections: int = 0  # ejections ever
     last_error: str = ""  # short reason of the last failure
     probe_timeouts: int = 0  # consecutive active probes that timed out
+    served_at: float = float("-inf")  # clock() when it last answered a request (report_success)
 
     def available(self, now: float) -> bool:
         return self.probe_ok is not False and now >= self.ejected_until
@@ -103,8 +107,14 @@ class Membership:
 
     def report_success(self, rid: str) -> None:
         st = self._replicas.get(rid)
-        if st is not None and st.failures:
-            st.failures = 0
+        if st is not None:
+            st.served_at = self.clock()
+            if st.failures:
+                st.failures = 0
+
+    def needs_probe(self, st: ReplicaState, interval_s: float, now: float) -> bool:
+        """False while its last probe passed and it answered a request within `interval_s`."""
+        return st.probe_ok is not True or now - st.served_at >= interval_s
 
     def probe_result(self, rid: str, ok: bool, reason: str = "", timed_out: bool = False) -> None:
         st = self._replicas.get(rid)
@@ -174,7 +184,8 @@ class MembershipRunner:
             self.m.probe_result(st.replica_id, False, f"health probe: {type(exc).__name__}")
 
     async def probe_all(self) -> None:
-        states = self.m.all()
+        now = self.m.clock()
+        states = [st for st in self.m.all() if self.m.needs_probe(st, self.health_interval_s, now)]
         if states:
             await asyncio.gather(*(self.probe_one(st) for st in states))
 

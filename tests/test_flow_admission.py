@@ -417,3 +417,27 @@ def test_the_exchanges_quicken_while_any_of_several_gateways_holds_requests(monk
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(background.run_share_exchange(fc, Board(), Health(), 0.1, 0.02))
     assert slept == [0.1, 0.1, 0.02, 0.02]
+
+
+def test_a_gateway_alone_on_the_board_exchanges_its_shares_at_the_quiet_period():
+    """The fair-share exchange is a Redis round trip; a gateway that saw no other at its last
+    exchange slows to QUIET_EXCHANGE_S (a gateway that starts reads our row at its first exchange,
+    we hear of it at most that late), and quickens again as soon as it sees another."""
+    from gateway import background
+
+    fc = _flow_control(2, busy_exchange_s=0.02)
+    period = background._share_period
+    assert period(fc, 0.1, 0.02) == 0.1  # no exchange yet: not known to be alone
+    fc.apply_shares({})  # the board answered: nobody else on it
+    assert fc.peers.shared and fc.peers.n_gateways == 1
+    assert period(fc, 0.1, 0.02) == background.QUIET_EXCHANGE_S
+    assert period(fc, 5.0, 0.02) == 5.0  # never quicker than the configured period
+    fc.queue.push("t", object(), now=100.0, cls=0, weight=1.0)
+    assert period(fc, 0.1, 0.02) == background.QUIET_EXCHANGE_S  # held here with nobody to tell
+    from replica_agent.feed import TenantShare
+    fc.apply_shares({"gw-b": {"t": TenantShare()}})  # another gateway appears
+    assert period(fc, 0.1, 0.02) == 0.02  # held here and another gateway to tell: busy
+    fc.queue.pop()
+    assert period(fc, 0.1, 0.02) == 0.1
+    fc.board_lost()  # the board away: its retries are the loop's business; not "alone"
+    assert period(fc, 0.1, 0.02) == 0.1

@@ -256,6 +256,67 @@ def test_config_errors_name_the_field_and_env_overrides():
         assert str(e.value).startswith(field), (field, str(e.value))
 
 
+def test_a_replica_that_answered_within_the_probe_interval_is_not_probed():
+    """An answer is the evidence a probe would fetch: no probe while the last passed and the
+    replica answered a request within the interval; a replica not yet probed, down, or quiet for
+    the interval is probed."""
+    from gateway.membership import Membership
+
+    now = [100.0]
+    m = Membership(clock=lambda: now[0])
+    m.set_members({"a": "http://a", "b": "http://b"})
+    a = m.get("a")
+    m.report_success("a")
+    assert m.needs_probe(a, 2.0, now[0])  # never probed: its verdict is unknown
+    m.probe_result("a", True)
+    m.report_success("a")
+    assert not m.needs_probe(a, 2.0, now[0])
+    now[0] += 1.99
+    assert not m.needs_probe(a, 2.0, now[0])
+    now[0] += 0.01
+    assert m.needs_probe(a, 2.0, now[0])  # quiet for a whole interval
+    m.report_success("a")
+    m.probe_result("a", False, "health probe status 503")
+    assert m.needs_probe(a, 2.0, now[0])  # down: only a probe brings it back
+    m.probe_result("b", True)
+    assert m.needs_probe(m.get("b"), 2.0, now[0])  # probed, never served
+
+
+async def test_the_prober_skips_replicas_that_answered_since_its_last_round():
+    """Against a real HTTP server: one round probes both replicas; after one of them answered a
+    request, the next round probes only the other."""
+    from aiohttp import web
+    import aiohttp
+
+    from gateway.membership import Membership, MembershipRunner
+
+    hits: list[str] = []
+
+    async def health(request):
+        hits.append(request.match_info["rid"])
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/{rid}/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        m = Membership()
+        m.set_members({r: f"http://127.0.0.1:{port}/{r}" for r in ("a", "b")})
+        async with aiohttp.ClientSession() as session:
+            mr = MembershipRunner(m, session, health_path="/health", health_interval_s=30.0, health_timeout_s=2.0)
+            await mr.probe_all()
+            assert sorted(hits) == ["a", "b"] and m.get("a").probe_ok and m.get("b").probe_ok
+            m.report_success("a")
+            await mr.probe_all()
+            assert sorted(hits) == ["a", "b", "b"]
+    finally:
+        await runner.cleanup()
+
+
 def test_slow_health_probes_need_several_timeouts_but_refusals_count_at_once():
     """A busy engine answers /health late: three timeouts in a row before it counts as down; a
     refused connection or a non-200 answer marks it down at once; one success resets the count."""
