@@ -1,8 +1,9 @@
 """The simulated vLLM replica's HTTP server (aiohttp): vLLM's OpenAI routes around a SimEngine.
 
-What it owns: request validation with vLLM's error shape, tokenization, SSE framing, the engine
-loop task, metrics, KV-event publishing, faults. The engine core (scheduler.py, blockpool.py) is
-pure and knows nothing of this file.
+What it owns: the routes and vLLM's error responses, SSE framing, the engine loop task,
+KV-event publishing, faults. Beside it: its configuration (config.py), vLLM's request rules and
+tokenization (openai_requests.py), its metrics (metrics.py). The engine core (scheduler.py,
+blockpool.py) is pure and knows nothing of this file.
 
 Engine loop (one task per server): while there is work, run `engine.step()`, sleep until
 `t_start + modelled duration` (an absolute deadline, so CPU spent in the step counts against the
@@ -28,21 +29,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import signal
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from loadtests.sim.blockpool import DEFAULT_KV_BUDGET_BYTES, LLAMA3_8B, ModelShape
+from loadtests.sim.config import SimConfig, config_from_args
 from loadtests.sim.kv_events import KVEventPublisher
-from loadtests.sim.scheduler import EngineConfig, SimEngine, SimRequest, TimeModel
+from loadtests.sim.metrics import SimMetrics
+from loadtests.sim.openai_requests import BadRequest, RequestReader, check_type, read_json_body
+from loadtests.sim.scheduler import SimEngine, SimRequest
 from loadtests.sim.tokenize import SimTokenizer
 
 __all__ = ["SimConfig", "SimServer", "RunningSim", "start_sim_server", "main_from_args", "config_from_args"]
@@ -50,63 +52,6 @@ __all__ = ["SimConfig", "SimServer", "RunningSim", "start_sim_server", "main_fro
 log = logging.getLogger("warmroute.sim")
 _json = msgspec.json.Encoder()
 _FILLER_TEXT = " the quick brown fox jumps over the lazy dog"
-# vLLM's TTFT histogram buckets (vllm/v1/metrics/loggers.py)
-_TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_INLINE_TOKENIZE_CHARS = 16384  # longer texts are tokenized in a worker thread, off the event loop
-
-
-@dataclass
-class SimConfig:
-    model: str = "warmroute-sim"  # served model name
-    tokenizer: str | None = None  # HF tokenizer dir; None: gateway.default_tokenizer
-    block_size: int = 16  # tokens per KV block
-    num_blocks: int | None = None  # KV capacity; None: from model_shape and kv_budget_bytes
-    model_shape: ModelShape = LLAMA3_8B  # for capacity when num_blocks is None
-    kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES  # for capacity when num_blocks is None
-    max_model_len: int = 32768  # prompt + output tokens per request at most (clamped to KV capacity)
-    max_num_seqs: int = 256  # running sequences at most
-    max_num_batched_tokens: int = 8192  # per-step token budget (chunked prefill)
-    hash_algo: str = "sha256_cbor"  # prefix-caching hash algo (engine-exact)
-    enable_prefix_caching: bool = True  # vLLM's --enable-prefix-caching
-    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: "fcfs" or "priority"
-    time: TimeModel = field(default_factory=TimeModel)  # step-time model (GPU profile by default)
-    default_max_tokens: int = 16  # when a request gives no max_tokens
-    kv_events_endpoint: str | None = None  # ZMQ PUB endpoint; None: no events
-    replay_endpoint: str | None = None  # ZMQ ROUTER replay endpoint; None: no replay
-    kv_events_topic: str = "kv-events"  # ZMQ topic frame
-    kv_events_buffer_steps: int = 10000  # batches kept for replay
-    events_format: str = "map"  # "map" (current vLLM) or "array" (older positional)
-    engine_label: str = "0"  # Prometheus label `engine`
-    data_parallel_rank: int = 0  # in event payloads and /kv_event_sources
-    drop_events_fraction: float = 0.0  # fault at start: share of event batches dropped
-    slow_factor: float = 1.0  # fault at start: step times multiplied
-    crash_after_s: float | None = None  # fault: crash this long after start
-    stall_after_s: float | None = None  # fault: stall this long after start ...
-    stall_s: float = 0.0  # ... for this long
-    trace: bool = False  # keep per-request and per-step timelines for GET /sim/trace (diagnostics)
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            block_size=self.block_size,
-            num_blocks=self.num_blocks,
-            model_shape=self.model_shape,
-            kv_budget_bytes=self.kv_budget_bytes,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            hash_algo=self.hash_algo,
-            enable_prefix_caching=self.enable_prefix_caching,
-            scheduling_policy=self.scheduling_policy,
-            time=replace(self.time),
-        )
-
-
-class BadRequest(Exception):
-    """A client error, reported as vLLM does: HTTP 400 with an OpenAI-style body."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, err_type: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.err_type = message, param, status, err_type
 
 
 def _error_response(message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None) -> web.Response:
@@ -135,70 +80,6 @@ class _Stream:
         self.trace: dict | None = None  # its timeline record when the server traces (SimConfig.trace)
 
 
-@dataclass
-class _Parsed:
-    prompt_ids: list[int]
-    max_tokens: int
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
-    cache_salt: str | None
-    report_full: bool
-    priority: int = 0
-
-
-def _check_type(body: dict, key: str, types: tuple, what: str) -> Any:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) and bool not in types:
-        raise BadRequest(f"'{key}' must be {what}, got {type(v).__name__}", key)
-    if not isinstance(v, types):
-        raise BadRequest(f"'{key}' must be {what}, got {type(v).__name__}", key)
-    return v
-
-
-def validate_cache_salt(salt: Any) -> str | None:
-    """vLLM's rule: a non-empty string of at most 128 characters without @ / \\ or NUL."""
-    if salt is None:
-        return None
-    if not isinstance(salt, str):
-        raise BadRequest("Parameter 'cache_salt' must be a string.", "cache_salt")
-    if not salt:
-        raise BadRequest("Parameter 'cache_salt' must be a non-empty string.", "cache_salt")
-    if len(salt) > 128:
-        raise BadRequest("Parameter 'cache_salt' must be at most 128 characters.", "cache_salt")
-    if any(c in salt for c in "@/\\\x00"):
-        raise BadRequest("Parameter 'cache_salt' must not contain '@', '/', '\\' or NUL characters.", "cache_salt")
-    return salt
-
-
-def _messages(body: dict) -> list[dict]:
-    msgs = body.get("messages")
-    if msgs is None:
-        raise BadRequest("Field required: 'messages'", "messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("'messages' must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a string 'role'", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI content parts: text parts joined as vLLM's "string" format does
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
-                texts.append(part["text"])
-            m = {**m, "content": "\n".join(texts)}
-        elif content is not None and not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of parts", "messages")
-        elif content is None:
-            m = {**m, "content": ""}
-        out.append(m)
-    return out
-
-
 class SimServer:
     """One simulated replica: engine, tokenizer, publisher, HTTP app."""
 
@@ -219,6 +100,8 @@ class SimServer:
         if cfg.max_model_len > capacity_tokens:
             log.warning("max_model_len %d exceeds KV capacity %d tokens; clamping (vLLM would refuse to start)", cfg.max_model_len, capacity_tokens)
         self.max_model_len = min(cfg.max_model_len, capacity_tokens)
+        self.requests = RequestReader(tokenizer, max_model_len=self.max_model_len,
+                                      default_max_tokens=cfg.default_max_tokens, scheduling_policy=cfg.scheduling_policy)
         self.publisher: KVEventPublisher | None = None
         self.host = "127.0.0.1"
         self.port = 0
@@ -232,22 +115,12 @@ class SimServer:
         self._site: web.TCPSite | None = None
         self._created = int(time.time())
         self._req_counter = 0
-        # time-model fidelity
-        self.steps = 0
-        self.modelled_s_total = 0.0
-        self.actual_s_total = 0.0
-        self.lateness_max_s = 0.0
-        self.recent_lateness_s: deque[float] = deque(maxlen=20000)
-        self.recent_steps: deque[tuple[float, float, int, int]] = deque(maxlen=20000)  # (modelled_s, actual_s, prefill tokens, decode seqs)
+        self.metrics = SimMetrics()  # the TTFT histogram, the time model's fidelity
         # timelines (SimConfig.trace): each request at its first token, each step; times are loop.time()
         # (CLOCK_MONOTONIC, comparable with a client's time.perf_counter() on the same Linux machine)
         self.trace_requests: deque[dict] = deque(maxlen=50000)
         self.trace_steps: deque[tuple] = deque(maxlen=200000)  # (t_start, t_end, prefill tokens, decode seqs, running, waiting)
-        # request metrics
-        self.ttft_bucket_counts = [0] * (len(_TTFT_BUCKETS_S) + 1)
-        self.ttft_sum_s = 0.0
-        self.ttft_count = 0
-        self.num_aborted_total = 0
+        self.num_aborted_total = 0  # requests whose client went away
         self.app = self._build_app()
 
     def _new_engine(self) -> SimEngine:
@@ -339,14 +212,7 @@ class SimServer:
             t1 = loop.time()
             if engine is not self.engine or self.crashed:  # restarted or crashed during the step
                 continue
-            lateness = t1 - deadline
-            self.steps += 1
-            self.modelled_s_total += modelled
-            self.actual_s_total += t1 - t0
-            if lateness > self.lateness_max_s:
-                self.lateness_max_s = lateness
-            self.recent_lateness_s.append(lateness)
-            self.recent_steps.append((modelled, t1 - t0, out.num_prefill_tokens, out.num_decode_seqs))
+            self.metrics.observe_step(modelled, t1 - t0, t1 - deadline)
             if self.cfg.trace:
                 self.trace_steps.append((t0, t1, out.num_prefill_tokens, out.num_decode_seqs, engine.num_running, engine.num_waiting))
                 for r in engine.running:  # scheduled in this step for the first time
@@ -361,7 +227,7 @@ class SimServer:
                     continue
                 if st.t_first is None:
                     st.t_first = t1
-                    self._observe_ttft(t1 - st.t_arrival)
+                    self.metrics.observe_ttft(t1 - st.t_arrival)
                     if st.trace is not None:
                         st.trace.update(t_sched=st.t_sched, t_first=t1, cached=r.num_cached_tokens,
                                         preemptions=r.num_preemptions)
@@ -377,15 +243,6 @@ class SimServer:
                         st.trace["t_done"] = t1
             if not out.tokens and out.num_prefill_tokens == 0 and out.num_decode_seqs == 0:
                 await asyncio.sleep(0.001)  # nothing schedulable: do not spin
-
-    def _observe_ttft(self, ttft_s: float) -> None:
-        self.ttft_sum_s += ttft_s
-        self.ttft_count += 1
-        for i, b in enumerate(_TTFT_BUCKETS_S):
-            if ttft_s <= b:
-                self.ttft_bucket_counts[i] += 1
-                return
-        self.ttft_bucket_counts[-1] += 1
 
     def _drop_all(self, reason: str) -> None:
         for r in self.engine.abort_all():
@@ -488,106 +345,7 @@ class SimServer:
             return web.Response(body=b'{"detail":"Method Not Allowed"}', status=405, content_type="application/json")
 
     async def _body(self, request: web.Request) -> dict:
-        raw = await request.read()
-        try:
-            body = json.loads(raw) if raw else None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest(f"Invalid JSON body: {e}") from None
-        if not isinstance(body, dict):
-            raise BadRequest("The request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.cfg.model:
-            raise BadRequest(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
-        return body
-
-    async def _encode(self, fn, *args) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
-    async def _prompt_ids(self, body: dict, chat: bool, add_special_default: bool) -> list[int]:
-        tok = self.tokenizer
-        if chat:
-            msgs = _messages(body)
-            agp = _check_type(body, "add_generation_prompt", (bool,), "a boolean")
-            ast = _check_type(body, "add_special_tokens", (bool,), "a boolean")
-            ctk = _check_type(body, "chat_template_kwargs", (dict,), "an object")
-            args = (msgs, True if agp is None else agp, add_special_default if ast is None else ast, ctk)
-            size = sum(len(m.get("content") or "") for m in msgs)
-            try:
-                if size > _INLINE_TOKENIZE_CHARS:
-                    return await self._encode(tok.encode_chat, *args)
-                return tok.encode_chat(*args)
-            except Exception as e:  # template errors are the client's
-                raise BadRequest(f"Failed to apply the chat template: {e}", "messages") from None
-        if "prompt" not in body or body["prompt"] is None:
-            raise BadRequest("Field required: 'prompt'", "prompt")
-        prompt = body["prompt"]
-        ast = _check_type(body, "add_special_tokens", (bool,), "a boolean")
-        add_special = add_special_default if ast is None else ast
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            if len(prompt) > _INLINE_TOKENIZE_CHARS:
-                return await self._encode(tok.encode, prompt, add_special)
-            return tok.encode(prompt, add_special)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        if isinstance(prompt, list) and len(prompt) > 1:
-            raise BadRequest("the simulator serves one prompt per request; send a batch as separate requests", "prompt")
-        raise BadRequest("'prompt' must be a string, a list of token ids, or a list with one of those", "prompt")
-
-    async def _parse(self, body: dict, chat: bool) -> _Parsed:
-        for key, types, what in (
-            ("stream", (bool,), "a boolean"),
-            ("ignore_eos", (bool,), "a boolean"),
-            ("temperature", (int, float), "a number"),
-            ("top_p", (int, float), "a number"),
-            ("top_k", (int,), "an integer"),
-            ("seed", (int,), "an integer"),
-            ("n", (int,), "an integer"),
-            ("stop", (str, list), "a string or a list of strings"),
-            ("stream_options", (dict,), "an object"),
-            ("vllm_xargs", (dict,), "an object"),
-            ("user", (str,), "a string"),
-        ):
-            _check_type(body, key, types, what)
-        n = body.get("n")
-        if n is not None and n != 1:
-            raise BadRequest("the simulator supports n=1 only", "n")
-        max_tokens = _check_type(body, "max_tokens", (int,), "an integer")
-        if chat:
-            mct = _check_type(body, "max_completion_tokens", (int,), "an integer")
-            if mct is not None:
-                max_tokens = mct
-        if max_tokens is not None and max_tokens < 1:
-            raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
-        salt = validate_cache_salt(body.get("cache_salt"))
-        priority = _check_type(body, "priority", (int,), "an integer") or 0
-        if priority and self.cfg.scheduling_policy != "priority":  # as vLLM refuses it
-            raise BadRequest(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
-        stream = bool(body.get("stream") or False)
-        so = body.get("stream_options") or {}
-        if so and not stream:
-            raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
-        xargs = body.get("vllm_xargs") or {}
-        ids = await self._prompt_ids(body, chat, add_special_default=not chat)
-        n_prompt = len(ids)
-        if n_prompt == 0:
-            raise BadRequest("The prompt cannot be empty.", "prompt")
-        mml = self.max_model_len
-        if max_tokens is None:
-            max_tokens = max(1, min(self.cfg.default_max_tokens, mml - n_prompt))
-        if n_prompt + max_tokens > mml or n_prompt >= mml:
-            where = "messages" if chat else "prompt"
-            raise BadRequest(
-                f"This model's maximum context length is {mml} tokens. However, you requested "
-                f"{n_prompt + max_tokens} tokens ({n_prompt} in the {where}, {max_tokens} in the completion). "
-                f"Please reduce the length of the {where} or completion.",
-                "max_tokens" if n_prompt < mml else where,
-            )
-        return _Parsed(
-            ids, max_tokens, stream, bool(so.get("include_usage")), bool(so.get("continuous_usage_stats")), salt,
-            xargs.get("kv_cache_report_mode") == "full", priority,
-        )
+        return read_json_body(await request.read(), self.cfg.model)
 
     # -- generation ----------------------------------------------------------------------------
     async def h_completions(self, request: web.Request) -> web.StreamResponse:
@@ -616,7 +374,7 @@ class SimServer:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
-        p = await self._parse(body, chat)
+        p = await self.requests.parse(body, chat)
         loop = asyncio.get_running_loop()
         self._req_counter += 1
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -716,13 +474,13 @@ class SimServer:
     # -- tokenization routes -------------------------------------------------------------------
     async def _tokens_for(self, body: dict) -> list[int]:
         if "messages" in body:
-            return await self._prompt_ids(body, chat=True, add_special_default=False)
-        return await self._prompt_ids(body, chat=False, add_special_default=True)
+            return await self.requests.prompt_ids(body, chat=True, add_special_default=False)
+        return await self.requests.prompt_ids(body, chat=False, add_special_default=True)
 
     async def h_tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         ids = await self._tokens_for(body)
-        rts = _check_type(body, "return_token_strs", (bool,), "a boolean")
+        rts = check_type(body, "return_token_strs", (bool,), "a boolean")
         return _json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                                "token_strs": self.tokenizer.token_strs(ids) if rts else None})
 
@@ -735,11 +493,11 @@ class SimServer:
 
     async def h_render_completions(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        return _json_response({"token_ids": await self._prompt_ids(body, chat=False, add_special_default=True)})
+        return _json_response({"token_ids": await self.requests.prompt_ids(body, chat=False, add_special_default=True)})
 
     async def h_render_chat(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        return _json_response({"token_ids": await self._prompt_ids(body, chat=True, add_special_default=False)})
+        return _json_response({"token_ids": await self.requests.prompt_ids(body, chat=True, add_special_default=False)})
 
     async def h_reset_prefix_cache(self, request: web.Request) -> web.Response:
         self.engine.reset_prefix_cache()
@@ -783,17 +541,9 @@ class SimServer:
         return _json_response(self.kv_event_sources())
 
     def stats(self) -> dict:
-        lat = sorted(self.recent_lateness_s)
-
-        def pct(q: float) -> float:
-            return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0
-
         eng = self.engine
         return {
-            "steps": self.steps,
-            "modelled_s_total": self.modelled_s_total,
-            "actual_s_total": self.actual_s_total,
-            "lateness_s": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": self.lateness_max_s},
+            **self.metrics.timing(),
             "num_running": eng.num_running,
             "num_waiting": eng.num_waiting,
             "kv_cache_usage": eng.pool.usage,
@@ -834,41 +584,7 @@ class SimServer:
             raise BadRequest(str(e)) from None
 
     def metrics_text(self) -> str:
-        eng = self.engine
-        cfg = self.cfg
-        lbl = f'engine="{cfg.engine_label}",model_name="{cfg.model}"'
-        out: list[str] = []
-
-        def metric(name: str, kind: str, help_: str, value: float) -> None:
-            out.append(f"# HELP {name} {help_}\n# TYPE {name} {kind}\n{name}{{{lbl}}} {float(value)}\n")
-
-        metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", eng.num_running)
-        metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", eng.num_waiting)
-        metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", eng.pool.usage)
-        metric("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", eng.prefix_cache_queries_tokens_total)
-        metric("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", eng.prefix_cache_hits_tokens_total)
-        metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", eng.num_preemptions_total)
-        metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", eng.num_prompt_tokens_total)
-        metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", eng.num_generation_tokens_total)
-        info = (f'block_size="{cfg.block_size}",cache_dtype="auto",enable_prefix_caching="{cfg.enable_prefix_caching}",'
-                f'engine="{cfg.engine_label}",gpu_memory_utilization="0.9",model_name="{cfg.model}",'
-                f'num_cpu_blocks="None",num_gpu_blocks="{eng.pool.num_blocks}",prefix_caching_hash_algo="{cfg.hash_algo}"')
-        out.append(f"# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{{info}}} 1.0\n")
-        name = "vllm:time_to_first_token_seconds"
-        lines = [f"# HELP {name} Histogram of time to first token in seconds.\n# TYPE {name} histogram\n"]
-        cum = 0
-        for b, c in zip(_TTFT_BUCKETS_S, self.ttft_bucket_counts):
-            cum += c
-            lines.append(f'{name}_bucket{{{lbl},le="{b}"}} {float(cum)}\n')
-        cum += self.ttft_bucket_counts[-1]
-        lines.append(f'{name}_bucket{{{lbl},le="+Inf"}} {float(cum)}\n{name}_count{{{lbl}}} {float(cum)}\n{name}_sum{{{lbl}}} {self.ttft_sum_s}\n')
-        out.append("".join(lines))
-        # the simulator's own fidelity figures (not vLLM metrics)
-        metric("warmroute_sim_steps_total", "counter", "Engine steps run.", self.steps)
-        metric("warmroute_sim_step_modelled_seconds_total", "counter", "Sum of modelled step durations.", self.modelled_s_total)
-        metric("warmroute_sim_step_actual_seconds_total", "counter", "Sum of measured step durations.", self.actual_s_total)
-        metric("warmroute_sim_step_lateness_max_seconds", "gauge", "Largest timer lateness of a step.", self.lateness_max_s)
-        return "".join(out)
+        return self.metrics.prometheus_text(self.engine, self.cfg)
 
     async def h_metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics_text(), content_type="text/plain", charset="utf-8")
@@ -911,42 +627,6 @@ async def start_sim_server(cfg: SimConfig, host: str = "127.0.0.1", port: int = 
     server = SimServer(cfg, _shared_tokenizer(cfg.tokenizer))
     await server.start(host, port)
     return RunningSim(server, f"http://{host}:{server.port}", server.port)
-
-
-def config_from_args(args: Any) -> SimConfig:
-    g = lambda name, default=None: getattr(args, name, default)  # noqa: E731 - tolerate older arg sets
-    profile = g("time_profile", "gpu")
-    tm = TimeModel.wallclock() if profile == "wallclock" else TimeModel()
-    if g("step_overhead_ms") is not None:
-        tm.step_overhead_s = g("step_overhead_ms") / 1000.0
-    if g("prefill_ms_per_token") is not None:
-        tm.prefill_s_per_token = g("prefill_ms_per_token") / 1000.0
-    if g("decode_ms_per_seq") is not None:
-        tm.decode_s_per_seq = g("decode_ms_per_seq") / 1000.0
-    tm.time_scale = g("time_scale", 1.0) or 1.0
-    return SimConfig(
-        model=g("model", "warmroute-sim"),
-        tokenizer=g("tokenizer"),
-        block_size=g("block_size", 16),
-        num_blocks=g("num_blocks"),
-        kv_budget_bytes=int((g("kv_budget_gib") or DEFAULT_KV_BUDGET_BYTES / 1024**3) * 1024**3),
-        max_model_len=g("max_model_len", 32768),
-        max_num_seqs=g("max_num_seqs", 256) or 256,
-        max_num_batched_tokens=g("max_num_batched_tokens", 8192) or 8192,
-        hash_algo=g("hash_algo", "sha256_cbor"),
-        scheduling_policy=g("scheduling_policy", "fcfs") or "fcfs",
-        time=tm,
-        default_max_tokens=g("default_max_tokens", 16) or 16,
-        kv_events_endpoint=g("kv_events_endpoint"),
-        replay_endpoint=g("replay_endpoint"),
-        kv_events_topic=g("kv_events_topic", "kv-events") or "",
-        events_format=g("events_format", "map") or "map",
-        drop_events_fraction=g("fault_drop_events", 0.0) or 0.0,
-        slow_factor=g("fault_slow", 1.0) or 1.0,
-        crash_after_s=g("fault_crash_after_s"),
-        stall_after_s=g("fault_stall_after_s"),
-        stall_s=g("fault_stall_s", 0.0) or 0.0,
-    )
 
 
 def main_from_args(args: Any) -> int:
