@@ -109,6 +109,7 @@ class Membership:
         st = self._replicas.get(rid)
         if st is not None:
             st.served_at = self.clock()
+            st.probe_timeouts = 0  # it answered: slow probes before the answer were a busy engine's
             if st.failures:
                 st.failures = 0
 

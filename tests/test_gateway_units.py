@@ -259,7 +259,7 @@ def test_config_errors_name_the_field_and_env_overrides():
 def test_a_replica_that_answered_within_the_probe_interval_is_not_probed():
     """An answer is the evidence a probe would fetch: no probe while the last passed and the
     replica answered a request within the interval; a replica not yet probed, down, or quiet for
-    the interval is probed."""
+    the interval is probed; an answer resets the count of slow probes."""
     from gateway.membership import Membership
 
     now = [100.0]
@@ -280,6 +280,11 @@ def test_a_replica_that_answered_within_the_probe_interval_is_not_probed():
     assert m.needs_probe(a, 2.0, now[0])  # down: only a probe brings it back
     m.probe_result("b", True)
     assert m.needs_probe(m.get("b"), 2.0, now[0])  # probed, never served
+    m.probe_result("b", False, "timed out", timed_out=True)
+    m.probe_result("b", False, "timed out", timed_out=True)
+    m.report_success("b")  # an answer between slow probes: the engine is busy, not down
+    m.probe_result("b", False, "timed out", timed_out=True)
+    assert m.available("b")  # one timeout since the answer, not three
 
 
 async def test_the_prober_skips_replicas_that_answered_since_its_last_round():
