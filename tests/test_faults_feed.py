@@ -22,7 +22,7 @@ from replica_agent.feed import open_feed
 from tests.conftest import free_port
 from tests.fault_harness import MODEL, Procs, metric_sum, metrics_text
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
+pytestmark = pytest.mark.slow  # async tests run under asyncio_mode = auto (pyproject)
 
 
 def _cfg(replicas: list[str], feed_url: str, **feed) -> object:
