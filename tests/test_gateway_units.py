@@ -271,9 +271,9 @@ def test_a_replica_that_answered_within_the_probe_interval_is_not_probed():
     m.probe_result("a", True)
     m.report_success("a")
     assert not m.needs_probe(a, 2.0, now[0])
-    now[0] += 1.99
+    now[0] = 101.9
     assert not m.needs_probe(a, 2.0, now[0])
-    now[0] += 0.01
+    now[0] = 102.0
     assert m.needs_probe(a, 2.0, now[0])  # quiet for a whole interval
     m.report_success("a")
     m.probe_result("a", False, "health probe status 503")
