@@ -10,8 +10,8 @@ resets the count. A successful probe does not end an ejection early (the backoff
 a failed probe marks the replica down until a probe succeeds. A newly added replica starts
 available (optimistic: the first probe follows within one interval, and failures eject it).
 A replica that answered a request within the last probe interval (`report_success`) is not
-probed: the answer is the evidence a probe would fetch (`needs_probe`), and each probe is a
-request through the client of the gateway's one event loop.
+probed: the answer is the evidence a probe would fetch (`ReplicaState.needs_probe`), and each
+probe is a request through the client of the gateway's one event loop.
 `set_members` returns what joined and what left; the owner purges leavers from the KV index.
 
 I/O part (`MembershipRunner`): resolves a Kubernetes headless Service by DNS (A records; replica
@@ -46,6 +46,10 @@ class ReplicaState:
 
     def available(self, now: float) -> bool:
         return self.probe_ok is not False and now >= self.ejected_until
+
+    def needs_probe(self, interval_s: float, now: float) -> bool:
+        """False while its last probe passed and it answered a request within `interval_s`."""
+        return self.probe_ok is not True or now - self.served_at >= interval_s
 
 
 class Membership:
@@ -109,13 +113,8 @@ class Membership:
         st = self._replicas.get(rid)
         if st is not None:
             st.served_at = self.clock()
+            st.failures = 0
             st.probe_timeouts = 0  # it answered: slow probes before the answer were a busy engine's
-            if st.failures:
-                st.failures = 0
-
-    def needs_probe(self, st: ReplicaState, interval_s: float, now: float) -> bool:
-        """False while its last probe passed and it answered a request within `interval_s`."""
-        return st.probe_ok is not True or now - st.served_at >= interval_s
 
     def probe_result(self, rid: str, ok: bool, reason: str = "", timed_out: bool = False) -> None:
         st = self._replicas.get(rid)
@@ -186,7 +185,7 @@ class MembershipRunner:
 
     async def probe_all(self) -> None:
         now = self.m.clock()
-        states = [st for st in self.m.all() if self.m.needs_probe(st, self.health_interval_s, now)]
+        states = [st for st in self.m.all() if st.needs_probe(self.health_interval_s, now)]
         if states:
             await asyncio.gather(*(self.probe_one(st) for st in states))
 

@@ -267,19 +267,19 @@ def test_a_replica_that_answered_within_the_probe_interval_is_not_probed():
     m.set_members({"a": "http://a", "b": "http://b"})
     a = m.get("a")
     m.report_success("a")
-    assert m.needs_probe(a, 2.0, now[0])  # never probed: its verdict is unknown
+    assert a.needs_probe(2.0, now[0])  # never probed: its verdict is unknown
     m.probe_result("a", True)
     m.report_success("a")
-    assert not m.needs_probe(a, 2.0, now[0])
+    assert not a.needs_probe(2.0, now[0])
     now[0] = 101.9
-    assert not m.needs_probe(a, 2.0, now[0])
+    assert not a.needs_probe(2.0, now[0])
     now[0] = 102.0
-    assert m.needs_probe(a, 2.0, now[0])  # quiet for a whole interval
+    assert a.needs_probe(2.0, now[0])  # quiet for a whole interval
     m.report_success("a")
     m.probe_result("a", False, "health probe status 503")
-    assert m.needs_probe(a, 2.0, now[0])  # down: only a probe brings it back
+    assert a.needs_probe(2.0, now[0])  # down: only a probe brings it back
     m.probe_result("b", True)
-    assert m.needs_probe(m.get("b"), 2.0, now[0])  # probed, never served
+    assert m.get("b").needs_probe(2.0, now[0])  # probed, never served
     m.probe_result("b", False, "timed out", timed_out=True)
     m.probe_result("b", False, "timed out", timed_out=True)
     m.report_success("b")  # an answer between slow probes: the engine is busy, not down
