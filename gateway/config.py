@@ -48,6 +48,9 @@ class ModelConfig:
     max_model_len: int | None = None  # context limit (None: replicas' /v1/models, else tokenizer)
     tokenizer_workers: int = 1  # threads for tokenization off the event loop
     inline_tokenize_max_chars: int = 8192  # inputs up to this many characters tokenize on the loop (a thread hop costs more)
+    # a replica's /tokenize checks the gateway's token ids of a request it answered, at most once per
+    # this many seconds per replica (its first answer at once); 0: off (gateway.tokenize_check)
+    tokenize_check_s: float = 60.0
     aliases: list[str] = field(default_factory=list)  # other model names accepted for this model
 
 

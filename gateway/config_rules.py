@@ -61,6 +61,8 @@ def _check_model(cfg: GatewayConfig) -> None:
         raise _err("model.max_model_len", "must be > 0")
     if m.tokenizer_workers < 1:
         raise _err("model.tokenizer_workers", "must be >= 1")
+    if not m.tokenize_check_s >= 0:
+        raise _err("model.tokenize_check_s", f"must be >= 0 (0: off), got {m.tokenize_check_s}")
 
 
 def _check_membership(cfg: GatewayConfig) -> None:

@@ -10,7 +10,8 @@
     rewrite    the engine's body (gateway.rewrite)
     dispatch   the ranked retry loop (gateway.dispatch)
     relay      the answer to the client (gateway.relay)
-    learn      rates, policy hook, index accuracy (gateway.learn)
+    learn      rates, policy hook, index accuracy (gateway.learn); now and then the replica's own
+               tokenization of the request, checked in the background (gateway.tokenize_check)
     finish     metrics, span end, logs, limiter release
 
 Both fronts run these stages and no copy of them: the HTTP port calls `handle()`; the Envoy
@@ -50,6 +51,7 @@ from gateway.routing import RoutingState, queued_prefill_tokens
 from gateway.salt import SaltDeriver
 from gateway.telemetry import Metrics
 from gateway.tokenization import TokenizerService
+from gateway.tokenize_check import TokenizeChecker
 from gateway.tracing import NO_SPAN, Tracing
 from policies.base import Policy, RequestView
 
@@ -67,7 +69,7 @@ class Pipeline:
     def __init__(self, cfg: GatewayConfig, *, auth: Authenticator, limiter: TenantLimiter, salter: SaltDeriver,
                  model: ModelInfo, tokenizer: TokenizerService, routing: RoutingState, membership: Membership,
                  policy: Policy, dispatcher: Dispatcher, metrics: Metrics, tracing: Tracing, flow: FlowControl,
-                 retainer: Retainer | None = None) -> None:
+                 retainer: Retainer | None = None, tokenize_checker: TokenizeChecker | None = None) -> None:
         self.cfg = cfg
         self.auth = auth
         self.limiter = limiter
@@ -83,6 +85,7 @@ class Pipeline:
         self.tracing = tracing
         self.flow = flow
         self.retainer = retainer  # keep-alive of the plan's long roots (gateway.keepalive); None: off
+        self.tokenize_checker = tokenize_checker  # sampled /tokenize checks (gateway.tokenize_check); None: none
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(4).hex()
 
@@ -213,6 +216,11 @@ class Pipeline:
         ctx.span.outcome(lesson, agreement)
         if self.retainer is not None:
             self._keep(ctx, lesson.replica_id)
+        if self.tokenize_checker is not None:
+            st = self.membership.get(lesson.replica_id)
+            if st is not None:
+                self.tokenize_checker.after_answer(lesson.replica_id, st.url, ctx.request, ctx.payload, self.model.name,
+                                                   ctx.prompt.first_ids)
 
     def _keep(self, ctx: RequestContext, replica_id: str) -> None:
         """The served replica keeps the request's planned root (gateway.keepalive), with the token

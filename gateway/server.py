@@ -46,6 +46,7 @@ from gateway.routing import RoutingState
 from gateway.state import describe, readiness, state_for_metrics
 from gateway.telemetry import Metrics, StateCollector, build_tracer_provider
 from gateway.tokenization import TokenizerService
+from gateway.tokenize_check import TokenizeChecker
 from gateway.tracing import Tracing
 from gateway.upstream import UpstreamPool
 from policies.calibration import Calibrator
@@ -108,6 +109,7 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None  # probes and model discovery
         self.pool: UpstreamPool | None = None  # proxied requests (the hot path)
         self.pipeline: Pipeline | None = None  # the request path, once everything it needs exists
+        self.tokenize_checker: TokenizeChecker | None = None  # sampled /tokenize checks (gateway.tokenize_check)
         self.mrunner: MembershipRunner | None = None
         self._front: FrontServer | None = None  # the API port
         self._admin: web.AppRunner | None = None
@@ -157,11 +159,13 @@ class Gateway:
             await discover_model(self.session, self.membership, self.model, attempts=3, fallback_max_model_len=fallback)
             if not self.model.known or self.model.max_model_len is None:
                 self._spawn(run_model_discovery(self.session, self.membership, self.model, fallback), "discover")
+        self.tokenize_checker = TokenizeChecker(cfg.model.tokenize_check_s, self.session, self.metrics)
         self.pipeline = Pipeline(
             cfg, auth=self.auth, limiter=self.limiter, salter=self.salter, model=self.model, tokenizer=self.tokenizer,
             routing=self.routing, membership=self.membership, policy=self.policy,
             dispatcher=Dispatcher(self.pool, self.membership, self.routing, self.metrics, cfg.proxy),
-            metrics=self.metrics, tracing=self.tracing, flow=self.flow, retainer=self.retainer)
+            metrics=self.metrics, tracing=self.tracing, flow=self.flow, retainer=self.retainer,
+            tokenize_checker=self.tokenize_checker)
         if self.retainer is not None:
             self._spawn(run_keep_alive(self.retainer, cfg.keep_alive, session=self.session, membership=self.membership,
                                        index=self.index, model=self.model, metrics=self.metrics,
@@ -226,6 +230,8 @@ class Gateway:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self.tokenize_checker is not None:
+            await self.tokenize_checker.close()
         if self.feed is not None and not self.cfg.feed.load_only:
             await self._close_feed()
         if self.session is not None:
@@ -254,6 +260,8 @@ class Gateway:
             if self.index_sync is not None:
                 self.index_sync.forget(rid)
             self.routing.forget(rid)
+            if self.tokenize_checker is not None:
+                self.tokenize_checker.drift.forget(rid)
         if added or removed:
             log.info("replicas changed", extra={"fields": {"added": added, "removed": removed}})
 

@@ -47,6 +47,8 @@ def degraded(gw) -> list[str]:
     for rid, mean in sorted(health.distrusted().items()):
         out.append(f"replica {rid}: index disagrees with the engine (mean agreement {mean:.2f} over the last "
                    f"{health.window_reqs} requests, below {health.distrust_below:g}): routed by load only")
+    if gw.tokenize_checker is not None:
+        out += gw.tokenize_checker.drift.degraded()
     return out
 
 
@@ -85,6 +87,9 @@ def describe(gw) -> dict:
         "keep_alive": None if gw.retainer is None else {
             "rank": gw.retainer.rank, "kept": {rid: len(k) for rid, k in gw.retainer.kept.items()},
             "refreshes": gw.retainer.sent, "traded": dict(gw.routing.refreshes_traded)},
+        # the tokenizer check (gateway.tokenize_check): replicas with a check in flight, and each
+        # replica whose last check found other ids than ours (lengths, first differing position)
+        "tokenize_check": None if gw.tokenize_checker is None else gw.tokenize_checker.drift.describe(),
         "feed": {"ok": gw.cfg.feed.load_only or gw.feed_ok, "failed_polls": gw.board_health.failures,
                  "sync": dict(gw.index_sync.stats) if gw.index_sync else None},
         "index": {"entries": st.entries, "bytes_estimate": st.bytes_estimate, "evictions": st.evictions,

@@ -115,6 +115,9 @@ class Metrics(LabelCache):
                                  "Keep-alive refreshes of kept prefixes sent to a replica, by outcome (ok: every block "
                                  "a hit; partial: the engine computed more than one block of it; error)",
                                  ["replica", "outcome"], registry=r)
+        self.tokenize_checks = Counter("warmroute_gateway_tokenize_checks",
+                                       "Sampled checks of the gateway's token ids against a replica's /tokenize, "
+                                       "by result (match, mismatch, error)", ["replica", "result"], registry=r)
         self.refresh_computed = Counter("warmroute_gateway_keepalive_computed_tokens",
                                         "Prompt tokens keep-alive refreshes made the engine compute (prompt - cached, "
                                         "engine usage): the refreshes' prefill cost", ["replica"], registry=r)

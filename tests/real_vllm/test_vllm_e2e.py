@@ -200,6 +200,43 @@ def test_tokenization_parity(vllm_replicas, e2e_system):
         assert span.attributes["gen_ai.usage.input_tokens"] == res.prompt_tokens
 
 
+def test_tokenize_check_agrees_with_the_engine(vllm_replicas, e2e_system):
+    """The gateway's own drift check (gateway.tokenize_check) asks the real engine's /tokenize for
+    each parity body it served (due at every answer here; one minute between checks by default)
+    and finds every one equal to what the gateway routed on."""
+    gw = e2e_system.gateway
+    checks = gw.metrics.tokenize_checks
+
+    def done() -> float:
+        return sum(checks.labels(r.name, res)._value.get() for r in vllm_replicas for res in ("match", "mismatch", "error"))
+
+    drift = gw.tokenize_checker.drift
+    deadline = time.monotonic() + 60
+    while drift.describe()["checking"]:  # an earlier test's check still in flight
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    before = {(r.name, res): checks.labels(r.name, res)._value.get()
+              for r in vllm_replicas for res in ("match", "mismatch", "error")}
+    interval, drift.interval_s = drift.interval_s, 1e-6
+    for r in vllm_replicas:
+        drift.forget(r.name)  # no check scheduled a minute ahead by an earlier test's requests
+    try:
+        for name, body in _parity_bodies():
+            n = done()
+            res = _via_gateway(e2e_system, "acme", body)
+            assert res.status == 200, res.body
+            deadline = time.monotonic() + 60
+            while done() < n + 1:  # the check runs after the answer; wait for it before the next request
+                assert time.monotonic() < deadline, f"no tokenize check after {name}"
+                time.sleep(0.05)
+    finally:
+        drift.interval_s = interval
+    after = {k: checks.labels(*k)._value.get() - v for k, v in before.items()}
+    assert sum(n for (_, res), n in after.items() if res == "match") == len(_parity_bodies()), after
+    assert sum(n for (_, res), n in after.items() if res != "match") == 0, after
+    assert drift.mismatched == {}
+
+
 # -- 2. key parity and prediction accuracy over a shared-document workload -----------------------
 N_DOCS, N_QUESTIONS, DOC_WORDS = 5, 6, 520  # 2 tenants x 5 docs x 6 questions = 60 requests
 
