@@ -27,7 +27,8 @@ constructor), and how they report trouble.
 - `run_keys_reload`: re-reads the API-keys file when its mtime changes (keeps the old keys if the
   new file is invalid).
 - `discover_model` / `run_model_discovery`: the model name and context length from the replicas'
-  `/v1/models` when config does not give them.
+  `/v1/models` when config does not give them, and the LoRA adapters listed there with the model
+  as their parent.
 - `run_keep_alive`: every quarter of `keep_alive.idle_s` (at most 1 s), sends the refreshes the
   retainer says are due (gateway.keepalive) to replicas that are up (each queued for the other
   gateways, `routing.refreshed`, whose retainers count it as a use), each its own task bounded by
@@ -189,13 +190,15 @@ async def discover_model(session: aiohttp.ClientSession, membership: Membership,
     """Ask the replicas' /v1/models for the model's name and context length (module header)."""
     for i in range(attempts):
         for st in membership.all():
-            card = await _model_card(session, st.url)
-            if card is None:
+            cards = await _model_cards(session, st.url)
+            if not cards:
                 continue
+            card = cards[0]  # vLLM lists the model first, then its LoRA adapters (parent: the model)
             name = model.name or card.get("id")
             mml = card.get("max_model_len")
             if isinstance(name, str) and name:
                 model.set(name, mml if isinstance(mml, int) else None)
+                model.add_adapters(c.get("id") for c in cards[1:] if c.get("parent") == name)
                 if model.max_model_len is not None:
                     return
         if model.known and model.max_model_len is not None:
@@ -206,15 +209,15 @@ async def discover_model(session: aiohttp.ClientSession, membership: Membership,
         model.max_model_len = fallback_max_model_len
 
 
-async def _model_card(session: aiohttp.ClientSession, base_url: str) -> dict | None:
+async def _model_cards(session: aiohttp.ClientSession, base_url: str) -> list[dict] | None:
     try:
         async with session.get(base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as r:
             if r.status != 200:
                 return None
             data = await r.json()
-        card = (data.get("data") or [{}])[0]
-        return card if isinstance(card, dict) else None
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError, TypeError, IndexError):
+        cards = data.get("data")
+        return [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError, TypeError):
         return None
 
 

@@ -52,6 +52,9 @@ class ModelConfig:
     # this many seconds per replica (its first answer at once); 0: off (gateway.tokenize_check)
     tokenize_check_s: float = 60.0
     aliases: list[str] = field(default_factory=list)  # other model names accepted for this model
+    # LoRA adapters the engines serve (vLLM --lora-modules NAME=PATH, on every replica): requests for
+    # them go upstream under their own name and key their blocks apart (gateway.model)
+    lora_adapters: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -63,6 +63,13 @@ def _check_model(cfg: GatewayConfig) -> None:
         raise _err("model.tokenizer_workers", "must be >= 1")
     if not m.tokenize_check_s >= 0:
         raise _err("model.tokenize_check_s", f"must be >= 0 (0: off), got {m.tokenize_check_s}")
+    names = [m.name, *m.aliases]
+    for a in m.lora_adapters:
+        if not isinstance(a, str) or not a:
+            raise _err("model.lora_adapters", f"each must be a non-empty name, got {a!r}")
+        if a in names:
+            raise _err("model.lora_adapters", f"{a!r} is also the model's name or an alias")
+        names.append(a)
 
 
 def _check_membership(cfg: GatewayConfig) -> None:

@@ -107,6 +107,7 @@ class RequestContext:
     request: ParsedRequest | None = None  # the validated request (parse)
     prompt: Prompt | None = None  # token ids (tokenize)
     salt: str = ""  # the derived cache salt (salt)
+    lora: str | None = None  # the LoRA adapter the request runs, None: the base model (plan; gateway.model)
     keys: list = field(default_factory=list)  # block keys of the first prompt (key)
     routing: Routing | None = None  # the decision (decide)
     body: bytes = b""  # the upstream request body (rewrite)

@@ -171,7 +171,7 @@ class Pipeline:
         p = self.cfg.proxy
         prio = (0 if ctx.flow.light else 1) if self.cfg.flow.engine_priority and ctx.flow is not None else None
         ctx.engine_priority = prio
-        ctx.body = upstream_body(ctx.payload, ctx.request, salt=ctx.salt, model_name=self.model.name,
+        ctx.body = upstream_body(ctx.payload, ctx.request, salt=ctx.salt, model_name=ctx.lora or self.model.name,
                                  force_include_usage=p.force_include_usage, kv_cache_report_mode=p.kv_cache_report_mode,
                                  engine_priority=prio)
 
@@ -192,7 +192,8 @@ class Pipeline:
         ctx.prompt = await tokenize(self.tokenizer, ctx.request, inline_max_chars=self.cfg.model.inline_tokenize_max_chars,
                                     max_model_len=self.model.max_model_len)
         ctx.salt = self.salter.salt_for(ident.tenant_id, ident.user_id)
-        ctx.keys = self.model.keychain.request_keys(ctx.prompt.first_ids, salt=ctx.salt)
+        ctx.lora = self.model.lora_of(ctx.request.model)
+        ctx.keys = self.model.keychain.request_keys(ctx.prompt.first_ids, salt=ctx.salt, lora=ctx.lora)
         rv = RequestView(prompt_tokens=len(ctx.prompt.first_ids), block_size=self.model.block_size,
                          keys=tuple(ctx.keys), max_output_tokens=ctx.request.max_tokens,
                          tenant_hash=ident.tenant_hash if ident.method != "none" else "", request_id=ctx.request_id)
@@ -214,13 +215,13 @@ class Pipeline:
         if lesson.cached_tokens is not None:  # the index check (gateway.index_health)
             self.routing.checked(lesson.replica_id, lesson.predicted_cached_tokens, lesson.cached_tokens, lesson.queued_s)
         ctx.span.outcome(lesson, agreement)
-        if self.retainer is not None:
+        if self.retainer is not None and ctx.lora is None:  # a refresh runs the base model (gateway.keepalive)
             self._keep(ctx, lesson.replica_id)
         if self.tokenize_checker is not None:
             st = self.membership.get(lesson.replica_id)
             if st is not None:
-                self.tokenize_checker.after_answer(lesson.replica_id, st.url, ctx.request, ctx.payload, self.model.name,
-                                                   ctx.prompt.first_ids)
+                self.tokenize_checker.after_answer(lesson.replica_id, st.url, ctx.request, ctx.payload,
+                                                   ctx.lora or self.model.name, ctx.prompt.first_ids)
 
     def _keep(self, ctx: RequestContext, replica_id: str) -> None:
         """The served replica keeps the request's planned root (gateway.keepalive), with the token

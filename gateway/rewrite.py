@@ -1,7 +1,7 @@
 """Rewrite stage (pure): the body the engine gets.
 
 Rule: the derived `cache_salt` replaces any the client sent (a client never chooses its salt),
-`model` becomes the canonical served name (aliases resolve), and the engine options the gateway
+`model` becomes the canonical served name (aliases resolve; a LoRA adapter keeps its own), and the engine options the gateway
 needs for its own accounting are added: `stream_options.include_usage` on streams (the relay
 strips the usage chunk again when the client did not ask for it), and
 `vllm_xargs.kv_cache_report_mode` when configured (hits re-reported as KV events). A client's

@@ -88,7 +88,8 @@ class Gateway:
             Calibrator(prior_prefill_s_per_token=cfg.policy.prior_prefill_s_per_token,
                        prior_decode_step_s=cfg.policy.prior_decode_step_s),
             speculative_ttl_s=cfg.feed.speculative_ttl_s)
-        self.model = ModelInfo(cfg.model.name, cfg.model.aliases, cfg.model.block_size, cfg.model.max_model_len)
+        self.model = ModelInfo(cfg.model.name, cfg.model.aliases, cfg.model.block_size, cfg.model.max_model_len,
+                               cfg.model.lora_adapters)
         self.flow = FlowControl(cfg, routing=self.routing, membership=self.membership, limiter=self.limiter,
                                 slots=cfg.flow.max_num_seqs or int(getattr(self.policy, "max_num_seqs", 256)),
                                 registry=self.metrics.registry, tenant_label=self.metrics.tenant_label)
@@ -304,6 +305,7 @@ class Gateway:
         if pol is not None and pol.models is not None:
             names = [n for n in names if n in pol.models]
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "warmroute", "root": self.model.name,
+                 "parent": self.model.name if n in self.model.adapters else None,
                  "max_model_len": self.model.max_model_len} for n in names]
         await resp.send(200, {"Content-Type": "application/json"}, _encode({"object": "list", "data": data}))
 

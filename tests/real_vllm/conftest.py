@@ -114,8 +114,9 @@ class LoopThread:
 class WarmSystem:
     """Agents + gateway around the real replicas (see e2e_system)."""
 
-    def __init__(self, replicas, model_dir: Path, redis_url: str, workdir: Path) -> None:
+    def __init__(self, replicas, model_dir: Path, redis_url: str, workdir: Path, lora_adapters=()) -> None:
         self.replicas = list(replicas)
+        self.lora_adapters = list(lora_adapters)  # the engines' --lora-modules names (test_vllm_lora.py)
         self.by_id = {r.name: r for r in self.replicas}
         self.model_dir = Path(model_dir)
         self.redis_url = redis_url
@@ -159,6 +160,7 @@ class WarmSystem:
         cfg.model.tokenizer_dir = str(self.model_dir)  # the model's own tokenizer, as the engine loads it
         cfg.model.block_size = self.replicas[0].block_size
         cfg.model.max_model_len = self.replicas[0].max_model_len
+        cfg.model.lora_adapters = list(self.lora_adapters)
         cfg.membership.replicas = [ReplicaSpec(id=r.name, url=r.url) for r in self.replicas]
         cfg.membership.health_interval_s = 0.5
         # CPU engines on 2 shared cores answer /health late while saturated (the routing test

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["MODEL_SPEC", "make_tiny_model", "main"]
+__all__ = ["MODEL_SPEC", "make_tiny_lora", "make_tiny_model", "main"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -173,6 +173,32 @@ def make_tiny_model(out: str | os.PathLike, tokenizer_dir: str | os.PathLike | N
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def make_tiny_lora(out: str | os.PathLike, model_dir: str | os.PathLike, seed: int) -> Path:
+    """A PEFT LoRA adapter (rank 8 on q_proj and v_proj, random weights from `seed`) for the tiny
+    model in `model_dir`, as vLLM's `--lora-modules NAME=DIR` loads it; rewritten on every call."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    rank, hidden, head_dim = 8, cfg["hidden_size"], cfg["head_dim"]
+    outs = {"q_proj": cfg["num_attention_heads"] * head_dim, "v_proj": cfg["num_key_value_heads"] * head_dim}
+    rng = np.random.Generator(np.random.PCG64(seed))
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj, n_out in outs.items():
+            p = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{p}.lora_A.weight"] = (rng.standard_normal((rank, hidden)) * 0.02).astype(np.float32)
+            tensors[f"{p}.lora_B.weight"] = (rng.standard_normal((n_out, rank)) * 0.02).astype(np.float32)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16, "lora_dropout": 0.0,
+        "target_modules": sorted(outs), "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "base_model_name_or_path": str(model_dir)}, indent=1))
     return out
 
 

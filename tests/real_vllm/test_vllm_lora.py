@@ -1,0 +1,106 @@
+"""LoRA adapters on real vLLM: one replica serving the tiny model and two LoRA adapters of it
+(`--enable-lora --lora-modules`), its agent and a gateway configured with the adapters' names
+(`model.lora_adapters`), on a Redis of their own. A request for an adapter goes upstream under the
+adapter's name; its prediction equals the engine's `cached_tokens`; the same prompt for the base
+model or the other adapter is predicted and found cold (the engine keys adapters' blocks apart, and
+so do the gateway and the agent, from the events' `lora_name`); with speculation lapsed the index
+holds each adapter's keys from the feed. Costs one more engine start (about a minute)."""
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import pytest
+
+from .conftest import SERVED_MODEL, WarmSystem
+from .launch import ReplicaStartError, start_replicas, stop_replicas
+from .make_tiny_model import make_tiny_lora
+
+ADAPTERS = ("sql-lora", "chat-lora")
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def lora_system(vllm_python_path, tiny_model_dir, tmp_path_factory):
+    try:
+        from tests.conftest import running_redis
+    except ImportError:
+        from conftest import running_redis
+
+    work = tmp_path_factory.mktemp("lora")
+    modules = [f"{name}={make_tiny_lora(work / name, tiny_model_dir, seed=i + 1)}" for i, name in enumerate(ADAPTERS)]
+    error, reps = "", []
+    try:
+        reps = start_replicas(1, tiny_model_dir, served_model_name=SERVED_MODEL, log_dir=work / "logs",
+                              extra_args=["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+                                          "--lora-modules", *modules])
+    except ReplicaStartError as exc:
+        error = str(exc)
+    if error:
+        pytest.fail(error, pytrace=False)
+    try:
+        with running_redis() as redis:
+            system = WarmSystem(reps, tiny_model_dir, redis.url, work, lora_adapters=ADAPTERS)
+            try:
+                system.start()
+                yield system
+            finally:
+                system.close()
+    finally:
+        stop_replicas(reps)
+
+
+def _ask(system, model: str, prompt: str) -> tuple[int, int, dict]:
+    """(engine-reported cached tokens, the gateway's prediction, the upstream usage) of one request."""
+    r = httpx.post(system.url + "/v1/completions", headers=system.headers("acme"), timeout=120,
+                   json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == model  # the engine ran what was asked for (an adapter keeps its name)
+    rid = r.headers["x-request-id"]
+    deadline = time.monotonic() + 5
+    while True:
+        spans = [s for s in system.exporter.get_finished_spans()
+                 if s.attributes.get("warmroute.request_id") == rid and "warmroute.predicted_cached_tokens" in s.attributes]
+        if spans:
+            break
+        assert time.monotonic() < deadline, "no decision span"
+        time.sleep(0.05)
+    usage = r.json()["usage"]
+    return usage["prompt_tokens_details"]["cached_tokens"], spans[0].attributes["warmroute.predicted_cached_tokens"], usage
+
+
+def test_adapters_are_routed_and_keyed_apart(lora_system):
+    system = lora_system
+    rng = random.Random(20261206)
+    doc = "Reference: " + " ".join(f"w{rng.randrange(10_000)}" for _ in range(700))
+    r = httpx.get(system.url + "/v1/models", headers=system.headers("acme"), timeout=10)
+    assert r.status_code == 200
+    listed = {m["id"]: m["parent"] for m in r.json()["data"]}
+    assert listed == {SERVED_MODEL: None, ADAPTERS[0]: SERVED_MODEL, ADAPTERS[1]: SERVED_MODEL}
+
+    cached, predicted, usage = _ask(system, ADAPTERS[0], doc + "\nQ1: first?")
+    assert (cached, predicted) == (0, 0)
+    cached, predicted, usage = _ask(system, ADAPTERS[0], doc + "\nQ2: second?")
+    assert cached >= BLOCK * 10 and predicted == cached, (cached, predicted, usage)
+    # The same document for the base model and for the other adapter: nothing of it is theirs.
+    for model in (SERVED_MODEL, ADAPTERS[1]):
+        cached, predicted, usage = _ask(system, model, doc + f"\nQ3 ({model})?")
+        assert (cached, predicted) == (0, 0), (model, cached, predicted)
+    # Each now holds its own copy; again, each predicted exactly.
+    for model in (SERVED_MODEL, ADAPTERS[1], ADAPTERS[0]):
+        cached, predicted, usage = _ask(system, model, doc + f"\nQ4 ({model})?")
+        assert cached >= BLOCK * 10 and predicted == cached, (model, cached, predicted)
+
+    # With speculation lapsed the index holds the three copies from the feed (the agent keys each
+    # with the events' lora_name), under the keys the gateway computes for each model.
+    time.sleep(system.gateway.cfg.feed.speculative_ttl_s + 0.5)
+    gw = system.gateway
+    ids = system.call(gw.tokenizer.encode_prompt, doc + "\nQ5?")
+    salt = system.salt("acme")
+    runs = {}
+    for model in (SERVED_MODEL, *ADAPTERS):
+        keys = gw.keychain.request_keys(ids, salt=salt, lora=gw.model.lora_of(model))
+        runs[model] = system.call(gw.index.match, keys)["r0"].gpu_blocks
+    assert all(n >= 10 for n in runs.values()), runs
+    assert len({tuple(gw.keychain.request_keys(ids, salt=salt, lora=gw.model.lora_of(m))[:1]) for m in runs}) == 3

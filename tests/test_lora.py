@@ -1,0 +1,145 @@
+"""LoRA adapters (gateway.model): names, keys and configuration on plain data; through a gateway in
+front of a replica that records what it is sent, a request for an adapter goes upstream under the
+adapter's name with the derived salt, is keyed apart from the base model's (the index matches a
+document routed for the adapter only for the adapter), and `/v1/models` lists the adapters with
+their parent; adapters listed by a replica's `/v1/models` are discovered with the model. Real vLLM
+serving adapters: tests/real_vllm/test_vllm_lora.py."""
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway.auth import NO_AUTH_TENANT
+from gateway.config import config_from_dict
+from gateway.config_rules import ConfigError
+from gateway.model import ModelInfo
+from gateway.server import start_gateway
+from hashing.keys import KeyChain
+from tests.conftest import serve_app
+
+MODEL = "base-model"
+
+
+def test_model_info_serves_adapters_under_their_own_names():
+    m = ModelInfo(MODEL, ["alias"], 16, 4096, ["sql-lora"])
+    assert m.served == {MODEL, "alias", "sql-lora"}
+    assert (m.lora_of("sql-lora"), m.lora_of(MODEL), m.lora_of("alias")) == ("sql-lora", None, None)
+    m.add_adapters(["chat-lora", MODEL, "alias", "", None, "sql-lora"])  # the model and its aliases are not adapters
+    assert m.adapters == {"sql-lora", "chat-lora"} and m.served == {MODEL, "alias", "sql-lora", "chat-lora"}
+    late = ModelInfo(None, [], 16, None, ["a"])
+    assert late.served == frozenset() and late.lora_of("a") == "a"  # nothing is served before the model is known
+    late.set(MODEL, 4096)
+    assert late.served == {MODEL, "a"}
+
+
+def test_adapter_keys_differ_from_the_base_models_on_every_block():
+    chain = KeyChain(MODEL, 16)
+    ids = list(range(100, 164))  # four blocks
+    base = chain.request_keys(ids, salt="s")
+    a = chain.request_keys(ids, salt="s", lora="sql-lora")
+    b = chain.request_keys(ids, salt="s", lora="chat-lora")
+    assert len(base) == len(a) == len(b) == 4
+    assert not (set(base) & set(a)) and not (set(a) & set(b)) and not (set(base) & set(b))
+    assert a == chain.request_keys(ids, salt="s", lora="sql-lora")  # deterministic
+
+
+def test_config_rules():
+    assert config_from_dict({}, env={}).model.lora_adapters == []
+    cfg = config_from_dict({"model": {"name": MODEL, "lora_adapters": ["sql-lora", "chat-lora"]}}, env={})
+    assert cfg.model.lora_adapters == ["sql-lora", "chat-lora"]
+    for bad, why in (([MODEL], "model's name or an alias"), (["alias"], "model's name or an alias"),
+                     (["x", "x"], "model's name or an alias"), ([""], "non-empty")):
+        with pytest.raises(ConfigError, match=why):
+            config_from_dict({"model": {"name": MODEL, "aliases": ["alias"], "lora_adapters": bad}}, env={})
+
+
+async def _recording_replica(models: list[dict] | None = None):
+    """A replica that answers completions (JSON, usage) and records each body it was sent."""
+    seen: list[dict] = []
+
+    async def completions(request):
+        body = await request.json()
+        seen.append(body)
+        return web.json_response({"model": body["model"], "choices": [{"text": "ok", "index": 0}],
+                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+
+    async def list_models(request):
+        return web.json_response({"object": "list", "data": models or []})
+
+    async def ok(request):
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", ok)
+    app.router.add_post("/tokenize", ok)  # not a tokenizer: the drift check counts errors, nothing else
+    runner, url = await serve_app(app, shutdown_timeout=0.1)
+    return runner, url, seen
+
+
+def _cfg(url: str, **model) -> dict:
+    return config_from_dict({"server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
+                             "membership": {"replicas": [f"r={url}"], "health_interval_s": 0.5},
+                             "auth": {"enabled": False}, "feed": {"url": "memory://lora", "speculative_ttl_s": 60},
+                             "model": model}, env={})
+
+
+async def test_an_adapter_goes_upstream_under_its_name_and_is_keyed_apart(tok):
+    runner, url, seen = await _recording_replica()
+    g = await start_gateway(_cfg(url, name=MODEL, aliases=["alias"], lora_adapters=["sql-lora"], max_model_len=4096),
+                            tokenizer=tok)
+    doc = " ".join(f"section {i} of the shared contract." for i in range(80))
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def send(model):
+                async with s.post(g.url + "/v1/completions", json={"model": model, "prompt": doc, "max_tokens": 1,
+                                                                   "cache_salt": "client-chosen"}) as r:
+                    assert r.status == 200, await r.text()
+
+            gw = g.gateway
+            ids = tok.encode_prompt(doc)
+
+            def matched(model):  # leading blocks of the document the index holds on r, for `model`'s keys
+                keys = gw.keychain.request_keys(ids, salt=gw.salter.salt_for(NO_AUTH_TENANT, None), lora=gw.model.lora_of(model))
+                m = gw.routing.index.match(keys).get("r")
+                return m.gpu_blocks if m is not None else 0
+
+            await send("sql-lora")
+            # Its keys are in the index (speculatively, for 60 s): the document is warm for the
+            # adapter and cold for the base model, whose blocks the engine keeps apart.
+            assert matched("sql-lora") == len(ids) // 16 and matched(MODEL) == 0
+            await send("alias")
+            await send(MODEL)
+            assert matched(MODEL) == matched("sql-lora") == len(ids) // 16
+            assert [b["model"] for b in seen] == ["sql-lora", MODEL, MODEL]  # an alias resolves, an adapter does not
+            assert len({b["cache_salt"] for b in seen}) == 1 and seen[0]["cache_salt"] != "client-chosen"
+            async with s.post(g.url + "/v1/completions", json={"model": "other-lora", "prompt": "x"}) as r:
+                assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+            async with s.get(g.url + "/v1/models") as r:
+                listed = {m["id"]: m["parent"] for m in (await r.json())["data"]}
+            assert listed == {MODEL: None, "alias": None, "sql-lora": MODEL}
+    finally:
+        await g.close()
+        await runner.cleanup()
+
+
+async def test_adapters_listed_by_a_replica_are_discovered(tok):
+    models = [{"id": MODEL, "object": "model", "parent": None, "max_model_len": 4096},
+              {"id": "sql-lora", "object": "model", "parent": MODEL, "max_model_len": None},
+              {"id": "stray", "object": "model", "parent": "another-model"},
+              "not a card"]
+    runner, url, seen = await _recording_replica(models)
+    g = await start_gateway(_cfg(url), tokenizer=tok)
+    try:
+        assert g.gateway.model.name == MODEL and g.gateway.model.adapters == {"sql-lora"}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(g.url + "/v1/completions", json={"model": "sql-lora", "prompt": "hello"}) as r:
+                assert r.status == 200, await r.text()
+            async with s.post(g.url + "/v1/completions", json={"model": "stray", "prompt": "hello"}) as r:
+                assert r.status == 404
+        assert [b["model"] for b in seen] == ["sql-lora"]
+    finally:
+        await g.close()
+        await runner.cleanup()
