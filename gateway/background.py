@@ -27,8 +27,10 @@ constructor), and how they report trouble.
 - `run_keys_reload`: re-reads the API-keys file when its mtime changes (keeps the old keys if the
   new file is invalid).
 - `discover_model` / `run_model_discovery`: the model name and context length from the replicas'
-  `/v1/models` when config does not give them, and the LoRA adapters listed there with the model
-  as their parent.
+  `/v1/models` when config does not give them.
+- `refresh_adapters` / `run_adapter_discovery`: every `model.lora_discovery_s`, the LoRA adapters
+  each replica's `/v1/models` lists with the model as their parent (gateway.model: where a request
+  for one may go).
 - `run_keep_alive`: every quarter of `keep_alive.idle_s` (at most 1 s), sends the refreshes the
   retainer says are due (gateway.keepalive) to replicas that are up (each queued for the other
   gateways, `routing.refreshed`, whose retainers count it as a use), each its own task bounded by
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
     from policies.base import Policy
 
 __all__ = ["trouble", "run_index_sync", "run_inflight_exchange", "run_keys_reload", "discover_model",
+           "refresh_adapters", "run_adapter_discovery",
            "run_model_discovery", "run_keep_alive", "keep_alive_check_s", "MAX_REFRESHES_IN_FLIGHT"]
 
 log = logging.getLogger("warmroute.gateway")
@@ -198,7 +201,7 @@ async def discover_model(session: aiohttp.ClientSession, membership: Membership,
             mml = card.get("max_model_len")
             if isinstance(name, str) and name:
                 model.set(name, mml if isinstance(mml, int) else None)
-                model.add_adapters(c.get("id") for c in cards[1:] if c.get("parent") == name)
+                model.set_listed(st.replica_id, _adapters_of(cards, name))
                 if model.max_model_len is not None:
                     return
         if model.known and model.max_model_len is not None:
@@ -207,6 +210,30 @@ async def discover_model(session: aiohttp.ClientSession, membership: Membership,
             await asyncio.sleep(0.3)
     if model.known and model.max_model_len is None and fallback_max_model_len and 0 < fallback_max_model_len < 10_000_000:
         model.max_model_len = fallback_max_model_len
+
+
+def _adapters_of(cards: list[dict], model_name: str) -> list:
+    """The LoRA adapters in a /v1/models listing: the cards whose parent is the model."""
+    return [c.get("id") for c in cards if c.get("parent") == model_name]
+
+
+async def refresh_adapters(session: aiohttp.ClientSession, membership: Membership, model: ModelInfo) -> None:
+    """Each replica's LoRA adapters as its /v1/models lists them now (a replica that does not
+    answer keeps its last listing: a slow probe is not an unloaded adapter)."""
+    if not model.known:
+        return
+    states = membership.all()
+    listings = await asyncio.gather(*(_model_cards(session, st.url) for st in states))
+    for st, cards in zip(states, listings):
+        if cards is not None and membership.get(st.replica_id) is not None:
+            model.set_listed(st.replica_id, _adapters_of(cards, model.name))
+
+
+async def run_adapter_discovery(session: aiohttp.ClientSession, membership: Membership, model: ModelInfo,
+                                period_s: float) -> None:
+    while True:
+        await asyncio.sleep(period_s)
+        await refresh_adapters(session, membership, model)
 
 
 async def _model_cards(session: aiohttp.ClientSession, base_url: str) -> list[dict] | None:

@@ -55,6 +55,9 @@ class ModelConfig:
     # LoRA adapters the engines serve (vLLM --lora-modules NAME=PATH, on every replica): requests for
     # them go upstream under their own name and key their blocks apart (gateway.model)
     lora_adapters: list[str] = field(default_factory=list)
+    # how often each replica's /v1/models is asked which other LoRA adapters it has loaded (at start or
+    # at run time); a request for one goes only to replicas that listed it (gateway.model); 0: never
+    lora_discovery_s: float = 30.0
 
 
 @dataclass

@@ -63,6 +63,8 @@ def _check_model(cfg: GatewayConfig) -> None:
         raise _err("model.tokenizer_workers", "must be >= 1")
     if not m.tokenize_check_s >= 0:
         raise _err("model.tokenize_check_s", f"must be >= 0 (0: off), got {m.tokenize_check_s}")
+    if not m.lora_discovery_s >= 0:
+        raise _err("model.lora_discovery_s", f"must be >= 0 (0: off), got {m.lora_discovery_s}")
     names = [m.name, *m.aliases]
     for a in m.lora_adapters:
         if not isinstance(a, str) or not a:

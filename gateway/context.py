@@ -9,7 +9,7 @@ one stage and read by the later ones, so a stage's inputs are visible in its sig
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from gateway.auth import Identity
 from gateway.load import Flight
@@ -108,6 +108,7 @@ class RequestContext:
     prompt: Prompt | None = None  # token ids (tokenize)
     salt: str = ""  # the derived cache salt (salt)
     lora: str | None = None  # the LoRA adapter the request runs, None: the base model (plan; gateway.model)
+    only: Collection[str] | None = None  # the replicas it may go to (a subset hint, its adapter's); None: any (plan)
     keys: list = field(default_factory=list)  # block keys of the first prompt (key)
     routing: Routing | None = None  # the decision (decide)
     body: bytes = b""  # the upstream request body (rewrite)

@@ -5,12 +5,15 @@ answers `/v1/models` (gateway.background), else (context length only) from the t
 name is known the gateway answers 503 not_ready; the key chain is rooted in the name, so every
 gateway and agent of one model agree on keys.
 
-LoRA adapters (vLLM `--lora-modules NAME=PATH` on every replica) are served names of their own:
-config's `model.lora_adapters`, plus those `/v1/models` lists with the model as `parent` when the
-gateway discovers its model. A request for an adapter goes upstream under the adapter's name, and
-its block keys carry the adapter's name on every block (hashing.keys), as the engine's hashes and
-the agent's keys (from the events' `lora_name`) do: an adapter's blocks are never the base
-model's, nor another adapter's.
+LoRA adapters are served names of their own. Configured ones (`model.lora_adapters`: vLLM
+`--lora-modules NAME=PATH` on every replica) are taken to be on every replica. Others are what each
+replica's `/v1/models` lists with the model as `parent` (adapters loaded at start or at run time,
+`/v1/load_lora_adapter`), as last heard (gateway.background asks every `model.lora_discovery_s`);
+a request for one may go only to the replicas that listed it (`replicas_for`), and one no replica
+lists any more is no longer served (404). A request for an adapter goes upstream under the
+adapter's name, and its block keys carry the adapter's name on every block (hashing.keys), as the
+engine's hashes and the agent's keys (from the events' `lora_name`) do: an adapter's blocks are
+never the base model's, nor another adapter's.
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ class ModelInfo:
     def __init__(self, name: str | None, aliases: list[str], block_size: int, max_model_len: int | None,
                  lora_adapters: Iterable[str] = ()) -> None:
         self.aliases = list(aliases)  # other names clients may ask for
-        self.adapters: frozenset[str] = frozenset(lora_adapters)  # LoRA adapters' names (module header)
+        self.configured_adapters: frozenset[str] = frozenset(lora_adapters)  # on every replica (module header)
+        self.listed: dict[str, frozenset[str]] = {}  # replica -> the adapters its /v1/models listed last
+        self.adapters: frozenset[str] = self.configured_adapters  # every adapter served, by any replica
         self.block_size = block_size  # the engines' KV block size (tokens)
         self.name: str | None = None  # the canonical served name (None: not known yet)
         self.served: frozenset[str] = frozenset()  # names answered for
@@ -42,18 +47,33 @@ class ModelInfo:
         """Adopt `name` (and `max_model_len` unless one is already set)."""
         self.name = name
         self.keychain = KeyChain(name, self.block_size)
-        self.served = frozenset({name, *self.aliases, *self.adapters})
+        self._served()
         if self.max_model_len is None and max_model_len:
             self.max_model_len = int(max_model_len)
 
-    def add_adapters(self, names: Iterable) -> None:
-        """LoRA adapters the replicas serve, besides those already known (discovery)."""
-        new = frozenset(n for n in names if isinstance(n, str) and n and n != self.name and n not in self.aliases)
-        if new - self.adapters:
-            self.adapters |= new
-            if self.name is not None:
-                self.served = frozenset({self.name, *self.aliases, *self.adapters})
+    def set_listed(self, replica_id: str, names: Iterable) -> None:
+        """The adapters `replica_id`'s /v1/models lists now (discovery)."""
+        own = {self.name, *self.aliases}
+        self.listed[replica_id] = frozenset(n for n in names if isinstance(n, str) and n and n not in own)
+        self._served()
+
+    def forget_replica(self, replica_id: str) -> None:
+        """The replica left the pool: its adapters are served no more unless another lists them."""
+        if self.listed.pop(replica_id, None) is not None:
+            self._served()
+
+    def _served(self) -> None:
+        self.adapters = self.configured_adapters.union(*self.listed.values())
+        if self.name is not None:
+            self.served = frozenset({self.name, *self.aliases, *self.adapters})
 
     def lora_of(self, model: str) -> str | None:
         """The LoRA adapter a request for `model` runs (None: the base model)."""
         return model if model in self.adapters else None
+
+    def replicas_for(self, lora: str | None) -> frozenset[str] | None:
+        """The replicas a request running `lora` may go to; None: any (the base model, or a
+        configured adapter, which every replica serves)."""
+        if lora is None or lora in self.configured_adapters:
+            return None
+        return frozenset(rid for rid, names in self.listed.items() if lora in names)

@@ -161,7 +161,7 @@ class Pipeline:
         await self.plan(ctx, only=only)
         self.metrics.tokenize.observe(ctx.prompt.tokenize_s)
         if ctx.routing.decision.ranked:  # may wait, and then decide again (late binding)
-            await self.flow.hold(ctx, partial(self.decide, only=only))
+            await self.flow.hold(ctx, partial(self.decide, only=ctx.only))
         routing = ctx.routing
         self.metrics.decision.observe(routing.decision_s)
         ctx.span.decision(routing, ctx.flow.span_attrs() if ctx.flow is not None and self.tracing.enabled else None)
@@ -193,6 +193,10 @@ class Pipeline:
                                     max_model_len=self.model.max_model_len)
         ctx.salt = self.salter.salt_for(ident.tenant_id, ident.user_id)
         ctx.lora = self.model.lora_of(ctx.request.model)
+        serving = self.model.replicas_for(ctx.lora)  # an adapter some replicas load: only those
+        if serving is not None:
+            only = serving if only is None else serving & set(only)
+        ctx.only = only
         ctx.keys = self.model.keychain.request_keys(ctx.prompt.first_ids, salt=ctx.salt, lora=ctx.lora)
         rv = RequestView(prompt_tokens=len(ctx.prompt.first_ids), block_size=self.model.block_size,
                          keys=tuple(ctx.keys), max_output_tokens=ctx.request.max_tokens,

@@ -27,8 +27,9 @@ from aiohttp import web
 from gateway.admin import build_admin_app
 from gateway.assemble import build_authenticator, build_policy, build_salter
 from gateway.auth import TenantLimiter
-from gateway.background import (discover_model, flush_inflight, keep_alive_check_s, run_index_sync, run_inflight_exchange,
-                                run_keep_alive, run_keys_reload, run_model_discovery, run_share_exchange, trouble)
+from gateway.background import (discover_model, flush_inflight, keep_alive_check_s, refresh_adapters, run_adapter_discovery,
+                                run_index_sync, run_inflight_exchange, run_keep_alive, run_keys_reload,
+                                run_model_discovery, run_share_exchange, trouble)
 from gateway.config import GatewayConfig, check_files
 from gateway.dispatch import Dispatcher
 from gateway.errors import ApiError
@@ -160,6 +161,10 @@ class Gateway:
             await discover_model(self.session, self.membership, self.model, attempts=3, fallback_max_model_len=fallback)
             if not self.model.known or self.model.max_model_len is None:
                 self._spawn(run_model_discovery(self.session, self.membership, self.model, fallback), "discover")
+        if cfg.model.lora_discovery_s > 0:
+            await refresh_adapters(self.session, self.membership, self.model)
+            self._spawn(run_adapter_discovery(self.session, self.membership, self.model, cfg.model.lora_discovery_s),
+                        "lora-discovery")
         self.tokenize_checker = TokenizeChecker(cfg.model.tokenize_check_s, self.session, self.metrics)
         self.pipeline = Pipeline(
             cfg, auth=self.auth, limiter=self.limiter, salter=self.salter, model=self.model, tokenizer=self.tokenizer,
@@ -261,6 +266,7 @@ class Gateway:
             if self.index_sync is not None:
                 self.index_sync.forget(rid)
             self.routing.forget(rid)
+            self.model.forget_replica(rid)
             if self.tokenize_checker is not None:
                 self.tokenize_checker.drift.forget(rid)
         if added or removed:

@@ -77,6 +77,9 @@ def describe(gw) -> dict:
     st = index.stats()
     return {
         "model": gw.model.name, "block_size": gw.cfg.model.block_size, "policy": gw.cfg.policy.name, "pid": os.getpid(),
+        # LoRA adapters: configured (on every replica) and as each replica's /v1/models last listed them
+        "lora_adapters": {"configured": sorted(gw.model.configured_adapters),
+                          "listed": {rid: sorted(names) for rid, names in sorted(gw.model.listed.items())}},
         # placement records traded with the other gateways (cache_plan's plan): sent (taken for an
         # exchange; lost with it if it fails, like copies in progress), applied, and skipped as
         # malformed (another version's)

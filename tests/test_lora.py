@@ -6,6 +6,8 @@ their parent; adapters listed by a replica's `/v1/models` are discovered with th
 serving adapters: tests/real_vllm/test_vllm_lora.py."""
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 from aiohttp import web
@@ -25,8 +27,19 @@ def test_model_info_serves_adapters_under_their_own_names():
     m = ModelInfo(MODEL, ["alias"], 16, 4096, ["sql-lora"])
     assert m.served == {MODEL, "alias", "sql-lora"}
     assert (m.lora_of("sql-lora"), m.lora_of(MODEL), m.lora_of("alias")) == ("sql-lora", None, None)
-    m.add_adapters(["chat-lora", MODEL, "alias", "", None, "sql-lora"])  # the model and its aliases are not adapters
-    assert m.adapters == {"sql-lora", "chat-lora"} and m.served == {MODEL, "alias", "sql-lora", "chat-lora"}
+    assert m.replicas_for(None) is None and m.replicas_for("sql-lora") is None  # configured: every replica
+    m.set_listed("a", ["chat-lora", MODEL, "alias", "", None, "sql-lora"])  # the model and its aliases are not adapters
+    m.set_listed("b", ["chat-lora", "dyn-lora"])
+    assert m.adapters == {"sql-lora", "chat-lora", "dyn-lora"}
+    assert m.served == {MODEL, "alias", "sql-lora", "chat-lora", "dyn-lora"}
+    assert m.replicas_for("chat-lora") == {"a", "b"} and m.replicas_for("dyn-lora") == {"b"}
+    assert m.replicas_for("sql-lora") is None  # listed by a, but configured: every replica
+    m.set_listed("b", ["chat-lora"])  # b unloaded dyn-lora: no replica serves it any more
+    assert "dyn-lora" not in m.served and m.lora_of("dyn-lora") is None
+    m.forget_replica("a")
+    assert m.replicas_for("chat-lora") == {"b"}
+    m.forget_replica("b")
+    assert m.served == {MODEL, "alias", "sql-lora"} and m.listed == {}
     late = ModelInfo(None, [], 16, None, ["a"])
     assert late.served == frozenset() and late.lora_of("a") == "a"  # nothing is served before the model is known
     late.set(MODEL, 4096)
@@ -47,25 +60,28 @@ def test_adapter_keys_differ_from_the_base_models_on_every_block():
 def test_config_rules():
     assert config_from_dict({}, env={}).model.lora_adapters == []
     cfg = config_from_dict({"model": {"name": MODEL, "lora_adapters": ["sql-lora", "chat-lora"]}}, env={})
-    assert cfg.model.lora_adapters == ["sql-lora", "chat-lora"]
+    assert cfg.model.lora_adapters == ["sql-lora", "chat-lora"] and cfg.model.lora_discovery_s == 30.0
+    with pytest.raises(ConfigError, match="model.lora_discovery_s"):
+        config_from_dict({"model": {"lora_discovery_s": -1}}, env={})
     for bad, why in (([MODEL], "model's name or an alias"), (["alias"], "model's name or an alias"),
                      (["x", "x"], "model's name or an alias"), ([""], "non-empty")):
         with pytest.raises(ConfigError, match=why):
             config_from_dict({"model": {"name": MODEL, "aliases": ["alias"], "lora_adapters": bad}}, env={})
 
 
-async def _recording_replica(models: list[dict] | None = None):
-    """A replica that answers completions (JSON, usage) and records each body it was sent."""
-    seen: list[dict] = []
+async def _recording_replica(models: list[dict] | None = None, seen: list | None = None, name: str = "r"):
+    """A replica that answers completions (JSON, usage) and records each body it was sent (with
+    `name`, in `seen`); its /v1/models answers `models` as the list stands at each call."""
+    seen = [] if seen is None else seen
 
     async def completions(request):
         body = await request.json()
-        seen.append(body)
+        seen.append({**body, "replica": name})
         return web.json_response({"model": body["model"], "choices": [{"text": "ok", "index": 0}],
                                   "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
 
     async def list_models(request):
-        return web.json_response({"object": "list", "data": models or []})
+        return web.json_response({"object": "list", "data": models if models is not None else []})
 
     async def ok(request):
         return web.Response()
@@ -143,3 +159,57 @@ async def test_adapters_listed_by_a_replica_are_discovered(tok):
     finally:
         await g.close()
         await runner.cleanup()
+
+
+async def test_an_adapter_loaded_on_some_replicas_goes_only_there(tok):
+    """Adapters loaded at run time (vLLM /v1/load_lora_adapter) show in the replica's /v1/models:
+    found every `lora_discovery_s`, served while a replica lists them, sent only to those."""
+    seen: list[dict] = []
+    listing_a = [{"id": MODEL, "object": "model", "parent": None}]
+    listing_b = [{"id": MODEL, "object": "model", "parent": None}, {"id": "dyn-lora", "object": "model", "parent": MODEL}]
+    ra, url_a, _ = await _recording_replica(listing_a, seen, "a")
+    rb, url_b, _ = await _recording_replica(listing_b, seen, "b")
+    cfg = config_from_dict({"server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
+                            "membership": {"replicas": [f"a={url_a}", f"b={url_b}"], "health_interval_s": 0.5},
+                            "auth": {"enabled": False}, "feed": {"url": "memory://lora-dyn"}, "policy": {"seed": 7},
+                            "model": {"name": MODEL, "max_model_len": 4096, "lora_discovery_s": 0.1}}, env={})
+    g = await start_gateway(cfg, tokenizer=tok)
+    gw = g.gateway
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def send(model: str, n: int) -> list[int]:
+                statuses = []
+                for i in range(n):
+                    async with s.post(g.url + "/v1/completions", json={"model": model, "prompt": f"question {i}?"}) as r:
+                        statuses.append(r.status)
+                return statuses
+
+            async def until(pred) -> None:
+                for _ in range(100):
+                    if pred():
+                        return
+                    await asyncio.sleep(0.05)
+                raise AssertionError("discovery did not catch up")
+
+            assert gw.model.replicas_for("dyn-lora") == {"b"}  # known before the first request (start-up round)
+            assert await send("dyn-lora", 6) == [200] * 6
+            assert await send(MODEL, 6) == [200] * 6
+            assert {b["replica"] for b in seen if b["model"] == "dyn-lora"} == {"b"}
+            assert "a" in {b["replica"] for b in seen if b["model"] == MODEL}  # the base model is not held to b
+            # b unloads it and a loads it: after the next round, requests for it go to a.
+            del listing_b[1:]
+            listing_a.append({"id": "dyn-lora", "object": "model", "parent": MODEL})
+            await until(lambda: gw.model.replicas_for("dyn-lora") == {"a"})
+            seen.clear()
+            assert await send("dyn-lora", 4) == [200] * 4
+            assert {b["replica"] for b in seen} == {"a"}
+            async with s.get(g.admin_url + "/debug/index") as r:
+                assert (await r.json())["lora_adapters"] == {"configured": [], "listed": {"a": ["dyn-lora"], "b": []}}
+            # Nobody lists it any more: not served.
+            del listing_a[1:]
+            await until(lambda: "dyn-lora" not in gw.model.served)
+            assert await send("dyn-lora", 1) == [404]
+    finally:
+        await g.close()
+        await ra.cleanup()
+        await rb.cleanup()

@@ -43,6 +43,7 @@ BOUNDS: dict[str, dict[str, Any]] = {
     "model.max_model_len": {"minimum": 1},
     "model.tokenizer_workers": {"minimum": 1},
     "model.tokenize_check_s": {"minimum": 0},
+    "model.lora_discovery_s": {"minimum": 0},
     "proxy.max_attempts": {"minimum": 1},
     "proxy.pool_limit": {"minimum": 1},
     "membership.health_timeouts_to_down": {"minimum": 1},

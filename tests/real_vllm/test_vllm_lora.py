@@ -4,7 +4,9 @@
 adapter's name; its prediction equals the engine's `cached_tokens`; the same prompt for the base
 model or the other adapter is predicted and found cold (the engine keys adapters' blocks apart, and
 so do the gateway and the agent, from the events' `lora_name`); with speculation lapsed the index
-holds each adapter's keys from the feed. Costs one more engine start (about a minute)."""
+holds each adapter's keys from the feed. An adapter loaded into the engine at run time
+(`/v1/load_lora_adapter`) is refused until the gateway's discovery reads the engine's `/v1/models`,
+then served and predicted like the others. Costs one more engine start (about a minute)."""
 from __future__ import annotations
 
 import random
@@ -18,6 +20,7 @@ from .launch import ReplicaStartError, start_replicas, stop_replicas
 from .make_tiny_model import make_tiny_lora
 
 ADAPTERS = ("sql-lora", "chat-lora")
+LATE = "late-lora"  # loaded at run time
 BLOCK = 32
 
 
@@ -30,11 +33,13 @@ def lora_system(vllm_python_path, tiny_model_dir, tmp_path_factory):
 
     work = tmp_path_factory.mktemp("lora")
     modules = [f"{name}={make_tiny_lora(work / name, tiny_model_dir, seed=i + 1)}" for i, name in enumerate(ADAPTERS)]
+    make_tiny_lora(work / LATE, tiny_model_dir, seed=len(ADAPTERS) + 1)
     error, reps = "", []
     try:
         reps = start_replicas(1, tiny_model_dir, served_model_name=SERVED_MODEL, log_dir=work / "logs",
-                              extra_args=["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-                                          "--lora-modules", *modules])
+                              extra_args=["--enable-lora", "--max-lora-rank", "8", "--max-loras", "3",
+                                          "--lora-modules", *modules],
+                              extra_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
     except ReplicaStartError as exc:
         error = str(exc)
     if error:
@@ -104,3 +109,24 @@ def test_adapters_are_routed_and_keyed_apart(lora_system):
         runs[model] = system.call(gw.index.match, keys)["r0"].gpu_blocks
     assert all(n >= 10 for n in runs.values()), runs
     assert len({tuple(gw.keychain.request_keys(ids, salt=salt, lora=gw.model.lora_of(m))[:1]) for m in runs}) == 3
+
+
+def test_an_adapter_loaded_at_run_time_is_discovered(lora_system):
+    from gateway.background import refresh_adapters
+
+    system = lora_system
+    gw = system.gateway
+    rep = system.replicas[0]
+    prompt = "Notes: " + " ".join(f"n{i}" for i in range(600))
+    body = {"model": LATE, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    r = httpx.post(system.url + "/v1/completions", headers=system.headers("acme"), json=body, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    path = str(system.workdir / LATE)
+    r = httpx.post(rep.url + "/v1/load_lora_adapter", json={"lora_name": LATE, "lora_path": path}, timeout=120)
+    assert r.status_code == 200, r.text
+    system.loop.run(refresh_adapters(gw.session, gw.membership, gw.model))  # what the gateway runs every lora_discovery_s
+    assert gw.model.replicas_for(LATE) == {"r0"} and LATE in gw.model.served
+    cached, predicted, _ = _ask(system, LATE, prompt + "\nQ1?")
+    assert (cached, predicted) == (0, 0)
+    cached, predicted, _ = _ask(system, LATE, prompt + "\nQ2?")
+    assert cached >= BLOCK * 10 and predicted == cached, (cached, predicted)
