@@ -103,7 +103,8 @@ async def test_replica_killed_under_load(tok, tmp_path):
 
 class _Misbehaving:
     """A raw TCP replica: `mode="reset"` reads part of the request then resets the connection (dies
-    while the body is being sent); `mode="silent"` reads it all and never answers. GET /health is 200."""
+    while the body is being sent); `mode="silent"` reads it all and never answers. GET /health is 200;
+    `connections` counts the proxied requests (POST), not the gateway's own GETs of /v1/models."""
 
     def __init__(self, mode: str, read_bytes: int = 65536) -> None:
         self.mode = mode
@@ -126,7 +127,8 @@ class _Misbehaving:
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
                 await writer.drain()
                 return
-            self.connections += 1
+            if head.startswith(b"POST "):  # a proxied request (not the gateway's own GET /v1/models)
+                self.connections += 1
             if self.mode == "reset":
                 await reader.read(self.read_bytes)
                 sock = writer.get_extra_info("socket")
