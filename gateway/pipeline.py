@@ -3,7 +3,8 @@
     admit      authenticate (gateway.auth), parse the body and check the model (gateway.parse),
                tenant limits, start the trace span (gateway.tracing)
     plan       validate the request (gateway.parse), tokenize (gateway.encode), derive the salt
-               (gateway.salt), block keys (hashing.keys), decide (gateway.routing)
+               (gateway.salt), block keys (hashing.keys; a LoRA adapter's carry its name, and only
+               the replicas that have it may be picked: gateway.model), decide (gateway.routing)
     flow       go on while a replica has room, else wait in the fair queue and decide again at
                release (gateway.flow); then the policy records the placement (`placed`: once per
                request, whatever ranked it before)

@@ -1,9 +1,9 @@
 """The gateway service's lifecycle: what one gateway process owns, in what order it starts and stops.
 
 Start: the admin port first (so /healthz answers while the tokenizer loads), the tokenizer, the
-feed and its index consumer, health probes and DNS discovery, API-key reloads, model discovery,
-then the request pipeline (gateway.pipeline) and last the API port (gateway.http_front), once
-everything it needs exists. Close: the API port first (stop accepting, finish in-flight requests
+feed and its index consumer, health probes and DNS discovery, API-key reloads, model discovery and
+the replicas' LoRA adapters, the tokenizer check, then the request pipeline (gateway.pipeline) and
+last the API port (gateway.http_front), once everything it needs exists. Close: the API port first (stop accepting, finish in-flight requests
 up to `shutdown_grace_s`), then the admin port, the background loops, a last flush of our
 in-flight counters, the feed, the connection pools and the tokenizer.
 
