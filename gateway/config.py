@@ -56,7 +56,8 @@ class ModelConfig:
     # them go upstream under their own name and key their blocks apart (gateway.model)
     lora_adapters: list[str] = field(default_factory=list)
     # how often each replica's /v1/models is asked which other LoRA adapters it has loaded (at start or
-    # at run time); a request for one goes only to replicas that listed it (gateway.model); 0: never
+    # at run time); a request for one goes only to replicas that listed it (gateway.model); 0: no periodic
+    # look (a model discovered at start still takes the adapters its first answering replica listed)
     lora_discovery_s: float = 30.0
 
 

@@ -18,6 +18,7 @@ import pytest
 from .conftest import SERVED_MODEL, WarmSystem
 from .launch import ReplicaStartError, start_replicas, stop_replicas
 from .make_tiny_model import make_tiny_lora
+from .test_vllm_e2e import _server_span
 
 ADAPTERS = ("sql-lora", "chat-lora")
 LATE = "late-lora"  # loaded at run time
@@ -62,17 +63,9 @@ def _ask(system, model: str, prompt: str) -> tuple[int, int, dict]:
                    json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.json()["model"] == model  # the engine ran what was asked for (an adapter keeps its name)
-    rid = r.headers["x-request-id"]
-    deadline = time.monotonic() + 5
-    while True:
-        spans = [s for s in system.exporter.get_finished_spans()
-                 if s.attributes.get("warmroute.request_id") == rid and "warmroute.predicted_cached_tokens" in s.attributes]
-        if spans:
-            break
-        assert time.monotonic() < deadline, "no decision span"
-        time.sleep(0.05)
+    span = _server_span(system, r.headers["x-request-id"])
     usage = r.json()["usage"]
-    return usage["prompt_tokens_details"]["cached_tokens"], spans[0].attributes["warmroute.predicted_cached_tokens"], usage
+    return usage["prompt_tokens_details"]["cached_tokens"], span.attributes["warmroute.predicted_cached_tokens"], usage
 
 
 def test_adapters_are_routed_and_keyed_apart(lora_system):
