@@ -116,7 +116,7 @@ def start_try(routing: RoutingState, ctx: RequestContext, n: int, cand: Candidat
     view = ctx.routing.view_of(cand.replica_id)
     predicted = predicted_matched_tokens(ctx.routing.request, view)
     uncached = max(0, ctx.prompt.total_tokens - predicted)
-    flight = routing.dispatched(cand.replica_id, ctx.keys, uncached, ctx.request.max_tokens, view)
+    flight = routing.dispatched(cand.replica_id, ctx.keys, uncached, ctx.request.max_tokens, view, ctx.lora)
     ctx.attempt = Try(n, cand, view, predicted, uncached, flight)
     ctx.replica = cand.replica_id
     return ctx.attempt

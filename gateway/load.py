@@ -12,6 +12,10 @@ flushed by the server's poll loop every `inflight_poll_s`, so no feed call sits 
 path); `others = shared - own_flushed`, and the view is `others + own_now`: always fresh for our
 own work and at most one poll stale for theirs.
 
+Per replica it also counts this gateway's open requests per LoRA adapter (`open_loras`): the
+adapters it has just given work there, which hold one of the engine's LoRA slots before its next
+report can say so.
+
 Per replica it also keeps a mean of the uncached prefill tokens of requests sent there
 (`mean_uncached_tokens`), which the cache-aware policy uses to price a waiting request, and a
 moving mean of their max_tokens (`mean_output_tokens`, requests that give one), with which it
@@ -69,17 +73,19 @@ class ReplicaLoad:
     others_rps: float = 0.0  # other gateways' routed_rps here, summed (their gauges at the last exchange)
     others_size_weight: float = 0.0  # their size weights, summed (same)
     others_size_tokens: float = 0.0  # their weight x mean uncached tokens, summed (same)
+    open_loras: dict[str, int] | None = None  # this gateway: LoRA adapter -> its requests sent here, not finished
 
 
 class Flight:
     """One dispatched request; `first_token()` and `finish()` are idempotent."""
 
-    __slots__ = ("tracker", "replica_id", "tokens", "pending", "done")
+    __slots__ = ("tracker", "replica_id", "tokens", "pending", "done", "lora")
 
-    def __init__(self, tracker: "LoadTracker", replica_id: str, tokens: int) -> None:
+    def __init__(self, tracker: "LoadTracker", replica_id: str, tokens: int, lora: str | None = None) -> None:
         self.tracker = tracker
         self.replica_id = replica_id  # replica the request went to
         self.tokens = tokens  # uncached prompt tokens
+        self.lora = lora  # the LoRA adapter it runs (None: the base model)
         self.pending = True  # no first token yet
         self.done = False
 
@@ -165,9 +171,15 @@ class LoadTracker:
             ld = self._loads[rid] = ReplicaLoad()
         return ld
 
-    def dispatch(self, replica_id: str, uncached_tokens: int, now: float | None = None, max_tokens: int = 0) -> Flight:
-        """Count a request sent to `replica_id`; `max_tokens` (0: not given) feeds mean_output_tokens."""
+    def dispatch(self, replica_id: str, uncached_tokens: int, now: float | None = None, max_tokens: int = 0,
+                 lora: str | None = None) -> Flight:
+        """Count a request sent to `replica_id`; `max_tokens` (0: not given) feeds mean_output_tokens;
+        `lora`: the adapter it runs, counted in `open_loras` until it finishes."""
         ld = self._get(replica_id)
+        if lora is not None:
+            if ld.open_loras is None:
+                ld.open_loras = {}
+            ld.open_loras[lora] = ld.open_loras.get(lora, 0) + 1
         if now is not None:
             ld.routed_rps = self.routed_rps(replica_id, now) + 1.0 / self.routed_tau_s
             ld.routed_t = now
@@ -184,7 +196,7 @@ class LoadTracker:
             o = ld.mean_output_tokens
             ld.mean_output_tokens = float(max_tokens) if o < 0 else o + _EWMA_ALPHA * (max_tokens - o)
         self._shared_delta(replica_id, 1, uncached_tokens, 1)
-        return Flight(self, replica_id, uncached_tokens)
+        return Flight(self, replica_id, uncached_tokens, lora)
 
     def _move_to_active(self, f: Flight) -> None:
         ld = self._get(f.replica_id)
@@ -202,6 +214,12 @@ class LoadTracker:
         else:
             ld.active_reqs = max(0, ld.active_reqs - 1)
             self._shared_delta(f.replica_id, 0, 0, -1)
+        if f.lora is not None and ld.open_loras and f.lora in ld.open_loras:
+            n = ld.open_loras[f.lora] - 1
+            if n > 0:
+                ld.open_loras[f.lora] = n
+            else:
+                del ld.open_loras[f.lora]
 
     def gauges(self, now: float) -> dict[str, tuple[float, float, float]]:
         """This gateway's dispatch gauges to publish with the exchange (module header): replica ->

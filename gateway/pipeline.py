@@ -201,7 +201,8 @@ class Pipeline:
         ctx.keys = self.model.keychain.request_keys(ctx.prompt.first_ids, salt=ctx.salt, lora=ctx.lora)
         rv = RequestView(prompt_tokens=len(ctx.prompt.first_ids), block_size=self.model.block_size,
                          keys=tuple(ctx.keys), max_output_tokens=ctx.request.max_tokens,
-                         tenant_hash=ident.tenant_hash if ident.method != "none" else "", request_id=ctx.request_id)
+                         tenant_hash=ident.tenant_hash if ident.method != "none" else "", request_id=ctx.request_id,
+                         lora=ctx.lora)
         self.decide(ctx, rv, only=only)
 
     def decide(self, ctx: RequestContext, rv: RequestView | None = None, *, only: Collection[str] | None = None) -> None:

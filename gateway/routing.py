@@ -15,6 +15,8 @@ Per replica r (the README's "What it does", steps 5-6):
 - what was sent there: mean uncached prefill tokens and mean max_tokens of its requests, routed
   requests per second (LoadTracker); cache fill (index entries / the engine's KV blocks) and
   those KV blocks (the agent's load report);
+- LoRA slots: the engine's `max_lora` and running adapters (the agent's load report), plus the
+  adapters of this gateway's requests sent there and not finished;
 - rates: the calibrator's prefill seconds per token and decode step seconds (priors at first);
 - health: probes and passive ejection (`Membership`); index liveness from the feed, and trust in
   it (gateway.index_health: a replica whose predictions disagree with its engine counts as not live).
@@ -118,14 +120,14 @@ class RoutingState:
         return Routing(request, tuple(views), decision, time.perf_counter() - t0)
 
     def dispatched(self, replica_id: str, keys: Sequence[int], uncached_tokens: int, max_tokens: int,
-                   view: ReplicaView | None = None) -> Flight:
+                   view: ReplicaView | None = None, lora: str | None = None) -> Flight:
         """A request goes to `replica_id`: count its work there until `Flight.finish()`, and expect
         its keys there (speculatively) until the engine's events confirm them. The engine stores a
         block when its prefill completes, so the speculation lasts `speculative_ttl_s` plus the
         prefill the view says is ahead of the request and its own (a 3,000-token document on a
         1 ms/token replica takes 3 s: a fixed 2 s TTL would let the copy's last blocks lapse while
         the engine is still computing them)."""
-        flight = self.load.dispatch(replica_id, uncached_tokens, self.clock(), max_tokens)
+        flight = self.load.dispatch(replica_id, uncached_tokens, self.clock(), max_tokens, lora)
         if keys:
             ttl = self.speculative_ttl_s
             if view is not None:
@@ -258,6 +260,7 @@ def build_views(
             running, waiting, kv = rep.running_reqs, rep.waiting_reqs, rep.kv_usage
         else:
             running, waiting, kv = (ld.active_reqs if ld is not None else 0), 0, 0.0
+        max_lora, loras = _lora_slots(rep, ld)
         views.append(ReplicaView(
             replica_id=rid,
             healthy=bool(available.get(rid, False)),
@@ -277,8 +280,20 @@ def build_views(
             mean_output_tokens=ld.mean_output_tokens if ld is not None and ld.mean_output_tokens >= 0 else None,
             routed_rps=routed_rps.get(rid, 0.0) if routed_rps is not None else None,
             others_routed_rps=ld.others_rps if ld is not None else 0.0,
+            max_lora=max_lora,
+            lora_running=loras,
         ))
     return views
+
+
+def _lora_slots(rep, ld) -> tuple[int, tuple[str, ...]]:
+    """(max_lora, the adapters holding slots): the engine's last report, plus the adapters of this
+    gateway's requests sent there since (they hold a slot before the next report can say so)."""
+    if rep is None or not rep.max_lora:
+        return 0, ()
+    if ld is None or not ld.open_loras:
+        return rep.max_lora, rep.lora_running
+    return rep.max_lora, tuple(dict.fromkeys((*rep.lora_running, *ld.open_loras)))
 
 
 PRIOR_UNCACHED_TOKENS = 512.0  # a waiting request's prefill when nothing is known (cache_aware's prior too)

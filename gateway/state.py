@@ -116,8 +116,11 @@ def _replica(gw, s, st) -> dict:
         "index_agreement": gw.routing.health.agreement(s.replica_id),
         "feed_lag_s": st.feed_lag_s_by_replica.get(s.replica_id),
         "load_report": None if rep is None else {"running_reqs": rep.running_reqs, "waiting_reqs": rep.waiting_reqs,
-                                                 "kv_usage": rep.kv_usage},
+                                                 "kv_usage": rep.kv_usage, **({"max_lora": rep.max_lora,
+                                                 "lora_running": list(rep.lora_running),
+                                                 "lora_waiting": list(rep.lora_waiting)} if rep.max_lora else {})},
         "inflight_reqs": ld.inflight_reqs, "inflight_tokens": ld.inflight_tokens, "active_reqs": ld.active_reqs,
+        "open_lora_reqs": dict(ld.open_loras or {}),  # this gateway's requests there per LoRA adapter, not finished
         "others_inflight_reqs": ld.others_reqs,
         # requests routed there per second, by this gateway and by every gateway (gateway.load's
         # dispatch gauges), and the mean uncached tokens of those requests (by age; None: none yet)

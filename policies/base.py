@@ -40,6 +40,7 @@ class RequestView:
     max_output_tokens: int = 0  # the request's max_tokens (0: unknown)
     tenant_hash: str = ""  # hashed tenant id ("" when auth is off); never the raw id
     request_id: str = ""  # for logs/traces only
+    lora: str | None = None  # the LoRA adapter the request runs (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,8 @@ class ReplicaView:
     mean_output_tokens: float | None = None  # moving mean of the max_tokens of requests sent there (None: none gave one)
     routed_rps: float | None = None  # requests the gateway routed there per second, a moving mean (None: not tracked)
     others_routed_rps: float = 0.0  # of those, the other gateways' (as of the last exchange; 0: none known)
+    max_lora: int = 0  # the engine's LoRA slots per batch (vLLM --max-loras); 0: unknown, or LoRA off
+    lora_running: tuple[str, ...] = ()  # adapters holding those slots (engine-reported, plus the gateway's own since)
 
 
 @dataclass(frozen=True, slots=True)

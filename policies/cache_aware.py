@@ -12,7 +12,10 @@ Every term is in seconds of this request's time to first token (TTFT), per repli
     slots_full       = waiting_reqs > 0 AND running_reqs >= max_num_seqs                (0/1)
     slot_wait_s      = (waiting_reqs + 1) x output_tokens_per_req(r) x decode_step_s(r) / max_num_seqs
                        if slots_full else 0
-    queue_penalty_s  = max(backlog_tokens x prefill_s_per_token(r), slot_wait_s)
+    lora_full        = the request runs LoRA adapter A, max_lora(r) > 0, A not in lora_running(r)
+                       AND len(lora_running(r)) >= max_lora(r)                          (0/1)
+    lora_wait_s      = output_tokens_per_req(r) x decode_step_s(r)  if lora_full else 0
+    queue_penalty_s  = max(backlog_tokens x prefill_s_per_token(r), slot_wait_s, lora_wait_s)
                      + running_reqs x running_step_share x decode_step_s(r)
                      + (decode_step_s(r) x busy_step_share  if the replica has any work)
     cache_fill       = kv_cached_frac (share of r's KV holding cached prefixes), else
@@ -142,6 +145,14 @@ Why these pieces
   non-decreasing in every load signal. output_tokens_per_req(r) is the view's ``mean_output_tokens``
   (the gateway's moving mean of max_tokens of requests it sent there; an upper bound of what they
   generate, which errs toward leaving a saturated replica) else `prior_output_tokens`.
+  LoRA slots are the same kind of wait: an engine batches at most `max_lora` adapters (vLLM
+  `--max-loras`), and its scheduler skips a waiting request whose adapter is not among the running
+  ones while those fill the slots, until an adapter's last running request finishes: at least
+  about one whole generation (`lora_wait_s`), longer while the slots' adapters keep getting work.
+  `lora_running` is the engine's report (vllm:lora_requests_info, through the agent) plus the
+  adapters of this gateway's own requests sent there since; a replica already running the adapter,
+  or with a free slot, pays nothing, so an adapter's requests gather where it runs (the Inference
+  Extension's LoRA affinity) unless that replica's queue costs more.
   Not modelled: waiting for KV blocks with free slots (the view lacks the replica's block count
   and a request's block need); `w_kv`'s kv_penalty is the only KV signal.
 - Running requests are mostly decoding: with continuous batching each one lengthens every step
@@ -204,7 +215,8 @@ routed over the mean; a sole copy at 2x the mean) then does the spreading the sc
 does not.
 
 Every candidate's `terms`: matched_blocks, matched_blocks_cpu, matched_tokens, uncached_tokens,
-cache_benefit_s, backlog_tokens, slots_full (0/1), output_tokens, slot_wait_s, queue_penalty_s,
+cache_benefit_s, backlog_tokens, slots_full (0/1), output_tokens, slot_wait_s, lora_full (0/1),
+lora_wait_s, queue_penalty_s,
 cache_fill, evict_penalty_s, kv_pressure, kv_penalty_s, load_reqs, mean_load_reqs (-1 when terms() ran without one), routed_rps (-1 when
 unknown), others_blocks (-1 when terms() ran without it), sole_copy (0/1), balance_guard (0/1),
 balance_penalty_s, score.
@@ -339,9 +351,13 @@ class CacheAwarePolicy(PolicyBase):
         slots_full = v.waiting_reqs > 0 and v.running_reqs >= self.max_num_seqs
         # saturated: the newcomer waits for waiting + 1 completions of a full batch (module header)
         slot_wait_s = (v.waiting_reqs + 1) * out_tokens * step / self.max_num_seqs if slots_full else 0.0
+        lora = request.lora
+        lora_full = (lora is not None and v.max_lora > 0 and lora not in v.lora_running
+                     and len(v.lora_running) >= v.max_lora)
+        lora_wait_s = out_tokens * step if lora_full else 0.0  # a slot frees with an adapter's last request (module header)
         busy = v.running_reqs > 0 or v.waiting_reqs > 0 or v.inflight_reqs > 0
         queue_penalty_s = (
-            max(backlog_tokens * p, slot_wait_s)
+            max(backlog_tokens * p, slot_wait_s, lora_wait_s)
             + v.running_reqs * self.running_step_share * step
             + (self.busy_step_share * step if busy else 0.0)
         )
@@ -388,6 +404,8 @@ class CacheAwarePolicy(PolicyBase):
             "slots_full": 1.0 if slots_full else 0.0,
             "output_tokens": out_tokens,
             "slot_wait_s": slot_wait_s,
+            "lora_full": 1.0 if lora_full else 0.0,
+            "lora_wait_s": lora_wait_s,
             "queue_penalty_s": queue_penalty_s,
             "cache_fill": cache_fill,
             "evict_penalty_s": evict_penalty_s,

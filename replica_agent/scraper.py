@@ -3,8 +3,14 @@
 Rule: `parse_load(text, ts)` is pure: it reads vllm:num_requests_running / _waiting (summed over
 engines), vllm:kv_cache_usage_perc (mean over engines, a fraction), the prefix-cache counters
 vllm:prefix_cache_queries_total / _hits_total (summed, tokens), and the labels `block_size` and
-`num_gpu_blocks` of vllm:cache_config_info (summed blocks; block size of the first). A metric that
-is absent reads as 0. Text that is not the Prometheus exposition format raises ValueError.
+`num_gpu_blocks` of vllm:cache_config_info (summed blocks; block size of the first), and the LoRA
+slots from vllm:lora_requests_info. A metric that is absent reads as 0. Text that is not the
+Prometheus exposition format raises ValueError.
+
+vllm:lora_requests_info (engines with --enable-lora) is a gauge whose labels carry the state:
+`max_lora`, and the comma-joined names of the adapters with running and with waiting requests;
+each step sets the series of its label set to the current time, and the series of earlier label
+sets stay in the exposition, so the state is the series with the largest value.
 `Scraper.scrape()` is the I/O edge: one GET with a timeout.
 """
 from __future__ import annotations
@@ -23,6 +29,7 @@ def parse_load(text: str, ts: float | None = None) -> LoadReport:
     usage: list[float] = []
     block_size = 0
     num_gpu_blocks = 0
+    lora: tuple[float, dict] | None = None  # (the newest series' time, its labels)
     try:
         families = list(text_string_to_metric_families(text))
     except Exception as exc:  # the parser raises ValueError/IndexError/... on garbage
@@ -42,6 +49,10 @@ def parse_load(text: str, ts: float | None = None) -> LoadReport:
                     num_gpu_blocks += int(s.labels.get("num_gpu_blocks", 0) or 0)
                 except ValueError:
                     pass
+            elif name == "vllm:lora_requests_info":
+                if lora is None or float(s.value) > lora[0]:
+                    lora = (float(s.value), s.labels)
+    max_lora, running, waiting = _lora_slots(lora[1]) if lora is not None else (0, (), ())
     return LoadReport(
         running_reqs=int(sums.get("vllm:num_requests_running", 0)),
         waiting_reqs=int(sums.get("vllm:num_requests_waiting", 0)),
@@ -51,7 +62,25 @@ def parse_load(text: str, ts: float | None = None) -> LoadReport:
         num_gpu_blocks=num_gpu_blocks,
         block_size=block_size,
         ts=time.time() if ts is None else ts,
+        max_lora=max_lora,
+        lora_running=running,
+        lora_waiting=waiting,
     )
+
+
+def _names(label: str | None) -> tuple[str, ...]:
+    return tuple(n for n in (label or "").split(",") if n)
+
+
+def _lora_slots(labels: dict) -> tuple[int, tuple[str, ...], tuple[str, ...]]:
+    """(max_lora, running adapters, waiting adapters) from a vllm:lora_requests_info series."""
+    try:
+        max_lora = max(0, int(float(labels.get("max_lora", 0) or 0)))
+    except ValueError:
+        max_lora = 0
+    if not max_lora:  # without the slot count the names say nothing the policy can use
+        return 0, (), ()
+    return max_lora, _names(labels.get("running_lora_adapters")), _names(labels.get("waiting_lora_adapters"))
 
 
 class Scraper:

@@ -37,6 +37,28 @@ def test_parse_vllm_metrics():
     assert (lr.block_size, lr.num_gpu_blocks, lr.ts) == (32, 48, 5.0)
 
 
+LORA_TEXT = VLLM_TEXT + """\
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7650000001e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql-lora,chat-lora",waiting_lora_adapters="dyn-lora"} 1.7650000030e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql-lora",waiting_lora_adapters=""} 1.7650000020e+09
+"""
+
+
+def test_lora_slots_are_the_newest_series():
+    """Every label set the engine ever had stays in the exposition; the newest one is the state."""
+    lr = parse_load(LORA_TEXT, ts=5.0)
+    assert (lr.max_lora, lr.lora_running, lr.lora_waiting) == (2, ("sql-lora", "chat-lora"), ("dyn-lora",))
+    assert (lr.running_reqs, lr.num_gpu_blocks) == (4, 48)  # the rest as before
+    idle = LORA_TEXT.replace("1.7650000001e+09", "1.7650000040e+09")  # the empty set is the newest now
+    assert (parse_load(idle).lora_running, parse_load(idle).lora_waiting) == ((), ())
+    assert parse_load(idle).max_lora == 2
+    assert parse_load(VLLM_TEXT).max_lora == 0  # LoRA off: no series
+    bad = LORA_TEXT.replace('max_lora="2"', 'max_lora="two"')
+    assert (parse_load(bad).max_lora, parse_load(bad).lora_running) == (0, ())  # no slot count: nothing usable
+
+
 def test_absent_metrics_read_as_zero():
     lr = parse_load("# nothing here\n", ts=1.0)
     assert (lr.running_reqs, lr.waiting_reqs, lr.kv_usage, lr.block_size, lr.num_gpu_blocks) == (0, 0, 0.0, 0, 0)

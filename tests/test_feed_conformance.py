@@ -66,6 +66,36 @@ async def test_load_and_hello_roundtrip(make_feed):
     await feed.close()
 
 
+async def test_lora_slots_roundtrip_and_an_older_reader_ignores_them(make_feed):
+    """An engine serving LoRA reports its slots with each load record; the record form of a load
+    without them is unchanged, and a gateway that predates them (its decoder knows six fields)
+    reads the rest of a record that has them."""
+    import msgspec
+
+    from replica_agent.feed.records import decode_event, encode_event
+
+    feed = make_feed()
+    with_lora = LoadReport(2, 1, 0.5, 100.0, 40.0, 48, 16, 1.0, 2, ("sql-lora", "chat-lora"), ("dyn-lora",))
+    await feed.publish("r", [FeedEvent("", 0, "load", load=with_lora), FeedEvent("", 0, "load", load=LOAD)])
+    a, b = await feed.read({"r": 0}, block_s=0.1)
+    assert a.load == with_lora and b.load == LOAD and b.load.max_lora == 0 and b.load.lora_running == ()
+    await feed.close()
+
+    class OldWire(msgspec.Struct, array_like=True):  # the record form before LoRA slots
+        kind: str
+        keys: tuple[int, ...]
+        medium: str
+        load: tuple[int, int, float, float, float, int, int, float] | None
+        hello: tuple[int, str, str] | None
+        ts: float
+
+    old = msgspec.msgpack.decode(encode_event(FeedEvent("r", 1, "load", load=with_lora)), type=OldWire)
+    assert old.load == (2, 1, 0.5, 100.0, 40.0, 48, 16, 1.0)
+    assert encode_event(FeedEvent("r", 1, "load", load=LOAD)) == msgspec.msgpack.encode(
+        OldWire("load", (), "GPU", (2, 1, 0.5, 100.0, 40.0, 48, 16, 1.0), None, 0.0))
+    assert decode_event("r", 1, msgspec.msgpack.encode(OldWire("load", (), "GPU", (2, 1, 0.5, 100.0, 40.0, 48, 16, 1.0), None, 0.0))).load == LOAD
+
+
 async def test_blocking_read_wakes_on_publish(make_feed):
     reader, writer = make_feed(), make_feed()
     task = asyncio.create_task(reader.read({"r": 0}, block_s=5.0))

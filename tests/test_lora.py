@@ -213,3 +213,95 @@ async def test_an_adapter_loaded_on_some_replicas_goes_only_there(tok):
         await g.close()
         await ra.cleanup()
         await rb.cleanup()
+
+
+def test_lora_slots_in_the_views():
+    """A replica's LoRA slots as the policy sees them: the engine's last report, plus the adapters
+    of this gateway's requests sent there since (they hold a slot before the next report shows it)."""
+    from gateway.load import LoadTracker
+    from gateway.routing import build_views
+    from replica_agent.feed.records import LoadReport
+
+    load = LoadTracker()
+    reports = {"a": LoadReport(1, 0, 0.1, 0, 0, 100, 16, 0.0, 2, ("x",), ()), "b": LoadReport(0, 0, 0.0, 0, 0, 100, 16, 0.0)}
+
+    def views():
+        return {v.replica_id: v for v in build_views(["a", "b"], matches={}, available={"a": True, "b": True},
+                                                      live={}, reports=reports, loads=load.snapshot(),
+                                                      rates={"a": (1e-4, 0.02), "b": (1e-4, 0.02)})}
+
+    v = views()
+    assert (v["a"].max_lora, v["a"].lora_running) == (2, ("x",)) and (v["b"].max_lora, v["b"].lora_running) == (0, ())
+    f1, f2 = load.dispatch("a", 10, lora="y"), load.dispatch("a", 10, lora="y")
+    load.dispatch("b", 10, lora="y")  # b reports no LoRA slots: nothing to weigh there
+    base = load.dispatch("a", 10)
+    assert views()["a"].lora_running == ("x", "y") and views()["b"].lora_running == ()
+    f1.first_token()
+    f1.finish()
+    base.finish()
+    assert views()["a"].lora_running == ("x", "y")  # f2 still open
+    f2.finish()
+    f2.finish()  # idempotent
+    assert views()["a"].lora_running == ("x",)
+    late = load.dispatch("a", 10, lora="z")
+    load.forget("a")  # the replica left the pool with a request open
+    late.finish()
+    assert load.get("a") is None or not load.get("a").open_loras
+
+
+async def test_an_adapter_goes_where_it_runs_or_a_slot_is_free(tok):
+    """Two replicas with one LoRA slot each (as their agents report vllm:lora_requests_info): a
+    request for an adapter goes to the one running it, or with its slot free, not to the one whose
+    slot another adapter holds (it would wait there for that adapter's requests to finish); the
+    base model is not held to either."""
+    from replica_agent.feed import open_feed
+    from replica_agent.feed.records import FeedEvent, LoadReport
+
+    seen: list[dict] = []
+    ra, url_a, _ = await _recording_replica(None, seen, "a")
+    rb, url_b, _ = await _recording_replica(None, seen, "b")
+    cfg = config_from_dict({"server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
+                            "membership": {"replicas": [f"a={url_a}", f"b={url_b}"], "health_interval_s": 0.5},
+                            "auth": {"enabled": False}, "feed": {"url": "memory://lora-slots"}, "policy": {"seed": 3},
+                            "model": {"name": MODEL, "max_model_len": 4096, "lora_adapters": ["sql-lora", "chat-lora"]}},
+                           env={})
+    g = await start_gateway(cfg, tokenizer=tok)
+    gw = g.gateway
+    feed = open_feed("memory://lora-slots")
+
+    async def report(slots: dict[str, tuple[str, ...]]) -> None:  # what each replica's agent publishes
+        for rid, running in slots.items():
+            await feed.publish(rid, [FeedEvent("", 0, "load", load=LoadReport(1, 0, 0.1, 0, 0, 1000, 16, 0.0, 1, running, ()))])
+        for _ in range(100):
+            if all((r := gw.routing.index.last_load(rid)) is not None and r.lora_running == running
+                   for rid, running in slots.items()):
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("the reports did not reach the index")
+
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def send(model: str, n: int) -> set[str]:
+                seen.clear()
+                for i in range(n):
+                    async with s.post(g.url + "/v1/completions", json={"model": model, "prompt": f"question {i}?",
+                                                                       "max_tokens": 64}) as r:
+                        assert r.status == 200, await r.text()
+                return {b["replica"] for b in seen}
+
+            await report({"a": ("chat-lora",), "b": ()})
+            assert await send("sql-lora", 6) == {"b"}  # a's one slot is chat-lora's; b's is free
+            await report({"a": ("chat-lora",), "b": ("sql-lora",)})
+            assert await send("sql-lora", 6) == {"b"} and await send("chat-lora", 6) == {"a"}
+            await report({"a": ("sql-lora",), "b": ("chat-lora",)})
+            assert await send("sql-lora", 6) == {"a"} and await send("chat-lora", 6) == {"b"}
+            assert await send(MODEL, 8) == {"a", "b"}  # the base model takes no LoRA slot
+            async with s.get(g.admin_url + "/debug/index") as r:  # what an operator sees
+                reps = {x["replica_id"]: x for x in (await r.json())["replicas"]}
+            assert reps["a"]["load_report"]["lora_running"] == ["sql-lora"] and reps["a"]["load_report"]["max_lora"] == 1
+            assert reps["a"]["open_lora_reqs"] == {}  # every request answered
+    finally:
+        await feed.close()
+        await g.close()
+        await ra.cleanup()
+        await rb.cleanup()

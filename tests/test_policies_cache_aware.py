@@ -9,6 +9,7 @@ import dataclasses
 import random
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import assume, given, settings
 
 from policies import ReplicaView, RequestView
@@ -138,6 +139,40 @@ def test_saturation_example_from_real_vllm():
     assert t256["slots_full"] == 0.0 and t256["queue_penalty_s"] < 0.05
 
 
+@settings(max_examples=60, deadline=None)
+@given(max_lora=st.integers(1, 4), extra=st.integers(0, 2), out_tokens=st.floats(8, 512), step=st.floats(0.005, 0.05),
+       matched=st.integers(0, 60), seed=st.integers(0, 2**32))
+def test_lora_slots_full_of_other_adapters_cost_a_generation(max_lora, extra, out_tokens, step, matched, seed):
+    """An engine batches at most max_lora adapters: where they are all taken by others, a request
+    for adapter A waits about a whole generation; where A runs, or a slot is free, it does not,
+    and a base-model request or an engine without LoRA slots is priced as before."""
+    pol = CacheAwarePolicy()
+    req = RequestView(prompt_tokens=matched * 16 + 17, block_size=16, lora="A")
+    others = tuple(f"o{i}" for i in range(max_lora + extra))
+    full = ReplicaView("full", max_lora=max_lora, lora_running=others, running_reqs=3, decode_step_s=step,
+                       mean_output_tokens=out_tokens, matched_blocks_gpu=matched, matched_blocks_cpu=matched)
+    t = pol.terms(req, full)
+    assert t["lora_full"] == 1.0 and t["lora_wait_s"] == pytest.approx(out_tokens * step)
+    assert t["queue_penalty_s"] >= out_tokens * step
+    running_a = dataclasses.replace(full, lora_running=("A",) + others[1:max_lora])
+    free_slot = dataclasses.replace(full, lora_running=others[:max_lora - 1])
+    for v in (running_a, free_slot, dataclasses.replace(full, max_lora=0)):
+        tv = pol.terms(req, v)
+        assert tv["lora_full"] == 0.0 and tv["lora_wait_s"] == 0.0 and tv["queue_penalty_s"] < t["queue_penalty_s"]
+    base = dataclasses.replace(req, lora=None)
+    assert pol.terms(base, full)["lora_full"] == 0.0 and pol.terms(base, full)["score"] == pol.terms(base, running_a)["score"]
+    # the replica running A without the prefix against the one holding it with the slots taken:
+    # the higher score wins, and with a generation of seconds against a short prompt's prefill
+    # that is the one running A
+    cold_a = dataclasses.replace(running_a, replica_id="cold", matched_blocks_gpu=0, matched_blocks_cpu=0)
+    tc = pol.terms(req, cold_a)
+    d = pol.rank(req, [full, cold_a], random.Random(seed))
+    if abs(tc["score"] - t["score"]) > 1e-9:
+        assert d.winner == ("cold" if tc["score"] > t["score"] else "full")
+    if out_tokens * step > 1.0 and matched <= 20:  # >= 1 s of waiting, <= 0.02 s of prefill saved
+        assert d.winner == "cold"
+
+
 def test_terms_cap_cpu_weight_and_dead_index():
     pol = CacheAwarePolicy(cpu_weight=0.5)
     req = RequestView(prompt_tokens=160, block_size=16)  # 10 blocks; at most 9 usable
@@ -148,7 +183,7 @@ def test_terms_cap_cpu_weight_and_dead_index():
     t = pol.terms(req, ReplicaView("r", matched_blocks_gpu=8, matched_blocks_cpu=8, index_live=False))
     assert t["matched_tokens"] == 0 and t["cache_benefit_s"] == 0
     for key in ("matched_blocks", "matched_tokens", "cache_benefit_s", "queue_penalty_s", "slots_full", "output_tokens",
-                "slot_wait_s", "kv_pressure", "score"):
+                "slot_wait_s", "lora_full", "lora_wait_s", "kv_pressure", "score"):
         assert key in t
 
 

@@ -61,6 +61,10 @@ class LoadReport:
     num_gpu_blocks: int  # vllm:cache_config_info{num_gpu_blocks}; 0 when unknown
     block_size: int  # vllm:cache_config_info{block_size}; 0 when unknown
     ts: float  # wall-clock time of the scrape (s since the epoch)
+    # vllm:lora_requests_info, its newest series (engines started with --enable-lora only):
+    max_lora: int = 0  # LoRA slots of one batch (--max-loras); 0: unknown, or LoRA off
+    lora_running: tuple[str, ...] = ()  # adapters with a running request (each holds a slot)
+    lora_waiting: tuple[str, ...] = ()  # adapters with a waiting request
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +123,9 @@ class FeedDecodeError(ValueError):
 
 
 # Wire form (msgpack array, compact and versioned by position; trailing extra elements are ignored):
-#   [kind, keys(list[u64]), medium, load(list|nil), hello(list|nil), ts]
+#   [kind, keys(list[u64]), medium, load(list|nil), hello(list|nil), ts, lora(list|nil)?]
+# `lora` ([max_lora, running, waiting], a load record of an engine serving LoRA only) came after
+# the rest: a gateway that predates it ignores it, and records without it decode as before.
 # Decoding goes through a typed msgspec decoder (`_Wire`, array_like): msgspec checks the shapes and
 # builds the key tuple in C instead of unpacking a generic list and converting each field in Python
 # (a gateway decodes every record of every replica; loadtests/bench_feed.py measures it).
@@ -134,6 +140,7 @@ class _Wire(msgspec.Struct, array_like=True):
     load: tuple[int, int, float, float, float, int, int, float] | None
     hello: tuple[int, str, str] | None
     ts: float
+    lora: tuple[int, tuple[str, ...], tuple[str, ...]] | None = None
 
 
 _wire_dec = msgspec.msgpack.Decoder(_Wire)
@@ -148,6 +155,10 @@ def encode_event(ev: FeedEvent) -> bytes:
         load = [lr.running_reqs, lr.waiting_reqs, lr.kv_usage, lr.prefix_cache_queries_total,
                 lr.prefix_cache_hits_total, lr.num_gpu_blocks, lr.block_size, lr.ts]
     hello = None if ev.hello is None else [ev.hello.block_size, ev.hello.model, ev.hello.agent_epoch]
+    if ev.load is not None and ev.load.max_lora:
+        lr = ev.load
+        return _enc.encode([ev.kind, list(ev.keys), ev.medium, load, hello, ev.ts,
+                            [lr.max_lora, list(lr.lora_running), list(lr.lora_waiting)]])
     return _enc.encode([ev.kind, list(ev.keys), ev.medium, load, hello, ev.ts])
 
 
@@ -159,7 +170,7 @@ def decode_event(replica_id: str, offset: int, data: bytes) -> FeedEvent:
         raise FeedDecodeError(f"bad feed record for {replica_id}@{offset}: {exc}") from exc
     if w.kind not in _KINDS:
         raise FeedDecodeError(f"unknown feed record kind {w.kind!r}")
-    load = None if w.load is None else LoadReport(*w.load)
+    load = None if w.load is None else LoadReport(*w.load) if w.lora is None else LoadReport(*w.load, *w.lora)
     hello = None if w.hello is None else Hello(*w.hello)
     return FeedEvent(replica_id, int(offset), w.kind, w.keys, w.medium, load, hello, w.ts)  # positional: cheaper
 

@@ -70,6 +70,8 @@ until cursor == "0"
 return out
 """
 
+# The live hash's load fields: numbers only, each read back as a float by every gateway version, so
+# the LoRA slots (names) are not among them; the load records carry those (records.py).
 _LOAD_FIELDS = ("running_reqs", "waiting_reqs", "kv_usage", "prefix_cache_queries_total",
                 "prefix_cache_hits_total", "num_gpu_blocks", "block_size", "ts")
 

@@ -123,3 +123,57 @@ def test_an_adapter_loaded_at_run_time_is_discovered(lora_system):
     assert (cached, predicted) == (0, 0)
     cached, predicted, _ = _ask(system, LATE, prompt + "\nQ2?")
     assert cached >= BLOCK * 10 and predicted == cached, (cached, predicted)
+
+
+def test_lora_slots_reach_the_gateway(lora_system):
+    """The engine's LoRA slots (vllm:lora_requests_info) as the policy weighs them: while a request
+    for an adapter runs, the engine's /metrics names it among the running adapters with its
+    `--max-loras`, the agent's load record carries that to the gateway's index, and once the
+    request has ended the next records say no adapter runs."""
+    import threading
+
+    from replica_agent.scraper import parse_load
+
+    system = lora_system
+    gw = system.gateway
+    rep = system.replicas[0]
+    body = {"model": ADAPTERS[1], "prompt": "Count: " + " ".join(str(i) for i in range(50)), "max_tokens": 600,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    done = threading.Event()
+
+    def stream() -> None:
+        try:
+            with httpx.stream("POST", system.url + "/v1/completions", headers=system.headers("acme"), json=body,
+                              timeout=180) as r:
+                assert r.status_code == 200
+                for _ in r.iter_bytes():
+                    pass
+        finally:
+            done.set()
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    engine = index = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not done.is_set() and (engine is None or index is None):
+        if engine is None:
+            lr = parse_load(httpx.get(rep.url + "/metrics", timeout=10).text)
+            if ADAPTERS[1] in lr.lora_running:
+                engine = lr
+        if index is None:
+            lr = system.call(gw.index.last_load, "r0")
+            if lr is not None and ADAPTERS[1] in lr.lora_running:
+                index = lr
+        time.sleep(0.05)
+    t.join(timeout=180)
+    assert engine is not None, "the engine's /metrics never named the running adapter (the stream ended first?)"
+    assert index is not None, "the agent's load records never brought the running adapter to the gateway"
+    assert (engine.max_lora, index.max_lora) == (3, 3) and engine.lora_running == (ADAPTERS[1],)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lr = system.call(gw.index.last_load, "r0")
+        if lr.lora_running == () and lr.max_lora == 3:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"the index still shows running adapters after the request ended: {lr}")
