@@ -59,15 +59,19 @@ def block_hashes(
     seed: str | None = None,
     parent: bytes | None = None,
     start_block: int = 0,
+    lora: str | None = None,
 ) -> list[bytes]:
     """Digests of the full blocks of `token_ids` (block `start_block` onwards of the request,
-    chained from `parent`, NONE_HASH by default)."""
+    chained from `parent`, NONE_HASH by default). `lora`: the adapter's `("lora", name, path)`
+    extra on every block, its name standing in for the path (which only the engine knows)."""
     ser = _serializer(algo)
     p = parent if parent is not None else none_hash(algo, seed)
     out = []
     n = len(token_ids) // block_size
+    lora_extra = (("lora", lora, lora),) if lora else ()
     for i in range(n):
-        extra = (("cache_salt", cache_salt),) if (cache_salt and start_block + i == 0) else None
+        extra = lora_extra + ((("cache_salt", cache_salt),) if (cache_salt and start_block + i == 0) else ())
+        extra = extra or None
         p = hashlib.sha256(ser((p, tuple(token_ids[i * block_size : (i + 1) * block_size]), extra))).digest()
         out.append(p)
     return out

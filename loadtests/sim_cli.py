@@ -32,6 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="vLLM's --scheduling-policy: fcfs, or priority (a request's `priority`, lower first)")
     p.add_argument("--default-max-tokens", type=int, default=16, help="output tokens when a request gives no max_tokens")
+    p.add_argument("--lora-modules", default="", metavar="NAMES",
+                   help="LoRA adapters served besides the model, comma-separated names (vLLM's --lora-modules; no weights)")
+    p.add_argument("--max-loras", type=int, default=1, help="adapters one batch may run, as vLLM's --max-loras (default 1)")
+    p.add_argument("--no-lora-metrics", action="store_true",
+                   help="leave vllm:lora_requests_info out of /metrics (an engine whose LoRA slots a router cannot see)")
     t = p.add_argument_group("time model (step = overhead + prefill tokens x per-token + decoding seqs x per-seq, x time scale)")
     t.add_argument("--time-profile", default="gpu", choices=["gpu", "wallclock"],
                    help="gpu: Llama-3-8B on an A100 (8 ms + 0.05 ms/token + 0.25 ms/seq); wallclock: 12 ms + 1 ms/token + 0.1 ms/seq")

@@ -53,7 +53,7 @@ class BlockStored:
     token_ids: list[int]  # all tokens of those blocks, concatenated
     block_size: int  # tokens per block
     extra_keys: list[list | None]  # one entry per block: None, or the untagged extras ([salt] on block 0)
-    lora_name: str | None = None  # LoRA adapter name (never set by the simulator)
+    lora_name: str | None = None  # LoRA adapter name (a request for an adapter: on every block's extras too)
     medium: str = "GPU"  # where the blocks live
 
 
@@ -210,6 +210,7 @@ class BlockPool:
         token_ids: Sequence[int],
         cache_salt: str | None = None,
         emit: bool = True,
+        lora: str | None = None,
     ) -> None:
         """Mark the request's blocks [start_idx, end_idx) as full and cached under their hashes and
         record one BlockStored for the run. `token_ids` are the request's tokens (at least
@@ -229,21 +230,23 @@ class BlockPool:
             else:
                 d[b.block_id] = b
         if emit:
-            self._events.append(self.stored_event(block_hashes, start_idx, end_idx, token_ids, cache_salt))
+            self._events.append(self.stored_event(block_hashes, start_idx, end_idx, token_ids, cache_salt, lora))
 
     def stored_event(
-        self, block_hashes: Sequence[bytes], start_idx: int, end_idx: int, token_ids: Sequence[int], cache_salt: str | None
+        self, block_hashes: Sequence[bytes], start_idx: int, end_idx: int, token_ids: Sequence[int], cache_salt: str | None,
+        lora: str | None = None,
     ) -> BlockStored:
         bs = self.block_size
-        extra: list[list | None] = [None] * (end_idx - start_idx)
+        extra: list[list | None] = [[lora] if lora else None for _ in range(end_idx - start_idx)]
         if cache_salt and start_idx == 0:
-            extra[0] = [cache_salt]
+            extra[0] = [lora, cache_salt] if lora else [cache_salt]
         return BlockStored(
             block_hashes=list(block_hashes[start_idx:end_idx]),
             parent_block_hash=block_hashes[start_idx - 1] if start_idx > 0 else None,
             token_ids=list(token_ids[start_idx * bs : end_idx * bs]),
             block_size=bs,
             extra_keys=extra,
+            lora_name=lora,
         )
 
     def record(self, event: PoolEvent) -> None:

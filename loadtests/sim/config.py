@@ -40,6 +40,9 @@ class SimConfig:
     stall_after_s: float | None = None  # fault: stall this long after start ...
     stall_s: float = 0.0  # ... for this long
     trace: bool = False  # keep per-request and per-step timelines for GET /sim/trace (diagnostics)
+    lora_modules: tuple[str, ...] = ()  # LoRA adapters served besides the model (vLLM --lora-modules names)
+    max_loras: int = 1  # adapters one batch may run (vLLM --max-loras; its default is 1), with lora_modules
+    lora_metrics: bool = True  # export vllm:lora_requests_info (False: as an engine whose slots are not visible)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -53,6 +56,7 @@ class SimConfig:
             hash_algo=self.hash_algo,
             enable_prefix_caching=self.enable_prefix_caching,
             scheduling_policy=self.scheduling_policy,
+            max_loras=self.max_loras if self.lora_modules else 0,
             time=replace(self.time),
         )
 
@@ -90,4 +94,7 @@ def config_from_args(args: Any) -> SimConfig:
         crash_after_s=g("fault_crash_after_s"),
         stall_after_s=g("fault_stall_after_s"),
         stall_s=g("fault_stall_s", 0.0) or 0.0,
+        lora_modules=tuple(n for n in (g("lora_modules") or "").split(",") if n),
+        max_loras=g("max_loras", 1) or 1,
+        lora_metrics=not g("no_lora_metrics", False),
     )

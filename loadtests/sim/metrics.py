@@ -4,6 +4,7 @@ figures (steps run, modelled against measured step seconds, how late the step ti
 `/metrics` and `/sim/stats`."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ class SimMetrics:
         self.ttft_bucket_counts = [0] * (len(TTFT_BUCKETS_S) + 1)
         self.ttft_sum_s = 0.0
         self.ttft_count = 0
+        self.lora_series: dict[tuple[int, str, str], float] = {}  # vllm:lora_requests_info's label sets -> last time
 
     def observe_step(self, modelled_s: float, actual_s: float, lateness_s: float) -> None:
         self.steps += 1
@@ -61,6 +63,18 @@ class SimMetrics:
             "lateness_s": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": self.lateness_max_s},
         }
 
+    def _lora_info(self, eng: SimEngine, cfg: SimConfig) -> str:
+        """vllm:lora_requests_info as vLLM writes it: one series per label set ever seen, each set to
+        the time it was last the engine's state (so the newest series is the state now)."""
+        running, waiting = eng.lora_adapters()
+        key = (cfg.max_loras, ",".join(running), ",".join(waiting))
+        self.lora_series[key] = max(time.time(), max(self.lora_series.values(), default=0.0) + 1e-6)
+        name = "vllm:lora_requests_info"
+        lines = [f"# HELP {name} Running stats on lora requests.\n# TYPE {name} gauge\n"]
+        for (max_lora, run, wait), t in self.lora_series.items():
+            lines.append(f'{name}{{max_lora="{max_lora}",running_lora_adapters="{run}",waiting_lora_adapters="{wait}"}} {t!r}\n')
+        return "".join(lines)
+
     def prometheus_text(self, eng: SimEngine, cfg: SimConfig) -> str:
         lbl = f'engine="{cfg.engine_label}",model_name="{cfg.model}"'
         out: list[str] = []
@@ -80,6 +94,8 @@ class SimMetrics:
                 f'engine="{cfg.engine_label}",gpu_memory_utilization="0.9",model_name="{cfg.model}",'
                 f'num_cpu_blocks="None",num_gpu_blocks="{eng.pool.num_blocks}",prefix_caching_hash_algo="{cfg.hash_algo}"')
         out.append(f"# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{{info}}} 1.0\n")
+        if cfg.lora_modules and cfg.lora_metrics:
+            out.append(self._lora_info(eng, cfg))
         name = "vllm:time_to_first_token_seconds"
         lines = [f"# HELP {name} Histogram of time to first token in seconds.\n# TYPE {name} histogram\n"]
         cum = 0

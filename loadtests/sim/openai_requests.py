@@ -92,8 +92,9 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-def read_json_body(raw: bytes, model: str) -> dict:
-    """A request body: a JSON object naming no model but `model` (vLLM's 404 for another)."""
+def read_json_body(raw: bytes, model: str, adapters: tuple[str, ...] = ()) -> dict:
+    """A request body: a JSON object naming no model but `model` or one of its LoRA `adapters`
+    (vLLM's 404 for another)."""
     try:
         body = json.loads(raw) if raw else None
     except (ValueError, UnicodeDecodeError) as e:
@@ -101,7 +102,7 @@ def read_json_body(raw: bytes, model: str) -> dict:
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object")
     name = body.get("model")
-    if name is not None and name != model:
+    if name is not None and name != model and name not in adapters:
         raise BadRequest(f"The model `{name}` does not exist.", "model", 404, "NotFoundError")
     return body
 

@@ -27,7 +27,9 @@ Scheduling per step (vLLM v1 `Scheduler.schedule`, FCFS):
    is ordered by (request priority, arrival), lower first, and the victim is the running request
    of the lowest priority (latest admitted among them); no request is preempted to free a slot.
 2. If nothing was preempted: waiting requests in queue order while a sequence slot
-   (`max_num_seqs`) and budget remain. On first scheduling, the longest run of cached leading
+   (`max_num_seqs`) and budget remain. With `max_loras`, a request for a LoRA adapter that is not
+   among the running requests' adapters while they fill the `max_loras` slots is skipped (it
+   stays at its place in the queue) and the next one is tried, as vLLM's scheduler does. On first scheduling, the longest run of cached leading
    blocks within the first num_tokens - 1 tokens is a hit (a fully cached prompt still computes
    its last token); only the rest is prefilled.
 3. Blocks that became full in this step are cached and reported (BlockStored); hit blocks are
@@ -103,6 +105,7 @@ class EngineConfig:
     hash_seed: str | None = None  # None: $PYTHONHASHSEED else "vllm-none-hash"
     enable_prefix_caching: bool = True  # vLLM's --enable-prefix-caching
     scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy: "fcfs" or "priority" (lower first)
+    max_loras: int = 0  # LoRA adapters one batch may run (vLLM --max-loras); 0: no limit (LoRA off)
     time: TimeModel = field(default_factory=TimeModel)  # step-time model
     filler_token_ids: tuple[int, ...] = _DEFAULT_FILLER  # output tokens, cycled
 
@@ -121,6 +124,7 @@ class SimRequest:
     report_full_hits: bool = False  # vllm_xargs.kv_cache_report_mode == "full": re-report hit blocks
     arrival_s: float = 0.0  # caller's clock at add_request (for the caller's own bookkeeping)
     priority: int = 0  # vLLM's request priority (policy "priority": lower goes first)
+    lora: str | None = None  # the LoRA adapter it runs (None: the base model)
     # -- state owned by the engine --
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs so far
     num_prompt_tokens: int = 0  # len(prompt_token_ids)
@@ -244,6 +248,12 @@ class SimEngine:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """(adapters with a running request, adapters with a waiting one), each in first-seen order
+        (vLLM's vllm:lora_requests_info labels)."""
+        return (list(dict.fromkeys(r.lora for r in self.running if r.lora is not None)),
+                list(dict.fromkeys(r.lora for r in self.waiting if r.lora is not None)))
+
     def take_events(self) -> list[PoolEvent]:
         return self.pool.take_events()
 
@@ -274,6 +284,7 @@ class SimEngine:
                 cache_salt=req.cache_salt,
                 parent=parent,
                 start_block=have,
+                lora=req.lora,
             )
         )
 
@@ -291,7 +302,7 @@ class SimEngine:
         if full > req.num_cached_blocks:
             self._ensure_hashes(req, full)
             start = req.num_cached_blocks
-            self.pool.cache_full_blocks(req.blocks, req.block_hashes, start, full, req.token_ids, req.cache_salt)
+            self.pool.cache_full_blocks(req.blocks, req.block_hashes, start, full, req.token_ids, req.cache_salt, lora=req.lora)
             if req.num_output_tokens == 0 and req.num_cached_tokens >= 0 and req.num_preemptions == 0:
                 # prompt blocks this request created (vLLM's created_cache_tokens)
                 prompt_full = min(full, req.num_prompt_tokens // self.block_size)
@@ -346,8 +357,13 @@ class SimEngine:
 
         if not preempted:
             waiting = self.waiting
+            loras = {r.lora for r in self.running if r.lora is not None} if cfg.max_loras else None
+            skipped: list[SimRequest] = []  # their adapter has no LoRA slot this step
             while waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 req = waiting[0]
+                if loras is not None and req.lora is not None and req.lora not in loras and len(loras) >= cfg.max_loras:
+                    skipped.append(waiting.popleft())
+                    continue
                 hits: list[KVBlock] = []
                 if cfg.enable_prefix_caching:
                     max_hit_blocks = (req.num_tokens - 1) // bs
@@ -370,12 +386,15 @@ class SimEngine:
                     self.prefix_cache_queries_tokens_total += req.num_tokens
                     self.prefix_cache_hits_tokens_total += hit_tokens
                 if hits and req.report_full_hits:
-                    pool.record(pool.stored_event(req.block_hashes, 0, len(hits), req.token_ids, req.cache_salt))
+                    pool.record(pool.stored_event(req.block_hashes, 0, len(hits), req.token_ids, req.cache_salt, req.lora))
                 req.status = RUNNING
                 self.running.append(req)
+                if loras is not None and req.lora is not None:
+                    loras.add(req.lora)
                 self._cache_new_full(req, hit_tokens + num_new)
                 scheduled[req] = num_new
                 budget -= num_new
+            waiting.extendleft(reversed(skipped))  # back at the head, in their order
 
         # -- apply: computed tokens advance; caught-up requests sample one token ----------------
         prefill_tokens = 0

@@ -17,6 +17,12 @@ Routes: POST /v1/completions, /v1/chat/completions (stream or not), /tokenize, /
 /sim/trace (per-request and per-step timelines, when started with `trace`). Anything
 else is a 404, as on vLLM.
 
+LoRA (`lora_modules`, `max_loras`): the adapters are served names without weights; a request for
+one runs as the model does, its blocks hashed and reported apart (the adapter on every block, as
+vLLM does), and the engine batches at most `max_loras` adapters (scheduler.py); `/v1/models` lists
+them with the model as parent and `/metrics` has vllm:lora_requests_info (unless `lora_metrics`
+is off).
+
 Faults (POST /sim/fault {"kind": ...}, or CLI flags): "crash" (/health 503, every other route 500,
 live streams cut; with "refuse": true the listening socket closes: connections refused),
 "stall" {"duration_s"} (no steps for that long), "drop_events" {"fraction"} (PUB batches skipped,
@@ -345,7 +351,7 @@ class SimServer:
             return web.Response(body=b'{"detail":"Method Not Allowed"}', status=405, content_type="application/json")
 
     async def _body(self, request: web.Request) -> dict:
-        return read_json_body(await request.read(), self.cfg.model)
+        return read_json_body(await request.read(), self.cfg.model, self.cfg.lora_modules)
 
     # -- generation ----------------------------------------------------------------------------
     async def h_completions(self, request: web.Request) -> web.StreamResponse:
@@ -379,8 +385,9 @@ class SimServer:
         self._req_counter += 1
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         st = _Stream(loop.time())
+        lora = body.get("model") if body.get("model") in self.cfg.lora_modules else None
         req = SimRequest(rid, p.prompt_ids, p.max_tokens, cache_salt=p.cache_salt, report_full_hits=p.report_full, arrival_s=st.t_arrival,
-                         priority=p.priority, user=st)
+                         priority=p.priority, user=st, lora=lora)
         engine = self.engine
         if self.cfg.trace:
             st.trace = {"id": request.headers.get("X-Request-Id", rid), "t_arrival": st.t_arrival,
@@ -392,7 +399,7 @@ class SimServer:
             raise BadRequest(str(e), "max_tokens") from None
         self._notify()
         created = int(time.time())
-        model = self.cfg.model
+        model = lora or self.cfg.model
         resp: web.StreamResponse | None = None
         try:
             if not p.stream:
@@ -515,13 +522,15 @@ class SimServer:
 
     async def h_models(self, request: web.Request) -> web.Response:
         m = self.cfg.model
-        return _json_response({"object": "list", "data": [{
-            "id": m, "object": "model", "created": self._created, "owned_by": "vllm", "root": m, "parent": None,
-            "max_model_len": self.max_model_len,
-            "permission": [{"id": f"modelperm-{m}", "object": "model_permission", "created": self._created, "allow_create_engine": False,
-                            "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                            "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}],
-        }]})
+
+        def card(name: str, parent: str | None) -> dict:
+            return {"id": name, "object": "model", "created": self._created, "owned_by": "vllm", "root": name if parent is None else f"/adapters/{name}",
+                    "parent": parent, "max_model_len": self.max_model_len if parent is None else None,
+                    "permission": [{"id": f"modelperm-{name}", "object": "model_permission", "created": self._created, "allow_create_engine": False,
+                                    "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                                    "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}]}
+
+        return _json_response({"object": "list", "data": [card(m, None), *(card(a, m) for a in self.cfg.lora_modules)]})
 
     def kv_event_sources(self) -> list[dict]:
         cfg = self.cfg
