@@ -12,9 +12,10 @@ flushed by the server's poll loop every `inflight_poll_s`, so no feed call sits 
 path); `others = shared - own_flushed`, and the view is `others + own_now`: always fresh for our
 own work and at most one poll stale for theirs.
 
-Per replica it also counts this gateway's open requests per LoRA adapter (`open_loras`): the
-adapters it has just given work there, which hold one of the engine's LoRA slots before its next
-report can say so.
+Per replica it also counts this gateway's open requests per LoRA adapter, in flight
+(`inflight_loras`: no first token yet, so running or waiting for a slot) and active
+(`active_loras`: generating, so holding a slot): the adapters it has just given work there, before
+the engine's next report can say so.
 
 Per replica it also keeps a mean of the uncached prefill tokens of requests sent there
 (`mean_uncached_tokens`), which the cache-aware policy uses to price a waiting request, and a
@@ -73,7 +74,8 @@ class ReplicaLoad:
     others_rps: float = 0.0  # other gateways' routed_rps here, summed (their gauges at the last exchange)
     others_size_weight: float = 0.0  # their size weights, summed (same)
     others_size_tokens: float = 0.0  # their weight x mean uncached tokens, summed (same)
-    open_loras: dict[str, int] | None = None  # this gateway: LoRA adapter -> its requests sent here, not finished
+    inflight_loras: dict[str, int] | None = None  # this gateway: LoRA adapter -> its requests here without a first token
+    active_loras: dict[str, int] | None = None  # this gateway: LoRA adapter -> its requests here generating
 
 
 class Flight:
@@ -98,6 +100,17 @@ class Flight:
         if not self.done:
             self.done = True
             self.tracker._finish(self)
+
+
+def _count(counts: dict[str, int], key: str, n: int) -> None:
+    """Add `n` to `counts[key]`, dropping the key at 0 (a key never counted is left alone)."""
+    if n < 0 and key not in counts:
+        return
+    v = counts.get(key, 0) + n
+    if v > 0:
+        counts[key] = v
+    else:
+        counts.pop(key, None)
 
 
 class LoadTracker:
@@ -174,12 +187,12 @@ class LoadTracker:
     def dispatch(self, replica_id: str, uncached_tokens: int, now: float | None = None, max_tokens: int = 0,
                  lora: str | None = None) -> Flight:
         """Count a request sent to `replica_id`; `max_tokens` (0: not given) feeds mean_output_tokens;
-        `lora`: the adapter it runs, counted in `open_loras` until it finishes."""
+        `lora`: the adapter it runs, counted in `inflight_loras`, then `active_loras`, until it finishes."""
         ld = self._get(replica_id)
         if lora is not None:
-            if ld.open_loras is None:
-                ld.open_loras = {}
-            ld.open_loras[lora] = ld.open_loras.get(lora, 0) + 1
+            if ld.inflight_loras is None:
+                ld.inflight_loras = {}
+            _count(ld.inflight_loras, lora, 1)
         if now is not None:
             ld.routed_rps = self.routed_rps(replica_id, now) + 1.0 / self.routed_tau_s
             ld.routed_t = now
@@ -204,6 +217,11 @@ class LoadTracker:
         ld.inflight_tokens = max(0, ld.inflight_tokens - f.tokens)
         ld.active_reqs += 1
         self._shared_delta(f.replica_id, -1, -f.tokens, 0)
+        if f.lora is not None and ld.inflight_loras:
+            _count(ld.inflight_loras, f.lora, -1)
+            if ld.active_loras is None:
+                ld.active_loras = {}
+            _count(ld.active_loras, f.lora, 1)
 
     def _finish(self, f: Flight) -> None:
         ld = self._get(f.replica_id)
@@ -214,12 +232,10 @@ class LoadTracker:
         else:
             ld.active_reqs = max(0, ld.active_reqs - 1)
             self._shared_delta(f.replica_id, 0, 0, -1)
-        if f.lora is not None and ld.open_loras and f.lora in ld.open_loras:
-            n = ld.open_loras[f.lora] - 1
-            if n > 0:
-                ld.open_loras[f.lora] = n
-            else:
-                del ld.open_loras[f.lora]
+        if f.lora is not None:
+            counts = ld.inflight_loras if f.pending else ld.active_loras
+            if counts:
+                _count(counts, f.lora, -1)
 
     def gauges(self, now: float) -> dict[str, tuple[float, float, float]]:
         """This gateway's dispatch gauges to publish with the exchange (module header): replica ->

@@ -15,8 +15,8 @@ Per replica r (the README's "What it does", steps 5-6):
 - what was sent there: mean uncached prefill tokens and mean max_tokens of its requests, routed
   requests per second (LoadTracker); cache fill (index entries / the engine's KV blocks) and
   those KV blocks (the agent's load report);
-- LoRA slots: the engine's `max_lora` and running adapters (the agent's load report), plus the
-  adapters of this gateway's requests sent there and not finished;
+- LoRA slots: the engine's `max_lora`, running and waiting adapters (the agent's load report),
+  plus the adapters of this gateway's requests sent there and not finished;
 - rates: the calibrator's prefill seconds per token and decode step seconds (priors at first);
 - health: probes and passive ejection (`Membership`); index liveness from the feed, and trust in
   it (gateway.index_health: a replica whose predictions disagree with its engine counts as not live).
@@ -260,7 +260,7 @@ def build_views(
             running, waiting, kv = rep.running_reqs, rep.waiting_reqs, rep.kv_usage
         else:
             running, waiting, kv = (ld.active_reqs if ld is not None else 0), 0, 0.0
-        max_lora, loras = _lora_slots(rep, ld)
+        max_lora, lora_running, lora_waiting = _lora_slots(rep, ld)
         views.append(ReplicaView(
             replica_id=rid,
             healthy=bool(available.get(rid, False)),
@@ -281,19 +281,27 @@ def build_views(
             routed_rps=routed_rps.get(rid, 0.0) if routed_rps is not None else None,
             others_routed_rps=ld.others_rps if ld is not None else 0.0,
             max_lora=max_lora,
-            lora_running=loras,
+            lora_running=lora_running,
+            lora_waiting=lora_waiting,
         ))
     return views
 
 
-def _lora_slots(rep, ld) -> tuple[int, tuple[str, ...]]:
-    """(max_lora, the adapters holding slots): the engine's last report, plus the adapters of this
-    gateway's requests sent there since (they hold a slot before the next report can say so)."""
+def _lora_slots(rep, ld) -> tuple[int, tuple[str, ...], tuple[str, ...]]:
+    """(max_lora, the adapters holding slots, the others wanting one): the engine's last report,
+    plus this gateway's requests there since (generating: holding a slot; no first token yet:
+    running or waiting, counted as wanting one unless their adapter holds a slot)."""
     if rep is None or not rep.max_lora:
-        return 0, ()
-    if ld is None or not ld.open_loras:
-        return rep.max_lora, rep.lora_running
-    return rep.max_lora, tuple(dict.fromkeys((*rep.lora_running, *ld.open_loras)))
+        return 0, (), ()
+    running, waiting = rep.lora_running, rep.lora_waiting
+    if ld is not None and ld.active_loras:
+        running = tuple(dict.fromkeys((*running, *ld.active_loras)))
+    if ld is not None and ld.inflight_loras:
+        waiting = (*waiting, *ld.inflight_loras)
+    if waiting:
+        held = set(running)
+        waiting = tuple(a for a in dict.fromkeys(waiting) if a not in held)
+    return rep.max_lora, running, waiting
 
 
 PRIOR_UNCACHED_TOKENS = 512.0  # a waiting request's prefill when nothing is known (cache_aware's prior too)

@@ -120,7 +120,8 @@ def _replica(gw, s, st) -> dict:
                                                  "lora_running": list(rep.lora_running),
                                                  "lora_waiting": list(rep.lora_waiting)} if rep.max_lora else {})},
         "inflight_reqs": ld.inflight_reqs, "inflight_tokens": ld.inflight_tokens, "active_reqs": ld.active_reqs,
-        "open_lora_reqs": dict(ld.open_loras or {}),  # this gateway's requests there per LoRA adapter, not finished
+        # this gateway's requests there per LoRA adapter: no first token yet, and generating
+        "lora_reqs": {"inflight": dict(ld.inflight_loras or {}), "active": dict(ld.active_loras or {})},
         "others_inflight_reqs": ld.others_reqs,
         # requests routed there per second, by this gateway and by every gateway (gateway.load's
         # dispatch gauges), and the mean uncached tokens of those requests (by age; None: none yet)

@@ -48,6 +48,9 @@ class SystemSpec:
     auth: bool = True
     feed_url: str | None = None  # None: a private in-process feed
     agent_load_interval_s: float = 0.25
+    lora_modules: tuple[str, ...] = ()  # LoRA adapters every sim serves (found by the gateway in /v1/models)
+    max_loras: int = 1  # adapters one sim batch may run
+    lora_metrics: bool = True  # the sims export their LoRA slots (vllm:lora_requests_info)
 
 
 class EmbeddedSystem:
@@ -100,7 +103,8 @@ class EmbeddedSystem:
             cfg = SimConfig(model=spec.model, block_size=spec.block_size, num_blocks=spec.num_blocks,
                             max_num_seqs=spec.max_num_seqs, time=replace(tm), kv_events_endpoint=ev,
                             max_model_len=min(32768, spec.num_blocks * spec.block_size) if spec.num_blocks else 32768,
-                            replay_endpoint=rp, engine_label=rid)
+                            replay_endpoint=rp, engine_label=rid, lora_modules=tuple(spec.lora_modules),
+                            max_loras=spec.max_loras, lora_metrics=spec.lora_metrics)
             sims[rid] = await start_sim_server(cfg)
             self.sims.append(sims[rid])
         for rid in ids:

@@ -13,8 +13,11 @@ Every term is in seconds of this request's time to first token (TTFT), per repli
     slot_wait_s      = (waiting_reqs + 1) x output_tokens_per_req(r) x decode_step_s(r) / max_num_seqs
                        if slots_full else 0
     lora_full        = the request runs LoRA adapter A, max_lora(r) > 0, A not in lora_running(r)
-                       AND len(lora_running(r)) >= max_lora(r)                          (0/1)
-    lora_wait_s      = output_tokens_per_req(r) x decode_step_s(r)  if lora_full else 0
+                       AND |lora_running(r) + lora_waiting(r) + A| > max_lora(r)        (0/1)
+    lora_wait_s      = generation(r) = output_tokens_per_req(r) x decode_step_s(r)  if lora_full else 0
+    lora_spread_s    = generation(r) x slots_taken
+                       if A runs on another healthy replica, not on r, and r has a free slot, else 0
+                       (slots_taken: the share of the healthy replicas' LoRA slots held or wanted)
     queue_penalty_s  = max(backlog_tokens x prefill_s_per_token(r), slot_wait_s, lora_wait_s)
                      + running_reqs x running_step_share x decode_step_s(r)
                      + (decode_step_s(r) x busy_step_share  if the replica has any work)
@@ -37,7 +40,7 @@ Every term is in seconds of this request's time to first token (TTFT), per repli
                        terms() called without others_blocks treats the request as not a sole copy)
     balance_penalty_s= (w_cache + w_evict x cache_fill) x cache_benefit_s  if balance_guard else 0
     score            = w_cache x cache_benefit_s - w_queue x queue_penalty_s
-                       - w_evict x evict_penalty_s - w_kv x kv_penalty_s - balance_penalty_s
+                       - w_evict x evict_penalty_s - w_kv x kv_penalty_s - balance_penalty_s - lora_spread_s
 
 Highest score wins. Ties (scores within 1 ns) go to the smaller queue penalty, then the fewer
 outstanding requests (`_common.load_reqs`), then a draw from `rng`.
@@ -145,16 +148,31 @@ Why these pieces
   non-decreasing in every load signal. output_tokens_per_req(r) is the view's ``mean_output_tokens``
   (the gateway's moving mean of max_tokens of requests it sent there; an upper bound of what they
   generate, which errs toward leaving a saturated replica) else `prior_output_tokens`.
-  LoRA slots are the same kind of wait: an engine batches at most `max_lora` adapters (vLLM
-  `--max-loras`), and its scheduler skips a waiting request whose adapter is not among the running
-  ones while those fill the slots, until an adapter's last running request finishes: at least
-  about one whole generation (`lora_wait_s`), longer while the slots' adapters keep getting work.
-  `lora_running` is the engine's report (vllm:lora_requests_info, through the agent) plus the
-  adapters of this gateway's own requests sent there since; a replica already running the adapter,
-  or with a free slot, pays nothing, so an adapter's requests gather where it runs (the Inference
-  Extension's LoRA affinity) unless that replica's queue costs more.
   Not modelled: waiting for KV blocks with free slots (the view lacks the replica's block count
   and a request's block need); `w_kv`'s kv_penalty is the only KV signal.
+- LoRA slots are the same kind of wait: an engine batches at most `max_lora` adapters (vLLM
+  `--max-loras`), and its scheduler skips a waiting request whose adapter is not among the running
+  ones while those fill the slots, until one of them drains (its last running request finishes
+  with none of it waiting): at least about one whole generation (`lora_wait_s`), longer while the
+  slots' adapters keep getting work. The adapters waiting there want slots too, and the engine
+  admits in queue order: a request gets a slot at once only if its adapter runs there or the
+  running and waiting adapters with it fit in `max_lora`. `lora_running` and `lora_waiting` are
+  the engine's report (vllm:lora_requests_info, through the agent) plus the adapters of this
+  gateway's requests sent there since (generating: running; no first token yet: waiting unless
+  their adapter runs). Taking a free slot for an adapter that already runs elsewhere costs other
+  requests instead (as evicting does): the slot is held about a generation, and a request for an
+  adapter that runs nowhere waits if it then finds none free, so a second slot is priced at a
+  generation times the share of the pool's slots held or wanted (`lora_spread_s`: free when slots
+  are plentiful, about a generation when all are wanted). An adapter's requests so gather where
+  it runs (the Inference Extension's LoRA affinity) unless that replica's queue costs more.
+  Measured (loadtests/bench_lora.py, its README command: 4 replicas, 8 adapters, 2 slots each,
+  two rounds): TTFT p99 728 / 827 ms and 3 / 5 of 360 requests waiting in an engine for a slot,
+  against 1,481 / 1,654 ms and 25 / 32 with `lora_spread_s` left out (a tree with it at 0: worse
+  than not seeing the slots at all, in the p99), and 1,281-1,423 ms and 146-166 with the slots
+  hidden from the gateway. An estimate of the longer wait (a generation x e^n / k, k holders with n
+  requests in flight each, as Poisson streams) measured no different from the generation (714 /
+  736 ms, 4 / 3 waiting), so the simpler price stays; at a load the pool cannot carry (prompts of
+  ~700 tokens at the same rate) neither kept the slots from starving.
 - Running requests are mostly decoding: with continuous batching each one lengthens every step
   this request's prefill shares, by about ``running_step_share`` of a decode step; and a busy
   replica is mid-step when the request lands (on average ``busy_step_share`` of a step to wait).
@@ -216,7 +234,7 @@ does not.
 
 Every candidate's `terms`: matched_blocks, matched_blocks_cpu, matched_tokens, uncached_tokens,
 cache_benefit_s, backlog_tokens, slots_full (0/1), output_tokens, slot_wait_s, lora_full (0/1),
-lora_wait_s, queue_penalty_s,
+lora_wait_s, lora_spread_s, queue_penalty_s,
 cache_fill, evict_penalty_s, kv_pressure, kv_penalty_s, load_reqs, mean_load_reqs (-1 when terms() ran without one), routed_rps (-1 when
 unknown), others_blocks (-1 when terms() ran without it), sole_copy (0/1), balance_guard (0/1),
 balance_penalty_s, score.
@@ -232,6 +250,31 @@ from policies._common import SCORE_RESOLUTION_S, load_reqs
 from policies.base import Candidate, Decision, PolicyBase, ReplicaView, RequestView
 
 __all__ = ["CacheAwarePolicy"]
+
+
+def lora_pool_state(lora: str | None, live: Sequence[ReplicaView]) -> tuple[frozenset, float] | None:
+    """(the replicas running `lora`, the share of the pool's LoRA slots held or wanted) over
+    `live`; None for a base-model request or a pool that reports no LoRA slots."""
+    if lora is None:
+        return None
+    slots = sum(v.max_lora for v in live)
+    if not slots:
+        return None
+    taken = sum(min(len(v.lora_running) + len(v.lora_waiting), v.max_lora) for v in live if v.max_lora)
+    return frozenset(v.replica_id for v in live if lora in v.lora_running), taken / slots
+
+
+def _lora_costs(lora: str | None, v: ReplicaView, generation_s: float,
+                pool: tuple[frozenset, float] | None) -> tuple[bool, float, float]:
+    """(lora_full, lora_wait_s, lora_spread_s) of a request running `lora` on `v` (module header)."""
+    if lora is None or v.max_lora <= 0 or lora in v.lora_running:
+        return False, 0.0, 0.0
+    wanting = len(v.lora_running) + len(v.lora_waiting) + (lora not in v.lora_waiting)
+    if wanting > v.max_lora:
+        return True, generation_s, 0.0  # a slot frees with an adapter's last running request (module header)
+    if pool is not None and pool[0] - {v.replica_id}:
+        return False, 0.0, generation_s * pool[1]  # a second slot for an adapter that runs elsewhere
+    return False, 0.0, 0.0
 
 
 class CacheAwarePolicy(PolicyBase):
@@ -325,7 +368,8 @@ class CacheAwarePolicy(PolicyBase):
             "new_prefix_slack_s": self.new_prefix_slack_s,
         }
 
-    def terms(self, request: RequestView, v: ReplicaView, mean_load_reqs: float | None = None, mean_routed_rps: float | None = None, others_blocks: float | None = None) -> dict[str, float]:
+    def terms(self, request: RequestView, v: ReplicaView, mean_load_reqs: float | None = None, mean_routed_rps: float | None = None, others_blocks: float | None = None,
+              lora_pool: tuple[frozenset, float] | None = None) -> dict[str, float]:
         """The score and its terms for one replica (see the module header).
 
         `mean_load_reqs` is the mean `load_reqs` over the healthy replicas of the decision (what
@@ -333,6 +377,8 @@ class CacheAwarePolicy(PolicyBase):
         `mean_routed_rps` is the mean `routed_rps` over them (None: the signal is missing
         and the guard uses the load condition alone). `others_blocks` is the longest match (capped
         blocks, GPU or CPU) on any other healthy replica of the decision (None: not a sole copy).
+        `lora_pool` is (the replicas running the request's adapter, the share of the pool's LoRA
+        slots taken) over the healthy replicas (`lora_pool_state`; None: no spread priced).
         """
         bs = request.block_size
         cap_blocks = max(0, (request.prompt_tokens - 1) // bs) if bs > 0 else 0
@@ -351,10 +397,7 @@ class CacheAwarePolicy(PolicyBase):
         slots_full = v.waiting_reqs > 0 and v.running_reqs >= self.max_num_seqs
         # saturated: the newcomer waits for waiting + 1 completions of a full batch (module header)
         slot_wait_s = (v.waiting_reqs + 1) * out_tokens * step / self.max_num_seqs if slots_full else 0.0
-        lora = request.lora
-        lora_full = (lora is not None and v.max_lora > 0 and lora not in v.lora_running
-                     and len(v.lora_running) >= v.max_lora)
-        lora_wait_s = out_tokens * step if lora_full else 0.0  # a slot frees with an adapter's last request (module header)
+        lora_full, lora_wait_s, lora_spread_s = _lora_costs(request.lora, v, out_tokens * step, lora_pool)
         busy = v.running_reqs > 0 or v.waiting_reqs > 0 or v.inflight_reqs > 0
         queue_penalty_s = (
             max(backlog_tokens * p, slot_wait_s, lora_wait_s)
@@ -393,6 +436,7 @@ class CacheAwarePolicy(PolicyBase):
             - self.w_evict * evict_penalty_s
             - self.w_kv * kv_penalty_s
             - balance_penalty_s
+            - lora_spread_s
         )
         return {
             "matched_blocks": float(gpu_blocks),
@@ -406,6 +450,7 @@ class CacheAwarePolicy(PolicyBase):
             "slot_wait_s": slot_wait_s,
             "lora_full": 1.0 if lora_full else 0.0,
             "lora_wait_s": lora_wait_s,
+            "lora_spread_s": lora_spread_s,
             "queue_penalty_s": queue_penalty_s,
             "cache_fill": cache_fill,
             "evict_penalty_s": evict_penalty_s,
@@ -445,9 +490,10 @@ class CacheAwarePolicy(PolicyBase):
         cap_blocks = max(0, (request.prompt_tokens - 1) // bs) if bs > 0 else 0
         runs = [min(max(v.matched_blocks_cpu, v.matched_blocks_gpu), cap_blocks) if v.index_live else 0 for v in live]
         top2 = sorted(runs, reverse=True)[:2] + [0, 0]
+        lora_pool = lora_pool_state(request.lora, live)
         for i, v in enumerate(live):
             others = top2[1] if runs[i] == top2[0] else top2[0]
-            t = self.terms(request, v, mean, mean_rate, others)
+            t = self.terms(request, v, mean, mean_rate, others, lora_pool)
             keyed.append((-round(t["score"] / SCORE_RESOLUTION_S), t["queue_penalty_s"], t["load_reqs"], rng.random(), v.replica_id, t))
         keyed.sort(key=lambda k: k[:4])
         if top2[0] == 0 and len(keyed) > 1 and self.new_prefix_slack_s > 0.0:

@@ -216,37 +216,42 @@ async def test_an_adapter_loaded_on_some_replicas_goes_only_there(tok):
 
 
 def test_lora_slots_in_the_views():
-    """A replica's LoRA slots as the policy sees them: the engine's last report, plus the adapters
-    of this gateway's requests sent there since (they hold a slot before the next report shows it)."""
+    """A replica's LoRA slots as the policy sees them: the engine's last report, plus this
+    gateway's requests sent there since: generating ones hold their adapter's slot, those without
+    a first token want one (unless their adapter holds one)."""
     from gateway.load import LoadTracker
     from gateway.routing import build_views
     from replica_agent.feed.records import LoadReport
 
     load = LoadTracker()
-    reports = {"a": LoadReport(1, 0, 0.1, 0, 0, 100, 16, 0.0, 2, ("x",), ()), "b": LoadReport(0, 0, 0.0, 0, 0, 100, 16, 0.0)}
+    reports = {"a": LoadReport(1, 0, 0.1, 0, 0, 100, 16, 0.0, 2, ("x",), ("w",)), "b": LoadReport(0, 0, 0.0, 0, 0, 100, 16, 0.0)}
 
     def views():
-        return {v.replica_id: v for v in build_views(["a", "b"], matches={}, available={"a": True, "b": True},
-                                                      live={}, reports=reports, loads=load.snapshot(),
-                                                      rates={"a": (1e-4, 0.02), "b": (1e-4, 0.02)})}
+        vs = build_views(["a", "b"], matches={}, available={"a": True, "b": True}, live={}, reports=reports,
+                         loads=load.snapshot(), rates={"a": (1e-4, 0.02), "b": (1e-4, 0.02)})
+        return {v.replica_id: (v.max_lora, v.lora_running, v.lora_waiting) for v in vs}
 
-    v = views()
-    assert (v["a"].max_lora, v["a"].lora_running) == (2, ("x",)) and (v["b"].max_lora, v["b"].lora_running) == (0, ())
+    assert views() == {"a": (2, ("x",), ("w",)), "b": (0, (), ())}
     f1, f2 = load.dispatch("a", 10, lora="y"), load.dispatch("a", 10, lora="y")
     load.dispatch("b", 10, lora="y")  # b reports no LoRA slots: nothing to weigh there
+    fx = load.dispatch("a", 10, lora="x")  # x already runs there: not waiting
     base = load.dispatch("a", 10)
-    assert views()["a"].lora_running == ("x", "y") and views()["b"].lora_running == ()
-    f1.first_token()
+    assert views() == {"a": (2, ("x",), ("w", "y")), "b": (0, (), ())}
+    f1.first_token()  # y generates: it holds a slot
+    assert views()["a"] == (2, ("x", "y"), ("w",))
     f1.finish()
     base.finish()
-    assert views()["a"].lora_running == ("x", "y")  # f2 still open
+    fx.finish()
+    assert views()["a"] == (2, ("x",), ("w", "y"))  # f2 still has no first token
     f2.finish()
     f2.finish()  # idempotent
-    assert views()["a"].lora_running == ("x",)
+    assert views()["a"] == (2, ("x",), ("w",))
     late = load.dispatch("a", 10, lora="z")
     load.forget("a")  # the replica left the pool with a request open
+    late.first_token()
     late.finish()
-    assert load.get("a") is None or not load.get("a").open_loras
+    ld = load.get("a")
+    assert ld is None or not (ld.inflight_loras or ld.active_loras)
 
 
 async def test_an_adapter_goes_where_it_runs_or_a_slot_is_free(tok):
@@ -299,7 +304,7 @@ async def test_an_adapter_goes_where_it_runs_or_a_slot_is_free(tok):
             async with s.get(g.admin_url + "/debug/index") as r:  # what an operator sees
                 reps = {x["replica_id"]: x for x in (await r.json())["replicas"]}
             assert reps["a"]["load_report"]["lora_running"] == ["sql-lora"] and reps["a"]["load_report"]["max_lora"] == 1
-            assert reps["a"]["open_lora_reqs"] == {}  # every request answered
+            assert reps["a"]["lora_reqs"] == {"inflight": {}, "active": {}}  # every request answered
     finally:
         await feed.close()
         await g.close()

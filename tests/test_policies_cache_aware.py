@@ -142,10 +142,11 @@ def test_saturation_example_from_real_vllm():
 @settings(max_examples=60, deadline=None)
 @given(max_lora=st.integers(1, 4), extra=st.integers(0, 2), out_tokens=st.floats(8, 512), step=st.floats(0.005, 0.05),
        matched=st.integers(0, 60), seed=st.integers(0, 2**32))
-def test_lora_slots_full_of_other_adapters_cost_a_generation(max_lora, extra, out_tokens, step, matched, seed):
-    """An engine batches at most max_lora adapters: where they are all taken by others, a request
-    for adapter A waits about a whole generation; where A runs, or a slot is free, it does not,
-    and a base-model request or an engine without LoRA slots is priced as before."""
+def test_lora_slots_held_by_other_adapters_cost_a_generation(max_lora, extra, out_tokens, step, matched, seed):
+    """An engine batches at most max_lora adapters: where others hold or want them all, a request
+    for adapter A waits about a generation for one to drain; where A runs, or a slot is free for
+    it, it does not wait, and a base-model request or an engine without LoRA slots is priced as
+    before."""
     pol = CacheAwarePolicy()
     req = RequestView(prompt_tokens=matched * 16 + 17, block_size=16, lora="A")
     others = tuple(f"o{i}" for i in range(max_lora + extra))
@@ -153,7 +154,7 @@ def test_lora_slots_full_of_other_adapters_cost_a_generation(max_lora, extra, ou
                        mean_output_tokens=out_tokens, matched_blocks_gpu=matched, matched_blocks_cpu=matched)
     t = pol.terms(req, full)
     assert t["lora_full"] == 1.0 and t["lora_wait_s"] == pytest.approx(out_tokens * step)
-    assert t["queue_penalty_s"] >= out_tokens * step
+    assert t["queue_penalty_s"] >= t["lora_wait_s"]
     running_a = dataclasses.replace(full, lora_running=("A",) + others[1:max_lora])
     free_slot = dataclasses.replace(full, lora_running=others[:max_lora - 1])
     for v in (running_a, free_slot, dataclasses.replace(full, max_lora=0)):
@@ -171,6 +172,40 @@ def test_lora_slots_full_of_other_adapters_cost_a_generation(max_lora, extra, ou
         assert d.winner == ("cold" if tc["score"] > t["score"] else "full")
     if out_tokens * step > 1.0 and matched <= 20:  # >= 1 s of waiting, <= 0.02 s of prefill saved
         assert d.winner == "cold"
+
+
+def test_a_second_slot_for_an_adapter_that_runs_elsewhere_costs_the_slot_time_others_may_need():
+    """Four replicas with two LoRA slots each: adapter A runs on `home`; another replica's free slot
+    costs no wait but a generation x the share of the pool's slots in use (the slot another adapter
+    may need), so A's requests stay home at equal queues; with every other slot free the spread is
+    cheap, and a home whose queue costs more than that loses."""
+    from policies.cache_aware import lora_pool_state
+
+    pol = CacheAwarePolicy()
+    req = RequestView(prompt_tokens=200, block_size=16, lora="A")
+    gen = 64 * 0.015
+    def view(rid, running, **kw):
+        return ReplicaView(rid, max_lora=2, lora_running=running, decode_step_s=0.015, mean_output_tokens=64, **kw)
+    busy = [view("home", ("A", "B")), view("r1", ("C",)), view("r2", ("D", "E")), view("r3", ("F",))]
+    pool = lora_pool_state("A", busy)
+    assert pool == (frozenset({"home"}), 6 / 8)
+    t = {v.replica_id: pol.terms(req, v, lora_pool=pool) for v in busy}
+    assert t["home"]["lora_spread_s"] == 0.0 and t["home"]["lora_wait_s"] == 0.0
+    assert t["r1"]["lora_spread_s"] == pytest.approx(gen * 6 / 8) and t["r1"]["lora_wait_s"] == 0.0
+    assert t["r2"]["lora_full"] == 1.0 and t["r2"]["lora_spread_s"] == 0.0  # full: it waits instead
+    assert pol.rank(req, busy, random.Random(0)).winner == "home"
+    quiet = [view("home", ("A",)), view("r1", ())]
+    qp = lora_pool_state("A", quiet)
+    assert qp == (frozenset({"home"}), 1 / 4)
+    assert pol.terms(req, quiet[1], lora_pool=qp)["lora_spread_s"] == pytest.approx(gen / 4)
+    queued = dataclasses.replace(quiet[0], waiting_reqs=20, mean_uncached_prefill_tokens=500, prefill_s_per_token=1e-3)
+    assert pol.rank(req, [queued, quiet[1]], random.Random(0)).winner == "r1"  # 10 s of queue against 0.24 s
+    assert lora_pool_state(None, busy) is None and lora_pool_state("A", [ReplicaView("x")]) is None
+    # adapters waiting there want the free slot first (the engine admits in queue order)
+    wanted = view("r1", ("C",), lora_waiting=("G",))
+    assert pol.terms(req, wanted, lora_pool=pool)["lora_full"] == 1.0
+    assert pol.terms(req, view("r1", ("C",), lora_waiting=("A",)), lora_pool=pool)["lora_full"] == 0.0  # A is next
+    assert pol.terms(dataclasses.replace(req, lora=None), busy[1], lora_pool=pool)["lora_spread_s"] == 0.0
 
 
 def test_terms_cap_cpu_weight_and_dead_index():

@@ -31,6 +31,7 @@ def test_a_batch_runs_at_most_max_loras_adapters():
     # b1 has no slot (a holds the only one): skipped, and the requests behind it are admitted
     assert (a1.status, b1.status, base.status, a2.status) == (RUNNING, WAITING, RUNNING, RUNNING)
     assert list(eng.waiting) == [b1] and eng.lora_adapters() == (["a"], ["b"])
+    assert b1.lora_waited and eng.num_lora_waits_total == 1
     for _ in range(3):
         eng.step()
     assert a1.num_output_tokens == 3 and a2.num_output_tokens == 3  # a's requests done: the slot is free

@@ -126,6 +126,7 @@ class SimRequest:
     priority: int = 0  # vLLM's request priority (policy "priority": lower goes first)
     lora: str | None = None  # the LoRA adapter it runs (None: the base model)
     # -- state owned by the engine --
+    lora_waited: bool = False  # skipped at least once for want of a LoRA slot
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs so far
     num_prompt_tokens: int = 0  # len(prompt_token_ids)
     num_computed_tokens: int = 0  # tokens whose KV exists (hits count)
@@ -176,6 +177,7 @@ class SimEngine:
         self.requests: dict[str, SimRequest] = {}
         # lifetime counters (Prometheus counters)
         self.num_preemptions_total = 0
+        self.num_lora_waits_total = 0  # requests skipped at least once for want of a LoRA slot
         self.prefix_cache_queries_tokens_total = 0
         self.prefix_cache_hits_tokens_total = 0
         self.num_steps_total = 0
@@ -363,6 +365,9 @@ class SimEngine:
                 req = waiting[0]
                 if loras is not None and req.lora is not None and req.lora not in loras and len(loras) >= cfg.max_loras:
                     skipped.append(waiting.popleft())
+                    if not req.lora_waited:
+                        req.lora_waited = True
+                        self.num_lora_waits_total += 1
                     continue
                 hits: list[KVBlock] = []
                 if cfg.enable_prefix_caching:

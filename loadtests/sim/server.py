@@ -558,6 +558,7 @@ class SimServer:
             "kv_cache_usage": eng.pool.usage,
             "num_blocks": eng.pool.num_blocks,
             "num_preemptions": eng.num_preemptions_total,
+            "num_lora_waits": eng.num_lora_waits_total,  # requests that waited for a LoRA slot
             "prefix_cache_queries_tokens": eng.prefix_cache_queries_tokens_total,
             "prefix_cache_hits_tokens": eng.prefix_cache_hits_tokens_total,
             "num_aborted": self.num_aborted_total,

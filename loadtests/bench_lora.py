@@ -1,0 +1,124 @@
+"""LoRA-slot benchmark (not a test): the same pool and the same request stream, with the engines'
+LoRA slots visible to the gateway and hidden from it, side by side in one run.
+
+Each simulated replica serves `--adapters` LoRA adapters and batches at most `--max-loras` of them
+(vLLM's `--max-loras`: its scheduler skips a waiting request whose adapter is not among the
+running ones while they fill the slots). "visible": the sims export vllm:lora_requests_info, the
+agents carry it to the gateway and `cache_aware` prices a replica whose slots other adapters hold
+(`lora_wait_s`); "hidden": the same sims without the metric (an engine a router cannot see into),
+so the gateway routes by queue and cache alone. Everything runs embedded in this process
+(loadtests/harness.py: sims on the wall-clock time model, their agents, the gateway, the load),
+each variant from cold caches, `--rounds` times, alternating which goes first.
+
+Stream: Poisson arrivals at `--rate`, each request for an adapter drawn uniformly (or with Zipf
+`--zipf-s` > 0), a prompt of its own (`--prompt-words` words, nothing shared), `--output-tokens`
+tokens out. Reported per variant: TTFT and end-to-end p50/p99, errors, the requests that waited
+in an engine for a LoRA slot (the sims' count) and the requests per replica.
+
+Run:  python -m loadtests.bench_lora [--requests 360] [--rate 6] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+
+from loadtests.harness import EmbeddedSystem, SystemSpec
+from loadtests.runner import BenchRequest, run_interruptible, run_load, summarize
+
+MODEL = "lora-bench"
+
+
+def stream(args) -> list[BenchRequest]:
+    """The request stream both variants get (deterministic for `--seed`)."""
+    rng = random.Random(args.seed)
+    names = [f"adapter-{i}" for i in range(args.adapters)]
+    weights = [1.0 / (k + 1) ** args.zipf_s for k in range(args.adapters)] if args.zipf_s > 0 else None
+    out, t = [], 0.0
+    for i in range(args.requests):
+        t += rng.expovariate(args.rate)
+        adapter = rng.choices(names, weights)[0]
+        prompt = " ".join(f"w{rng.randrange(100_000)}" for _ in range(args.prompt_words))
+        out.append(BenchRequest(t, "/v1/completions", {"model": adapter, "prompt": f"Request {i}: {prompt}",
+                                                       "max_tokens": args.output_tokens, "ignore_eos": True},
+                                tag=adapter))
+    return out
+
+
+async def run_variant(args, visible: bool, reqs: list[BenchRequest]) -> dict:
+    spec = SystemSpec(replicas=args.replicas, policy=args.policy, model=MODEL, num_blocks=args.num_blocks,
+                      max_num_seqs=args.max_num_seqs, auth=False,
+                      lora_modules=tuple(f"adapter-{i}" for i in range(args.adapters)), max_loras=args.max_loras,
+                      lora_metrics=visible)
+    async with EmbeddedSystem(spec) as system:
+        samples, wall = await run_load(system.url, reqs, timeout_s=args.timeout)
+        stats = system.sim_stats()
+        seen = {rid: (r.max_lora if (r := system.gateway.gateway.routing.index.last_load(rid)) is not None else None)
+                for rid in stats}
+    out = summarize(samples, wall)
+    out["lora_waits"] = sum(s["num_lora_waits"] for s in stats.values())
+    out["lora_waits_per_replica"] = {rid: s["num_lora_waits"] for rid, s in sorted(stats.items())}
+    out["gateway_saw_max_lora"] = seen
+    out["sim_lateness_p99_s"] = max(s["lateness_s"]["p99"] for s in stats.values())
+    return out
+
+
+def _row(name: str, r: dict) -> str:
+    t, e = r["ttft_ms"], r["e2e_ms"]
+    return (f"| {name} | {t.get('p50', float('nan')):,.0f} / {t.get('p99', float('nan')):,.0f} | "
+            f"{e.get('p50', float('nan')):,.0f} / {e.get('p99', float('nan')):,.0f} | {r['errors']} | {r['lora_waits']} of "
+            f"{r['requests']} | {' / '.join(str(v) for v in r['per_replica_requests'].values())} |")
+
+
+async def main_async(args) -> dict:
+    reqs = stream(args)
+    runs: dict[str, list[dict]] = {"visible": [], "hidden": []}
+    for rnd in range(args.rounds):
+        order = ("visible", "hidden") if rnd % 2 == 0 else ("hidden", "visible")
+        for name in order:
+            print(f"round {rnd} {name}: {len(reqs)} requests at {args.rate}/s", file=sys.stderr)
+            r = await run_variant(args, name == "visible", reqs)
+            runs[name].append(r)
+            print(_row(name, r), file=sys.stderr)
+    print("| LoRA slots | TTFT p50 / p99 ms | e2e p50 / p99 ms | errors | requests that waited for a slot | requests per replica |")
+    print("|---|---|---|---|---|---|")
+    for name, rs in runs.items():
+        for r in rs:
+            print(_row(name, r))
+    return {"argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M"), "runs": runs}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtests.bench_lora", description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--adapters", type=int, default=8, help="LoRA adapters every replica serves")
+    p.add_argument("--max-loras", type=int, default=2, help="adapters one engine batch may run (vLLM --max-loras)")
+    p.add_argument("--requests", type=int, default=360)
+    p.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals per second")
+    p.add_argument("--zipf-s", type=float, default=0.0, help="adapter popularity: Zipf exponent (0: uniform)")
+    p.add_argument("--prompt-words", type=int, default=40, help="words of each prompt (about 6 tokens each)")
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per replica")
+    p.add_argument("--policy", default="cache_aware")
+    p.add_argument("--rounds", type=int, default=1, help="runs per variant, alternating which goes first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0, help="a client's total timeout per request (s)")
+    p.add_argument("--json", metavar="FILE")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = run_interruptible(main_async(args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
