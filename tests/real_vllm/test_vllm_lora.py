@@ -6,7 +6,9 @@ model or the other adapter is predicted and found cold (the engine keys adapters
 so do the gateway and the agent, from the events' `lora_name`); with speculation lapsed the index
 holds each adapter's keys from the feed. An adapter loaded into the engine at run time
 (`/v1/load_lora_adapter`) is refused until the gateway's discovery reads the engine's `/v1/models`,
-then served and predicted like the others. Costs one more engine start (about a minute)."""
+then served and predicted like the others. The engine's LoRA slots (vllm:lora_requests_info) reach
+the gateway's index through the agent while an adapter's request runs. Costs one more engine start
+(about a minute)."""
 from __future__ import annotations
 
 import random
