@@ -5,7 +5,8 @@ wall-clock comparison runs), so a vtime run predicts the wall-clock one; tests/t
 replays one request stream through both and checks they agree request by request. What differs is
 only how it is computed: decoding requests sit in a heap keyed by the step they finish (and by
 the step they next need a KV block) instead of being visited every step, and blocks are counted,
-not objects, so 100k requests on 64 replicas stay cheap.
+not objects, so 100k requests on 64 replicas stay cheap. Not here: SimEngine's LoRA adapters and
+`max_loras` slots (virtual-time workloads run the base model only).
 
 The model (vLLM v1, as SimEngine has it)
 - KV: `num_blocks` blocks of `block_size` tokens. One free queue in eviction order: never-used
