@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM's --scheduling-policy: fcfs, or priority (a request's `priority`, lower first)")
     p.add_argument("--default-max-tokens", type=int, default=16, help="output tokens when a request gives no max_tokens")
     p.add_argument("--lora-modules", default="", metavar="NAMES",
-                   help="LoRA adapters served besides the model, comma-separated names (vLLM's --lora-modules; no weights)")
+                   help="LoRA adapters served besides the model, comma-separated names (vLLM's --lora-modules; no weights; default: none)")
     p.add_argument("--max-loras", type=int, default=1, help="adapters one batch may run, as vLLM's --max-loras (default 1)")
     p.add_argument("--no-lora-metrics", action="store_true",
                    help="leave vllm:lora_requests_info out of /metrics (an engine whose LoRA slots a router cannot see)")
