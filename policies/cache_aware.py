@@ -378,7 +378,7 @@ class CacheAwarePolicy(PolicyBase):
         and the guard uses the load condition alone). `others_blocks` is the longest match (capped
         blocks, GPU or CPU) on any other healthy replica of the decision (None: not a sole copy).
         `lora_pool` is (the replicas running the request's adapter, the share of the pool's LoRA
-        slots taken) over the healthy replicas (`lora_pool_state`; None: no spread priced).
+        slots held or wanted) over the healthy replicas (`lora_pool_state`; None: no spread priced).
         """
         bs = request.block_size
         cap_blocks = max(0, (request.prompt_tokens - 1) // bs) if bs > 0 else 0

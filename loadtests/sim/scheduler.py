@@ -29,9 +29,9 @@ Scheduling per step (vLLM v1 `Scheduler.schedule`, FCFS):
 2. If nothing was preempted: waiting requests in queue order while a sequence slot
    (`max_num_seqs`) and budget remain. With `max_loras`, a request for a LoRA adapter that is not
    among the running requests' adapters while they fill the `max_loras` slots is skipped (it
-   stays at its place in the queue) and the next one is tried, as vLLM's scheduler does. On first scheduling, the longest run of cached leading
-   blocks within the first num_tokens - 1 tokens is a hit (a fully cached prompt still computes
-   its last token); only the rest is prefilled.
+   stays at its place in the queue) and the next one is tried, as vLLM's scheduler does. On first
+   scheduling, the longest run of cached leading blocks within the first num_tokens - 1 tokens is
+   a hit (a fully cached prompt still computes its last token); only the rest is prefilled.
 3. Blocks that became full in this step are cached and reported (BlockStored); hit blocks are
    re-reported only for requests with report mode "full".
 A request whose computed tokens reach its known tokens samples one output token (deterministic
