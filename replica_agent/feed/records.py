@@ -149,17 +149,14 @@ _KINDS = frozenset(KINDS)
 
 def encode_event(ev: FeedEvent) -> bytes:
     """Bytes of one record without replica_id and offset (the transport stores those)."""
-    load = None
-    if ev.load is not None:
-        lr = ev.load
-        load = [lr.running_reqs, lr.waiting_reqs, lr.kv_usage, lr.prefix_cache_queries_total,
-                lr.prefix_cache_hits_total, lr.num_gpu_blocks, lr.block_size, lr.ts]
+    lr = ev.load
+    load = None if lr is None else [lr.running_reqs, lr.waiting_reqs, lr.kv_usage, lr.prefix_cache_queries_total,
+                                    lr.prefix_cache_hits_total, lr.num_gpu_blocks, lr.block_size, lr.ts]
     hello = None if ev.hello is None else [ev.hello.block_size, ev.hello.model, ev.hello.agent_epoch]
-    if ev.load is not None and ev.load.max_lora:
-        lr = ev.load
-        return _enc.encode([ev.kind, list(ev.keys), ev.medium, load, hello, ev.ts,
-                            [lr.max_lora, list(lr.lora_running), list(lr.lora_waiting)]])
-    return _enc.encode([ev.kind, list(ev.keys), ev.medium, load, hello, ev.ts])
+    record = [ev.kind, list(ev.keys), ev.medium, load, hello, ev.ts]
+    if lr is not None and lr.max_lora:  # the trailing LoRA slots: only an engine serving LoRA has them
+        record.append([lr.max_lora, list(lr.lora_running), list(lr.lora_waiting)])
+    return _enc.encode(record)
 
 
 def decode_event(replica_id: str, offset: int, data: bytes) -> FeedEvent:
