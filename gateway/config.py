@@ -57,7 +57,8 @@ class ModelConfig:
     lora_adapters: list[str] = field(default_factory=list)
     # how often each replica's /v1/models is asked which other LoRA adapters it has loaded (at start or
     # at run time); a request for one goes only to replicas that listed it (gateway.model); 0: no periodic
-    # look (a model discovered at start still takes the adapters its first answering replica listed)
+    # look (a model discovered at start still takes the adapters its first answering replica listed); while
+    # on, a request for a name not served looks again first (gateway.adapters)
     lora_discovery_s: float = 30.0
 
 

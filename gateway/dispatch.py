@@ -11,6 +11,9 @@ Rules:
   503 (nothing tried), 504 (the last one timed out) or 502, with `Retry-After`.
 - The first answer goes to `answer(ctx, attempt, upstream_span)` (the front's relay), whose
   result (the HTTP status the client got) is returned.
+- A replica that answers 404 for a LoRA adapter it listed (gateway.model: discovered, not
+  configured) has unloaded it: the adapter leaves its listing (`ModelInfo.unlist`) and the next
+  ranked replica, which lists it, is tried; the last one's 404 goes to the client as it is.
 - A body carrying flow control's vLLM priority that the replica refuses (400, rewrite.
   refuses_priority: an engine not run with `--scheduling-policy priority`) is sent again to the
   same replica without it, and that replica gets no priority for PRIORITY_RETRY_S (one warning):
@@ -26,6 +29,7 @@ from gateway.config import ProxyConfig
 from gateway.context import RequestContext, Try
 from gateway.errors import ApiError
 from gateway.membership import Membership
+from gateway.model import ModelInfo
 from gateway.proxy import Attempt, UpstreamFailure, attempt
 from gateway.rewrite import PRIORITY_RETRY_S, PriorityRefusals, refuses_priority, without_priority
 from gateway.routing import RoutingState, predicted_matched_tokens
@@ -42,8 +46,9 @@ Answer = Callable[[RequestContext, Attempt, object], Awaitable[int]]
 
 class Dispatcher:
     def __init__(self, pool: UpstreamPool, membership: Membership, routing: RoutingState, metrics: Metrics,
-                 proxy: ProxyConfig) -> None:
+                 proxy: ProxyConfig, model: ModelInfo | None = None) -> None:
         self.pool = pool
+        self.model = model  # the adapters' listings (module rules); None: no adapter is dropped
         self.membership = membership
         self.routing = routing
         self.metrics = metrics
@@ -79,6 +84,10 @@ class Dispatcher:
                     up_span.error("cancelled")
                     raise
                 self.membership.report_success(cand.replica_id)
+                if at.status == 404 and self._adapter_gone(ctx, cand.replica_id) and n + 1 < len(ranked):
+                    up_span.error("adapter not loaded", 404)
+                    self.metrics.child(self.metrics.retries, "adapter_not_loaded").inc()
+                    continue
                 return await answer(ctx, at, up_span)
             finally:
                 tr.flight.finish()
@@ -94,6 +103,14 @@ class Dispatcher:
         if self.refusals.refused(rid, time.monotonic()):
             log.warning("replica %s refuses request priorities (vLLM without --scheduling-policy priority): its "
                         "requests go without one for %.0f s", rid, PRIORITY_RETRY_S)
+
+    def _adapter_gone(self, ctx: RequestContext, rid: str) -> bool:
+        """A 404 from `rid` for the request's adapter, which it listed: dropped there (module rules)."""
+        if ctx.lora is None or self.model is None or not self.model.unlist(rid, ctx.lora):
+            return False
+        log.warning("replica %s answered 404 for LoRA adapter %s, which it listed: no longer sent there until "
+                    "its /v1/models lists it again", rid, ctx.lora)
+        return True
 
     def _start(self, ctx: RequestContext, n: int, cand: Candidate) -> Try:
         return start_try(self.routing, ctx, n, cand)

@@ -10,7 +10,9 @@ LoRA adapters are served names of their own. Configured ones (`model.lora_adapte
 replica's `/v1/models` lists with the model as `parent` (adapters loaded at start or at run time,
 `/v1/load_lora_adapter`), as last heard (gateway.background asks every `model.lora_discovery_s`);
 a request for one may go only to the replicas that listed it (`replicas_for`), and one no replica
-lists any more is no longer served (404). A request for an adapter goes upstream under the
+lists any more is no longer served (404); a name not served is looked up again before it is
+refused (gateway.adapters), and a replica that answers 404 for an adapter it listed loses it from
+its listing (`unlist`, gateway.dispatch). A request for an adapter goes upstream under the
 adapter's name, and its block keys carry the adapter's name on every block (hashing.keys), as the
 engine's hashes and the agent's keys (from the events' `lora_name`) do: an adapter's blocks are
 never the base model's, nor another adapter's.
@@ -56,6 +58,16 @@ class ModelInfo:
         own = {self.name, *self.aliases}
         self.listed[replica_id] = frozenset(n for n in names if isinstance(n, str) and n and n not in own)
         self._served()
+
+    def unlist(self, replica_id: str, adapter: str) -> bool:
+        """`replica_id` answered 404 for `adapter`, which it listed: it unloaded it (until a
+        discovery round lists it there again). Whether it was listed there."""
+        names = self.listed.get(replica_id, frozenset())
+        if adapter not in names:
+            return False
+        self.listed[replica_id] = names - {adapter}
+        self._served()
+        return True
 
     def forget_replica(self, replica_id: str) -> None:
         """The replica left the pool: its adapters are served no more unless another lists them."""

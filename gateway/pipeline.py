@@ -1,6 +1,7 @@
 """The request pipeline: one request's stages, in order, over one `RequestContext`.
 
-    admit      authenticate (gateway.auth), parse the body and check the model (gateway.parse),
+    admit      authenticate (gateway.auth), parse the body and check the model (gateway.parse; a
+               name not served is looked up among the replicas' adapters first: gateway.adapters),
                tenant limits, start the trace span (gateway.tracing)
     plan       validate the request (gateway.parse), tokenize (gateway.encode), derive the salt
                (gateway.salt), block keys (hashing.keys; a LoRA adapter's carry its name, and only
@@ -32,6 +33,7 @@ import time
 from functools import partial
 from typing import Collection, Mapping
 
+from gateway.adapters import AdapterLookup
 from gateway.auth import Authenticator, Identity, TenantLimiter
 from gateway.config import GatewayConfig
 from gateway.context import Outcome, RequestContext, Try
@@ -70,7 +72,8 @@ class Pipeline:
     def __init__(self, cfg: GatewayConfig, *, auth: Authenticator, limiter: TenantLimiter, salter: SaltDeriver,
                  model: ModelInfo, tokenizer: TokenizerService, routing: RoutingState, membership: Membership,
                  policy: Policy, dispatcher: Dispatcher, metrics: Metrics, tracing: Tracing, flow: FlowControl,
-                 retainer: Retainer | None = None, tokenize_checker: TokenizeChecker | None = None) -> None:
+                 retainer: Retainer | None = None, tokenize_checker: TokenizeChecker | None = None,
+                 adapter_lookup: AdapterLookup | None = None) -> None:
         self.cfg = cfg
         self.auth = auth
         self.limiter = limiter
@@ -87,6 +90,7 @@ class Pipeline:
         self.flow = flow
         self.retainer = retainer  # keep-alive of the plan's long roots (gateway.keepalive); None: off
         self.tokenize_checker = tokenize_checker  # sampled /tokenize checks (gateway.tokenize_check); None: none
+        self.adapter_lookup = adapter_lookup  # names not served looked up (gateway.adapters); None: discovery off
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(4).hex()
 
@@ -180,10 +184,20 @@ class Pipeline:
         """Who asks, for which model, within the tenant's limits; the trace span starts here."""
         ctx.identity = identity if identity is not None else self.auth.authenticate(ctx.headers)
         ctx.payload = parse_body(raw_body)  # the front already bounded its size (413)
-        model = check_model(ctx.payload, self.model.served, self.model.known)
+        model = await self._check_model(ctx.payload)
         self.auth.authorize_model(ctx.identity, model)
         ctx.limited = self.limiter.acquire(ctx.identity.tenant_id)
         ctx.span = self.tracing.request_span(ctx, model)
+
+    async def _check_model(self, payload: dict) -> str:
+        try:
+            return check_model(payload, self.model.served, self.model.known)
+        except ApiError as e:  # an adapter loaded since the last discovery round is served at once
+            if e.code != "model_not_found" or self.adapter_lookup is None:
+                raise
+            if not await self.adapter_lookup.find(payload["model"]):
+                raise
+            return payload["model"]
 
     async def plan(self, ctx: RequestContext, *, only: Collection[str] | None = None) -> None:
         """Validate, tokenize, salt, key and decide (`ctx.identity` and `ctx.payload` are set)."""

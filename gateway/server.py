@@ -19,11 +19,13 @@ import asyncio
 import logging
 import random
 from dataclasses import dataclass
+from functools import partial
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
+from gateway.adapters import AdapterLookup
 from gateway.admin import build_admin_app
 from gateway.assemble import build_authenticator, build_policy, build_salter
 from gateway.auth import TenantLimiter
@@ -169,9 +171,9 @@ class Gateway:
         self.pipeline = Pipeline(
             cfg, auth=self.auth, limiter=self.limiter, salter=self.salter, model=self.model, tokenizer=self.tokenizer,
             routing=self.routing, membership=self.membership, policy=self.policy,
-            dispatcher=Dispatcher(self.pool, self.membership, self.routing, self.metrics, cfg.proxy),
+            dispatcher=Dispatcher(self.pool, self.membership, self.routing, self.metrics, cfg.proxy, self.model),
             metrics=self.metrics, tracing=self.tracing, flow=self.flow, retainer=self.retainer,
-            tokenize_checker=self.tokenize_checker)
+            tokenize_checker=self.tokenize_checker, adapter_lookup=self._adapter_lookup())
         if self.retainer is not None:
             self._spawn(run_keep_alive(self.retainer, cfg.keep_alive, session=self.session, membership=self.membership,
                                        index=self.index, model=self.model, metrics=self.metrics,
@@ -182,6 +184,12 @@ class Gateway:
             self._front, port = await start_front(self.h_api, cfg.server.host, cfg.server.port,
                                                   max_body_bytes=cfg.server.max_body_bytes, reuse_port=self.reuse_port)
             self.url = f"http://{_host_for_url(cfg.server.host)}:{port}"
+
+    def _adapter_lookup(self) -> AdapterLookup | None:
+        """Names not served looked up among the replicas' adapters (gateway.adapters), while discovery is on."""
+        if self.cfg.model.lora_discovery_s <= 0:
+            return None
+        return AdapterLookup(self.model, partial(refresh_adapters, self.session, self.membership, self.model))
 
     async def _start_admin(self) -> None:
         runner = web.AppRunner(build_admin_app(self), access_log=None, handler_cancellation=True)

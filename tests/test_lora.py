@@ -69,14 +69,20 @@ def test_config_rules():
             config_from_dict({"model": {"name": MODEL, "aliases": ["alias"], "lora_adapters": bad}}, env={})
 
 
-async def _recording_replica(models: list[dict] | None = None, seen: list | None = None, name: str = "r"):
+async def _recording_replica(models: list[dict] | None = None, seen: list | None = None, name: str = "r",
+                             strict: bool = False):
     """A replica that answers completions (JSON, usage) and records each body it was sent (with
-    `name`, in `seen`); its /v1/models answers `models` as the list stands at each call."""
+    `name` and the status it answered, in `seen`); its /v1/models answers `models` as the list
+    stands at each call. `strict`: a model it does not list is answered 404, as vLLM does."""
     seen = [] if seen is None else seen
 
     async def completions(request):
         body = await request.json()
-        seen.append({**body, "replica": name})
+        if strict and body["model"] not in {m["id"] for m in models or ()}:
+            seen.append({**body, "replica": name, "status": 404})
+            return web.json_response({"error": {"message": f"The model `{body['model']}` does not exist.",
+                                                "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
+        seen.append({**body, "replica": name, "status": 200})
         return web.json_response({"model": body["model"], "choices": [{"text": "ok", "index": 0}],
                                   "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
 
@@ -93,6 +99,14 @@ async def _recording_replica(models: list[dict] | None = None, seen: list | None
     app.router.add_post("/tokenize", ok)  # not a tokenizer: the drift check counts errors, nothing else
     runner, url = await serve_app(app, shutdown_timeout=0.1)
     return runner, url, seen
+
+
+def _two_replicas(url_a: str, url_b: str, feed: str, seed: int, discovery_s: float):
+    """A gateway's config for replicas a and b, adapters discovered every `discovery_s`."""
+    return config_from_dict({"server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
+                             "membership": {"replicas": [f"a={url_a}", f"b={url_b}"], "health_interval_s": 0.5},
+                             "auth": {"enabled": False}, "feed": {"url": f"memory://{feed}"}, "policy": {"seed": seed},
+                             "model": {"name": MODEL, "max_model_len": 4096, "lora_discovery_s": discovery_s}}, env={})
 
 
 def _cfg(url: str, **model) -> dict:
@@ -169,11 +183,7 @@ async def test_an_adapter_loaded_on_some_replicas_goes_only_there(tok):
     listing_b = [{"id": MODEL, "object": "model", "parent": None}, {"id": "dyn-lora", "object": "model", "parent": MODEL}]
     ra, url_a, _ = await _recording_replica(listing_a, seen, "a")
     rb, url_b, _ = await _recording_replica(listing_b, seen, "b")
-    cfg = config_from_dict({"server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
-                            "membership": {"replicas": [f"a={url_a}", f"b={url_b}"], "health_interval_s": 0.5},
-                            "auth": {"enabled": False}, "feed": {"url": "memory://lora-dyn"}, "policy": {"seed": 7},
-                            "model": {"name": MODEL, "max_model_len": 4096, "lora_discovery_s": 0.1}}, env={})
-    g = await start_gateway(cfg, tokenizer=tok)
+    g = await start_gateway(_two_replicas(url_a, url_b, "lora-dyn", 7, 0.1), tokenizer=tok)
     gw = g.gateway
     try:
         async with aiohttp.ClientSession() as s:
@@ -307,6 +317,86 @@ async def test_an_adapter_goes_where_it_runs_or_a_slot_is_free(tok):
             assert reps["a"]["lora_reqs"] == {"inflight": {}, "active": {}}  # every request answered
     finally:
         await feed.close()
+        await g.close()
+        await ra.cleanup()
+        await rb.cleanup()
+
+
+async def test_adapter_lookup_is_one_look_at_a_time_and_at_most_one_a_second():
+    """A name not served is looked up once for every request waiting on it, and a look that ended
+    under MIN_INTERVAL_S ago is not repeated (made-up names cannot flood the replicas)."""
+    from gateway.adapters import MIN_INTERVAL_S, AdapterLookup
+
+    m = ModelInfo(MODEL, [], 16, 4096)
+    now = [100.0]
+    listing: list[str] = []
+    gate = asyncio.Event()
+
+    async def refresh():
+        await gate.wait()
+        m.set_listed("r", listing)
+
+    look = AdapterLookup(m, refresh, clock=lambda: now[0])
+    listing.append("late")
+    waiters = [asyncio.ensure_future(look.find(n)) for n in ("late", "late", "stray")]
+    await asyncio.sleep(0)
+    assert look.looks == 1 and not any(w.done() for w in waiters)
+    gate.set()
+    assert await asyncio.gather(*waiters) == [True, True, False] and look.looks == 1
+    assert await look.find("late") and look.looks == 1  # served now: no look
+    listing.append("later")
+    now[0] += MIN_INTERVAL_S / 2
+    assert not await look.find("later") and look.looks == 1  # too soon after the last look
+    now[0] += MIN_INTERVAL_S
+    assert await look.find("later") and look.looks == 2
+
+    async def broken():
+        raise RuntimeError("a bug in the refresh")
+
+    now[0] += MIN_INTERVAL_S
+    assert not await AdapterLookup(m, broken, clock=lambda: now[0]).find("other")  # refused, not raised
+
+
+DOC = " ".join(f"word{i}" for i in range(200))  # a document of many blocks
+
+
+async def test_an_adapter_loaded_after_the_last_round_is_served_at_once_and_an_unloaded_one_falls_back(tok):
+    """An adapter a replica loads between discovery rounds is served from its first request (the
+    gateway looks before it refuses); a replica that unloads one answers 404 and the request goes
+    to another that lists it, the client sees 200; a made-up name is still refused (404)."""
+    seen: list[dict] = []
+    listing_a = [{"id": MODEL, "object": "model", "parent": None}]
+    listing_b = [{"id": MODEL, "object": "model", "parent": None}]
+    ra, url_a, _ = await _recording_replica(listing_a, seen, "a", strict=True)
+    rb, url_b, _ = await _recording_replica(listing_b, seen, "b", strict=True)
+    g = await start_gateway(_two_replicas(url_a, url_b, "lora-late", 5, 3600), tokenizer=tok)
+    gw = g.gateway
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def send(model: str, n: int) -> list[int]:
+                out = []
+                for _ in range(n):
+                    async with s.post(g.url + "/v1/completions", json={"model": model, "prompt": DOC}) as r:
+                        out.append(r.status)
+                return out
+
+            assert "late-lora" not in gw.model.served
+            for listing in (listing_a, listing_b):
+                listing.append({"id": "late-lora", "object": "model", "parent": MODEL})
+            assert await send("late-lora", 1) == [200]  # no discovery round for an hour: looked up
+            assert gw.model.replicas_for("late-lora") == {"a", "b"}
+            assert await send("made-up", 1) == [404]
+            # The replica that served it unloads it (the gateway still has it listed there); the same
+            # document again prefers that replica (its speculative entry), which answers 404.
+            first = seen[-1]["replica"]
+            other = {"a": "b", "b": "a"}[first]
+            del {"a": listing_a, "b": listing_b}[first][1:]
+            seen.clear()
+            assert await send("late-lora", 6) == [200] * 6
+            assert [b["replica"] for b in seen if b["status"] == 404] == [first]  # tried there once, then not
+            assert {b["replica"] for b in seen if b["status"] == 200} == {other}
+            assert gw.model.replicas_for("late-lora") == {other}
+    finally:
         await g.close()
         await ra.cleanup()
         await rb.cleanup()

@@ -527,3 +527,39 @@ async def test_dispatch_exhausted_answers_by_the_last_failure(monkeypatch):
     with pytest.raises(ApiError) as e:
         await d.run(_ctx(["gone"]), None)  # left the pool since the decision: nothing tried
     assert e.value.status == 503
+
+
+@pytest.mark.parametrize("lora, listed_on_a, ranked, expect", [
+    ("dyn", True, ["a", "b"], (200, ["a", "b"], {"b"})),  # a unloaded it: dropped there, b answers
+    ("dyn", True, ["a"], (404, ["a"], {"b"})),  # nobody left to try: dropped there, the client gets the 404
+    ("dyn", False, ["a", "b"], (404, ["a"], {"b"})),  # a never listed it: its 404 is the answer
+    (None, True, ["a", "b"], (404, ["a"], {"a", "b"})),  # the base model's 404 is the engine's answer
+])
+async def test_dispatch_a_404_for_a_listed_adapter_tries_the_next_holder(monkeypatch, lora, listed_on_a, ranked, expect):
+    from gateway.model import ModelInfo
+
+    st = _state(_Clock())
+    mem = Membership()
+    mem.set_members({"a": "http://127.0.0.1:1", "b": "http://127.0.0.1:2"})
+    model = ModelInfo("m", [], 16, 4096)
+    model.set_listed("a", ["dyn"] if listed_on_a else [])
+    model.set_listed("b", ["dyn"])
+    d = Dispatcher(_Pool(), mem, st, Metrics(), ProxyConfig(), model)
+    calls = []
+
+    async def fake_attempt(pool, base_url, path, body, headers, **kw):
+        calls.append({"http://127.0.0.1:1": "a", "http://127.0.0.1:2": "b"}[base_url])
+        status = 404 if calls[-1] == "a" else 200
+        return Attempt(status, "application/json", None, b"{}", None, 0.0, 0.0)
+
+    async def answer(ctx, at, up_span):
+        return at.status
+
+    monkeypatch.setattr(dispatch_mod, "attempt", fake_attempt)
+    ctx = _ctx(ranked)
+    ctx.lora = lora
+    status = await d.run(ctx, answer)
+    assert (status, calls, set(model.replicas_for("dyn"))) == expect
+    assert mem.available("a")  # a 404 is an answer, not a failure: nothing ejected
+    for rid in ("a", "b"):
+        assert st.load.get(rid) is None or st.load.get(rid).inflight_reqs == 0

@@ -5,8 +5,9 @@ adapter's name; its prediction equals the engine's `cached_tokens`; the same pro
 model or the other adapter is predicted and found cold (the engine keys adapters' blocks apart, and
 so do the gateway and the agent, from the events' `lora_name`); with speculation lapsed the index
 holds each adapter's keys from the feed. An adapter loaded into the engine at run time
-(`/v1/load_lora_adapter`) is refused until the gateway's discovery reads the engine's `/v1/models`,
-then served and predicted like the others. The engine's LoRA slots (vllm:lora_requests_info) reach
+(`/v1/load_lora_adapter`) is served from its first request (the gateway looks a name up before it
+refuses it) and predicted like the others; once unloaded, the engine's 404 reaches the client and
+the gateway drops it. The engine's LoRA slots (vllm:lora_requests_info) reach
 the gateway's index through the agent while an adapter's request runs. Costs one more engine start
 (about a minute)."""
 from __future__ import annotations
@@ -106,8 +107,8 @@ def test_adapters_are_routed_and_keyed_apart(lora_system):
     assert len({tuple(gw.keychain.request_keys(ids, salt=salt, lora=gw.model.lora_of(m))[:1]) for m in runs}) == 3
 
 
-def test_an_adapter_loaded_at_run_time_is_discovered(lora_system):
-    from gateway.background import refresh_adapters
+def test_an_adapter_loaded_at_run_time_is_served_at_once_and_one_unloaded_is_dropped(lora_system):
+    from gateway.adapters import MIN_INTERVAL_S
 
     system = lora_system
     gw = system.gateway
@@ -115,16 +116,23 @@ def test_an_adapter_loaded_at_run_time_is_discovered(lora_system):
     prompt = "Notes: " + " ".join(f"n{i}" for i in range(600))
     body = {"model": LATE, "prompt": prompt, "max_tokens": 2, "temperature": 0}
     r = httpx.post(system.url + "/v1/completions", headers=system.headers("acme"), json=body, timeout=60)
-    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"  # looked up: not loaded
     path = str(system.workdir / LATE)
     r = httpx.post(rep.url + "/v1/load_lora_adapter", json={"lora_name": LATE, "lora_path": path}, timeout=120)
     assert r.status_code == 200, r.text
-    system.loop.run(refresh_adapters(gw.session, gw.membership, gw.model))  # what the gateway runs every lora_discovery_s
-    assert gw.model.replicas_for(LATE) == {"r0"} and LATE in gw.model.served
+    time.sleep(MIN_INTERVAL_S)  # the 404's look may have ended under a second ago (gateway.adapters)
+    assert LATE not in gw.model.served  # no discovery round since (every 30 s): the request looks it up
     cached, predicted, _ = _ask(system, LATE, prompt + "\nQ1?")
     assert (cached, predicted) == (0, 0)
+    assert gw.model.replicas_for(LATE) == {"r0"}
     cached, predicted, _ = _ask(system, LATE, prompt + "\nQ2?")
     assert cached >= BLOCK * 10 and predicted == cached, (cached, predicted)
+    # Unloaded: the engine's own 404 reaches the client, and the gateway drops the adapter there.
+    r = httpx.post(rep.url + "/v1/unload_lora_adapter", json={"lora_name": LATE}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(system.url + "/v1/completions", headers=system.headers("acme"), json=body, timeout=60)
+    assert r.status_code == 404, r.text
+    assert LATE not in gw.model.served and gw.model.replicas_for(LATE) == set()
 
 
 def test_lora_slots_reach_the_gateway(lora_system):
