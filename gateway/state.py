@@ -69,7 +69,8 @@ def state_for_metrics(gw) -> dict:
             "entries_by_replica": st.entries_by_replica, "rates": rates, "replicas": reps,
             "ready": readiness(gw)[0], "feed_up": gw.cfg.feed.load_only or gw.feed_ok,
             "feed_errors": gw.board_health.total_failures + (gw.index_sync.stats["feed_errors"] if gw.index_sync else 0),
-            "index_distrusted": gw.routing.health.distrusted_counts()}
+            "index_distrusted": gw.routing.health.distrusted_counts(),
+            "tokenizer_mismatch": set(gw.tokenize_checker.drift.mismatched) if gw.tokenize_checker is not None else set()}
 
 
 def describe(gw) -> dict:

@@ -212,6 +212,11 @@ class StateCollector:
         rd.add_metric([], 1.0 if s.get("ready") else 0.0)
         yield rd
         yield from _feed_and_trust(s)
+        drift = GaugeMetricFamily("warmroute_gateway_tokenizer_mismatch", "1 while the replica's last tokenizer check "
+                                  "(its /tokenize) found other token ids than the gateway's", labels=["replica"])
+        for rid in s.get("replicas", {}):
+            drift.add_metric([rid], 1.0 if rid in s.get("tokenizer_mismatch", ()) else 0.0)
+        yield drift
 
 
 def _feed_and_trust(s: dict):

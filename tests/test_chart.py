@@ -25,9 +25,9 @@ KUBE_VERSIONS = ("1.28.0", "1.35.0")  # the oldest still in common use and a rec
 REPO = CHART_DIR.parents[1]
 VALUE_SETS = documented_value_sets()
 # Custom resources kubernetes-validate has no schema for: Prometheus Operator's (checked structurally
-# below) and, in epp mode, the InferencePool (its CRD's schema) and HTTPRoute (structurally):
-# tests/test_chart_epp.py.
-CRD_KINDS = {"ServiceMonitor", "PodMonitor", "InferencePool", "HTTPRoute"}
+# below; the PrometheusRule's rules by promtool: tests/test_chart_alerts.py) and, in epp mode, the
+# InferencePool (its CRD's schema) and HTTPRoute (structurally): tests/test_chart_epp.py.
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "InferencePool", "HTTPRoute"}
 
 
 def test_documented_value_sets_cover_the_modes():

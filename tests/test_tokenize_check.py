@@ -174,6 +174,8 @@ async def test_a_different_chat_template_is_reported_until_a_check_matches(token
                 ready = await r.json()
             assert r.status == 200  # serving: degraded, not unready
             [line] = ready["degraded"]
+            async with s.get(g.admin_url + "/metrics") as r:
+                assert 'warmroute_gateway_tokenizer_mismatch{replica="r"} 1.0' in await r.text()  # the alert's gauge
             v = gw.tokenize_checker.drift.mismatched["r"]
             async with s.get(g.admin_url + "/debug/index") as r:
                 view = (await r.json())["tokenize_check"]
@@ -190,6 +192,8 @@ async def test_a_different_chat_template_is_reported_until_a_check_matches(token
             await _settled(gw, 2)
             async with s.get(g.admin_url + "/readyz") as r:
                 assert (await r.json())["degraded"] == []
+            async with s.get(g.admin_url + "/metrics") as r:
+                assert 'warmroute_gateway_tokenizer_mismatch{replica="r"} 0.0' in await r.text()
         assert (_checks(gw, "match"), _checks(gw, "mismatch")) == (1, 1)
     finally:
         await g.close()
