@@ -6,25 +6,14 @@ and every metric the rules read is one a running gateway and agent expose, of th
 reads it as."""
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 
-import aiohttp
 import pytest
 import yaml
-import zmq
-import zmq.asyncio
 
-from gateway.config import config_from_dict
-from gateway.server import start_gateway
-from loadtests.sim.server import SimConfig, start_sim_server
-from replica_agent.agent import AgentConfig, start_agent
-from replica_agent.feed import open_feed
-from tests.chart.render import FULL_NAME, ci_values, deep_merge, render
-from tests.conftest import free_port
-
-NS = "llm"  # the release namespace (tests.chart.render)
+from tests.chart.live_metrics import declared, metric_types, metrics_read, running_system
+from tests.chart.render import FULL_NAME, NAMESPACE as NS, ci_values, deep_merge, render
 THRESHOLDS = {"errorRatio": 0.05, "ttftP99Seconds": 10, "shedRatio": 0.1, "agentLagSeconds": 5}
 
 
@@ -160,56 +149,12 @@ def test_the_unit_tests_can_fail(rule, rules_file):
 
 
 # ---------------------------------------------------------------------- the metrics they read
-async def _gateway_metrics() -> str:
-    sim = await start_sim_server(SimConfig(model="warmroute-sim"))
-    cfg = config_from_dict({"server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
-                            "membership": {"replicas": [f"r0={sim.url}"], "health_interval_s": 0.5},
-                            "auth": {"enabled": False}, "feed": {"url": "memory://alerts"},
-                            "model": {"name": "warmroute-sim", "tokenize_check_s": 1e-6}}, env={})
-    g = await start_gateway(cfg)
-    try:
-        async with aiohttp.ClientSession() as s:
-            async with s.post(g.url + "/v1/completions", json={"model": "warmroute-sim", "prompt": "hi", "max_tokens": 2,
-                                                                "stream": True}) as r:
-                assert r.status == 200
-                await r.read()
-            async with s.get(g.admin_url + "/metrics") as r:
-                return await r.text()
-    finally:
-        await g.close()
-        await sim.close()
-
-
-async def _agent_metrics() -> str:
-    ctx = zmq.asyncio.Context()
-    pub = ctx.socket(zmq.PUB)
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    pub.bind(endpoint)
-    agent = await start_agent(AgentConfig(replica_id="r0", kv_events_endpoint=endpoint, model="m", block_size=16,
-                                          admin_port=0), open_feed("memory://alerts-agent"))
-    try:
-        async with aiohttp.ClientSession() as s:
-            async with s.get(agent.admin_url + "/metrics") as r:
-                return await r.text()
-    finally:
-        await agent.close()
-        pub.close(0)
-        ctx.term()
-
-
-def _declared(name: str) -> tuple[str, str]:
-    """The `# TYPE` line a series name belongs to, and its type: a counter's TYPE carries `_total`
-    (prometheus_client's text format), a histogram's bucket series its base name."""
-    if name.endswith("_bucket"):
-        return name[: -len("_bucket")], "histogram"
-    return name, "counter" if name.endswith("_total") else "gauge"
-
-
-async def test_every_metric_the_rules_read_is_exposed_with_that_type(rule):
-    exposed = await _gateway_metrics() + await _agent_metrics()
-    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", exposed, re.M))
-    read = set(re.findall(r"\bwarmroute_[a-z_]+", " ".join(r["expr"] for r in _alerts(rule).values())))
+async def test_every_metric_the_rules_read_is_exposed_with_that_type(rule, tok):
+    async with running_system(tok) as live:
+        await live.send(2)
+        types = metric_types(await live.exposition())
+    read = metrics_read(r["expr"] for r in _alerts(rule).values())
     assert len(read) >= 9, read
     for name in sorted(read):
-        declared, kind = _declared(name)
-        assert types.get(declared) == kind, (name, types.get(declared))
+        name_declared, kind = declared(name)
+        assert types.get(name_declared) == kind, (name, types.get(name_declared))
