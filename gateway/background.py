@@ -307,9 +307,10 @@ async def run_keep_alive(retainer: Retainer, cfg: KeepAliveConfig, *, session: a
                 if st is None or not st.available(now) or len(pending) >= MAX_REFRESHES_IN_FLIGHT:
                     retainer.done(rf)  # not sent: due again at a later check
                     continue
-                ids, salt = rf.payload
+                ids, salt, lora = rf.payload
                 prio = cfg.engine_priority and refusals.allows(st.replica_id, time.monotonic())
-                body = refresh_body(model.name, ids, len(rf.keys), bs, salt, priority=REFRESH_PRIORITY if prio else None)
+                body = refresh_body(lora or model.name, ids, len(rf.keys), bs, salt,
+                                    priority=REFRESH_PRIORITY if prio else None)
                 task = asyncio.create_task(refresh(st.replica_id, st.url, body, rf))
                 if routing is not None:
                     routing.refreshed(st.replica_id, rf.kept, retainer.rank)  # the other gateways count it as a use

@@ -45,8 +45,9 @@ Rules:
   `forget_s`, 30 s: every refresh of the root `defer_s` late). Without this each gateway
   measured idleness on its own share of the stream, and with four processes a root was refreshed
   by each of them: 4.5x the refreshes of one (loadtests/results/busy_regime_log.md);
-- a refresh carries the root's own token ids and cache salt (the tenant's, from the request that
-  made it), so its blocks are exactly the root's;
+- a refresh carries the root's own token ids, cache salt (the tenant's, from the request that
+  made it) and LoRA adapter (it runs under the adapter's name, whose blocks are keyed apart from
+  the base model's), so its blocks are exactly the root's;
 - with `engine_priority` it also carries vLLM priority -1, ahead of every client request (flow
   control's engine priority uses 0 and 1; clients' own are dropped): on engines run with
   `--scheduling-policy priority` it is admitted at the next step instead of waiting in the queue
@@ -98,7 +99,7 @@ class KeepAlive:
 class Refresh:
     replica: Hashable
     keys: tuple  # the block keys refreshed (the kept prefix, cut to what the index holds)
-    payload: Any  # what the prefix was kept with (the gateway: its token ids and salt)
+    payload: Any  # what the prefix was kept with (the gateway: its token ids, salt and LoRA adapter)
     kept: Hashable = None  # the kept prefix's last key (its name in the Retainer), for done()
 
 

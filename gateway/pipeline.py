@@ -235,7 +235,7 @@ class Pipeline:
         if lesson.cached_tokens is not None:  # the index check (gateway.index_health)
             self.routing.checked(lesson.replica_id, lesson.predicted_cached_tokens, lesson.cached_tokens, lesson.queued_s)
         ctx.span.outcome(lesson, agreement)
-        if self.retainer is not None and ctx.lora is None:  # a refresh runs the base model (gateway.keepalive)
+        if self.retainer is not None:
             self._keep(ctx, lesson.replica_id)
         if self.tokenize_checker is not None:
             st = self.membership.get(lesson.replica_id)
@@ -245,14 +245,14 @@ class Pipeline:
 
     def _keep(self, ctx: RequestContext, replica_id: str) -> None:
         """The served replica keeps the request's planned root (gateway.keepalive), with the token
-        ids and salt a refresh needs (copied only when the root is new there)."""
+        ids, salt and LoRA adapter a refresh needs (copied only when the root is new there)."""
         cand = next((c for c in ctx.routing.decision.ranked if c.replica_id == replica_id), None)
         if cand is None:
             return
         root = planned_root(cand.terms)
-        ids, salt, n = ctx.prompt.first_ids, ctx.salt, root * self.model.block_size
+        ids, salt, lora, n = ctx.prompt.first_ids, ctx.salt, ctx.lora, root * self.model.block_size
         if 0 < n < len(ids):
-            self.retainer.used(replica_id, ctx.keys, root, time.monotonic(), lambda: (tuple(ids[: n + 1]), salt))
+            self.retainer.used(replica_id, ctx.keys, root, time.monotonic(), lambda: (tuple(ids[: n + 1]), salt, lora))
 
     def finish(self, ctx: RequestContext) -> None:
         """Release the tenant's slot; count, trace and log the request (whatever happened)."""

@@ -359,10 +359,12 @@ def _metric(text: str, name: str) -> float:
 
 
 @contextlib.asynccontextmanager
-async def _kept_document(tok, tmp_path, monkeypatch, *, keep_alive: dict | None = None, sim_policy: str = "fcfs"):
+async def _kept_document(tok, tmp_path, monkeypatch, *, keep_alive: dict | None = None, sim_policy: str = "fcfs",
+                         lora: str | None = None):
     """A real gateway (cache_plan, keep-alive every 0.3 s), an embedded agent and a simulated
-    replica (`sim_policy`: its scheduling policy); a document asked twice, so it is planned and
-    kept. Yields (gateway, sim, session, the document's root in tokens)."""
+    replica (`sim_policy`: its scheduling policy); a document asked twice (of the LoRA adapter
+    `lora`, which the replica serves, when given), so it is planned and kept. Yields (gateway,
+    sim, session, the document's root in tokens)."""
     from gateway.server import start_gateway
     from loadtests.sim.server import SimConfig, start_sim_server
     from replica_agent.agent import AgentConfig, start_agent
@@ -375,7 +377,7 @@ async def _kept_document(tok, tmp_path, monkeypatch, *, keep_alive: dict | None 
     feed = open_feed("memory://keepalive")
     port = free_port()
     sim = await start_sim_server(SimConfig(model="warmroute-sim", kv_events_endpoint=f"tcp://*:{port}",
-                                           scheduling_policy=sim_policy))
+                                           scheduling_policy=sim_policy, lora_modules=(lora,) if lora else ()))
     agent = await start_agent(AgentConfig(replica_id="r0", kv_events_endpoint=f"tcp://127.0.0.1:{port}",
                                           engine_url=sim.url, load_interval_s=0.2), feed)
     cfg = config_from_dict({
@@ -384,10 +386,11 @@ async def _kept_document(tok, tmp_path, monkeypatch, *, keep_alive: dict | None 
         "auth": {"enabled": True, "api_keys_file": str(keys)},
         "policy": {"name": "cache_plan"},
         "keep_alive": {"enabled": True, "idle_s": 0.3, "min_tokens": 64, **(keep_alive or {})},
+        "model": {"lora_adapters": [lora] if lora else []},
     }, env={})
     g = await start_gateway(cfg, feed=feed, tokenizer=tok)
     doc = " ".join(f"paragraph {i} of the kept document about routing." for i in range(60))
-    body = {"model": "warmroute-sim", "messages": [{"role": "user", "content": doc}], "max_tokens": 2}
+    body = {"model": lora or "warmroute-sim", "messages": [{"role": "user", "content": doc}], "max_tokens": 2}
     try:
         for _ in range(100):
             if g.gateway.index.is_live("r0"):
@@ -420,11 +423,13 @@ async def _metrics(s, url) -> str:
 
 
 @pytest.mark.asyncio
-async def test_a_gateway_refreshes_a_kept_document_as_a_cache_hit_under_the_tenants_salt(tok, tmp_path, monkeypatch):
+@pytest.mark.parametrize("lora", [None, "sql-lora"])
+async def test_a_gateway_refreshes_a_kept_document_as_a_cache_hit_under_the_tenants_salt(tok, tmp_path, monkeypatch, lora):
     """After a document's second request (planned: its root is the document) the replica gets
     refreshes, and each is a hit of the root's blocks, which it can only be if the refresh carries
-    the same token ids and the tenant's salt the requests had; a replica that is down gets none."""
-    async with _kept_document(tok, tmp_path, monkeypatch) as (g, sim, s, root_tokens):
+    the same token ids, the tenant's salt and the LoRA adapter the requests had (an adapter's blocks
+    are keyed apart from the base model's); a replica that is down gets none."""
+    async with _kept_document(tok, tmp_path, monkeypatch, lora=lora) as (g, sim, s, root_tokens):
         hits0 = _metric(await _metrics(s, sim.url), "vllm:prefix_cache_hits_total")
         await asyncio.sleep(1.5)
         hits1 = _metric(await _metrics(s, sim.url), "vllm:prefix_cache_hits_total")
