@@ -25,6 +25,7 @@ import logging
 import time
 from typing import Awaitable, Callable
 
+from gateway.adapters import not_loaded
 from gateway.config import ProxyConfig
 from gateway.context import RequestContext, Try
 from gateway.errors import ApiError
@@ -84,7 +85,7 @@ class Dispatcher:
                     up_span.error("cancelled")
                     raise
                 self.membership.report_success(cand.replica_id)
-                if at.status == 404 and self._adapter_gone(ctx, cand.replica_id) and n + 1 < len(ranked):
+                if at.status == 404 and self._adapter_gone(ctx) and n + 1 < len(ranked):
                     up_span.error("adapter not loaded", 404)
                     self.metrics.child(self.metrics.retries, "adapter_not_loaded").inc()
                     continue
@@ -104,13 +105,10 @@ class Dispatcher:
             log.warning("replica %s refuses request priorities (vLLM without --scheduling-policy priority): its "
                         "requests go without one for %.0f s", rid, PRIORITY_RETRY_S)
 
-    def _adapter_gone(self, ctx: RequestContext, rid: str) -> bool:
-        """A 404 from `rid` for the request's adapter, which it listed: dropped there (module rules)."""
-        if ctx.lora is None or self.model is None or not self.model.unlist(rid, ctx.lora):
-            return False
-        log.warning("replica %s answered 404 for LoRA adapter %s, which it listed: no longer sent there until "
-                    "its /v1/models lists it again", rid, ctx.lora)
-        return True
+    def _adapter_gone(self, ctx: RequestContext) -> bool:
+        """A 404 from the replica tried for the request's adapter, which it listed: dropped there
+        (gateway.adapters)."""
+        return self.model is not None and not_loaded(self.model, ctx.replica, ctx.lora)
 
     def _start(self, ctx: RequestContext, n: int, cand: Candidate) -> Try:
         return start_try(self.routing, ctx, n, cand)

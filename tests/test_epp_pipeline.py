@@ -220,3 +220,26 @@ async def test_a_primary_envoy_retried_away_from_is_ejected(stack):
     assert not gw.membership.available(primary) and pick.ctx.replica != primary
     gw.membership.get(primary).ejected_until = 0.0  # let the other tests use it again
     gw.membership.report_success(primary)
+
+
+async def test_a_404_for_an_adapter_the_replica_listed_drops_it_there(stack):
+    """Behind Envoy the client gets the engine's 404; the picker learns from it that the replica
+    unloaded the adapter, and the next pick of it goes to the replica that still lists it."""
+    gw = stack["gw"]
+    picker = PipelinePicker(gw)
+    for rid in ("r0", "r1"):
+        gw.model.set_listed(rid, ["dyn-lora"])
+    try:
+        body = b'{"model": "dyn-lora", "prompt": "adapter %s", "max_tokens": 1}' % uuid.uuid4().hex.encode()
+        headers = {":path": "/v1/completions", ":method": "POST", "authorization": f"Bearer {KEYS['tenant-a']}"}
+        pick = await picker.pick(headers, body, None)
+        gone = pick.ctx.replica
+        picker.observe(pick.ctx, Outcome(pick.endpoints[0], 404, None, None, None, 0, 10, False))
+        assert gw.model.replicas_for("dyn-lora") == {"r0", "r1"} - {gone}
+        assert gw.membership.available(gone)  # an answer, not a failure
+        again = await picker.pick(headers, body, None)
+        assert again.ctx.replica != gone and len(again.endpoints) == 1
+        picker.observe(again.ctx, Outcome(again.endpoints[0], 200, None, None, None, 0, 10, False))
+    finally:
+        for rid in ("r0", "r1"):
+            gw.model.set_listed(rid, [])

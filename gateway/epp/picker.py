@@ -21,6 +21,7 @@ import logging
 from typing import Mapping, Sequence
 from urllib.parse import urlsplit
 
+from gateway.adapters import not_loaded
 from gateway.auth import Identity
 from gateway.dispatch import start_try
 from gateway.epp.extproc import Outcome, Pick, Reject
@@ -101,6 +102,8 @@ class PipelinePicker:
             gw.metrics.child(gw.metrics.retries, "connect").inc()
         ctx.replica = served
         ctx.status = outcome.status or 502
+        if ctx.status == 404:  # an adapter the replica listed and has unloaded since (gateway.adapters)
+            not_loaded(gw.model, served, ctx.lora)
         m = gw.metrics
         if outcome.ttft_s is not None:
             m.child(m.ttft, served).observe(outcome.ttft_s)
