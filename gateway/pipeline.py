@@ -232,6 +232,9 @@ class Pipeline:
         """Learn stage: rates, the policy's hook, metrics and span attributes of one answer."""
         lesson = learn(outcome, self.routing.calibrator, self.policy)
         agreement = self.metrics.record_lesson(lesson)
+        ident = ctx.identity
+        if ident is not None and ident.method != "none":  # a tenant was identified (key, JWT or trusted header)
+            self.metrics.record_tenant_usage(ident.tenant_hash, lesson)
         if lesson.cached_tokens is not None:  # the index check (gateway.index_health)
             self.routing.checked(lesson.replica_id, lesson.predicted_cached_tokens, lesson.cached_tokens, lesson.queued_s)
         ctx.span.outcome(lesson, agreement)

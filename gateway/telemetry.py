@@ -85,6 +85,9 @@ class Metrics(LabelCache):
                                 ["route", "status", "replica"], registry=r)
         self.tenant_requests = Counter("warmroute_gateway_tenant_requests", "Requests by hashed tenant id",
                                        ["tenant_hash"], registry=r)
+        self.tenant_tokens = Counter("warmroute_gateway_tenant_tokens",
+                                     "Tokens by hashed tenant id and kind (engine usage): prompt, cached (of the prompt, "
+                                     "served from the engine's cache), completion", ["tenant_hash", "kind"], registry=r)
         self.decision = Histogram("warmroute_gateway_decision_seconds", "Routing decision time (keys to ranking)",
                                   buckets=_LAT_BUCKETS, registry=r)
         self.tokenize = Histogram("warmroute_gateway_tokenize_seconds", "Tokenization time per request",
@@ -142,6 +145,14 @@ class Metrics(LabelCache):
         if lesson.cached_tokens is None:
             return None
         return self.cache_outcome(rid, lesson.predicted_cached_tokens, lesson.cached_tokens)
+
+    def record_tenant_usage(self, tenant_hash: str, lesson) -> None:
+        """One answer's engine usage on its tenant's counters (chargeback, and who the cache serves)."""
+        label = self.tenant_label(tenant_hash)
+        for kind, n in (("prompt", lesson.prompt_tokens), ("cached", lesson.cached_tokens),
+                        ("completion", lesson.completion_tokens)):
+            if n is not None:
+                self.child(self.tenant_tokens, label, kind).inc(n)
 
     def cache_outcome(self, replica: str, predicted: int, reported: int) -> float:
         self.child(self.predicted_cached, replica).inc(predicted)

@@ -149,8 +149,8 @@ def test_the_unit_tests_can_fail(rule, rules_file):
 
 
 # ---------------------------------------------------------------------- the metrics they read
-async def test_every_metric_the_rules_read_is_exposed_with_that_type(rule, tok):
-    async with running_system(tok) as live:
+async def test_every_metric_the_rules_read_is_exposed_with_that_type(rule, tok, tmp_path):
+    async with running_system(tok, tmp_path) as live:
         await live.send(2)
         types = metric_types(await live.exposition())
     read = metrics_read(r["expr"] for r in _alerts(rule).values())

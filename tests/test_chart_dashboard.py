@@ -66,7 +66,7 @@ async def _scraped(http: httpx.AsyncClient, base: str, samples: int, timeout_s: 
 async def test_every_panel_and_rule_works_on_a_real_prometheus(tmp_path, tok):
     rules = tmp_path / "rules.yaml"
     rules.write_text(yaml.safe_dump(render(ci_values("full")).get("PrometheusRule", FULL_NAME)["spec"]))
-    async with running_system(tok) as live:
+    async with running_system(tok, tmp_path) as live:
         types = metric_types(await live.exposition())
         for name in sorted(metrics_read(QUERIES)):
             name_declared, kind = declared(name)

@@ -6,6 +6,7 @@ client in OpenAI's error shape; a dependency that fails every second is logged a
 every second."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -17,6 +18,7 @@ import pytest
 import pytest_asyncio
 
 from replica_agent.feed import FailureLog
+from gateway.auth import tenant_hash
 from gateway.config import config_from_dict
 from gateway.server import start_gateway
 from loadtests.sim.server import SimConfig, start_sim_server
@@ -163,3 +165,35 @@ def test_feed_trouble_is_logged_when_it_starts_rarely_while_it_lasts_and_when_it
     assert len(lines) == 3 and "feed (test) failed: redis down" in lines[0]  # at 0 s, 30 s, then recovery
     assert "still failing for 30 s" in lines[1] and lines[2].startswith("feed (test) recovered")
     assert not health.failing
+
+
+@MODULE_LOOP
+async def test_tokens_are_counted_per_tenant_with_what_the_cache_served(authed):
+    """warmroute_gateway_tenant_tokens_total{tenant_hash,kind}: each tenant's prompt, cached and
+    completion tokens as the engine reported them; a document tenant A reads twice is cached for A
+    the second time, and B's first read of it is not (its salt is its own)."""
+    doc = " ".join(f"article {i} of the operators' handbook." for i in range(60))
+    usage: dict[str, list[dict]] = {"tenant-a": [], "tenant-b": []}
+
+    async def metric(s, tenant: str, kind: str) -> float:
+        async with s.get(authed.admin_url + "/metrics") as r:
+            text = await r.text()
+        line = f'warmroute_gateway_tenant_tokens_total{{kind="{kind}",tenant_hash="{tenant_hash(tenant)}"}} '
+        return sum(float(ln[len(line):]) for ln in text.splitlines() if ln.startswith(line))
+
+    async with aiohttp.ClientSession() as s:
+        before = {(t, k): await metric(s, t, k) for t in usage for k in ("prompt", "cached", "completion")}
+        for tenant, key in (("tenant-a", "key-a"), ("tenant-a", "key-a"), ("tenant-b", "key-b")):
+            async with s.post(authed.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                              json={"model": MODEL, "prompt": doc, "max_tokens": 3}) as r:
+                assert r.status == 200, await r.text()
+                usage[tenant].append((await r.json())["usage"])
+            await asyncio.sleep(0.3)  # the engine's blocks reach the index before the next read
+        for tenant, answers in usage.items():
+            want = {"prompt": sum(u["prompt_tokens"] for u in answers),
+                    "cached": sum(u["prompt_tokens_details"]["cached_tokens"] for u in answers),
+                    "completion": sum(u["completion_tokens"] for u in answers)}
+            got = {k: await metric(s, tenant, k) - before[(tenant, k)] for k in want}
+            assert got == want, (tenant, got, want)
+    assert usage["tenant-a"][1]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert usage["tenant-b"][0]["prompt_tokens_details"]["cached_tokens"] == 0

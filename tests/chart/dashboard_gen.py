@@ -50,6 +50,17 @@ ROWS = [
         ("Index trusted by replica (0: routed by load only)", "short",
          [(f"min by (replica) (warmroute_gateway_index_trusted{{{NS}}})", "{{replica}}")]),
     ]),
+    ("Tenants", [
+        ("Requests by tenant", "reqps",
+         [(f"sum by (tenant_hash) (rate(warmroute_gateway_tenant_requests_total{{{NS}}}[{RATE}]))", "{{tenant_hash}}")]),
+        ("Prompt tokens by tenant", "short",
+         [(f"sum by (tenant_hash) (rate(warmroute_gateway_tenant_tokens_total{{{NS},kind=\"prompt\"}}[{RATE}]))",
+           "{{tenant_hash}}")]),
+        ("Prompt tokens served from cache, by tenant", "percentunit",
+         [(f"sum by (tenant_hash) (rate(warmroute_gateway_tenant_tokens_total{{{NS},kind=\"cached\"}}[{RATE}])) / "
+           f"sum by (tenant_hash) (rate(warmroute_gateway_tenant_tokens_total{{{NS},kind=\"prompt\"}}[{RATE}]))",
+           "{{tenant_hash}}")]),
+    ]),
     ("Replicas", [
         ("Replica available (any gateway)", "short",
          [(f"max by (replica) (warmroute_gateway_replica_up{{{NS}}})", "{{replica}}")]),

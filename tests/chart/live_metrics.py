@@ -1,9 +1,10 @@
 """A running gateway and agent for the chart's monitoring tests (tests/test_chart_alerts.py,
 tests/test_chart_dashboard.py), and a real Prometheus scraping them.
 
-`running_system(tok)`: a simulated replica, a gateway in front of it and an agent, in this process on
-one memory feed; `send(n)` makes traffic (streamed and whole answers, one repeated document so the
-cache is hit), `exposition()` is both processes' /metrics. `running_prometheus()`: Debian's
+`running_system(tok, workdir)`: a simulated replica, a gateway in front of it (two tenants' API
+keys) and an agent, in this process on one memory feed; `send(n)` makes traffic (both tenants,
+streamed and whole answers, one repeated document so the cache is hit), `exposition()` is both
+processes' /metrics. `running_prometheus()`: Debian's
 `prometheus` binary on 127.0.0.1 scraping the given admin ports every second, each target labelled
 with the release's namespace as the Prometheus Operator's monitors would, with the given rule
 files; stopped by its PID. `metric_types` / `declared` / `metrics_read`: which metrics a set of
@@ -36,6 +37,7 @@ from tests.conftest import free_port
 
 MODEL = "warmroute-sim"
 DOC = " ".join(f"clause{i}" for i in range(120))  # a document of several blocks, sent again and again
+KEYS = ("key-a", "key-b")  # tenant-a's and tenant-b's
 
 
 @dataclass
@@ -48,7 +50,8 @@ class LiveSystem:
         async with aiohttp.ClientSession() as s:
             for i in range(n):
                 body = {"model": MODEL, "prompt": f"{DOC} question {i}?", "max_tokens": 4, "stream": i % 2 == 0}
-                async with s.post(self.gateway_url + "/v1/completions", json=body) as r:
+                headers = {"Authorization": f"Bearer {KEYS[i % len(KEYS)]}"}
+                async with s.post(self.gateway_url + "/v1/completions", json=body, headers=headers) as r:
                     assert r.status == 200, await r.text()
                     await r.read()
 
@@ -62,9 +65,12 @@ class LiveSystem:
 
 
 @contextlib.asynccontextmanager
-async def running_system(tokenizer):
-    """`tokenizer`: the gateway's TokenizerService (the tests' shared `tok`: loading one takes seconds)."""
+async def running_system(tokenizer, workdir: Path):
+    """`tokenizer`: the gateway's TokenizerService (the tests' shared `tok`: loading one takes
+    seconds); `workdir`: where the keys and salt files go."""
     feed = f"memory://live-metrics-{free_port()}"
+    (workdir / "keys.yaml").write_text("".join(f"tenant-{k[-1]}: [{k}]\n" for k in KEYS))
+    (workdir / "salt").write_text("live-metrics-salt\n")
     sim = await start_sim_server(SimConfig(model=MODEL))
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)  # no engine events: the agent runs, healthy, with nothing to translate
@@ -76,7 +82,8 @@ async def running_system(tokenizer):
                                               model=MODEL, block_size=16, admin_port=0), open_feed(feed))
         cfg = config_from_dict({"server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
                                 "membership": {"replicas": [f"r0={sim.url}"], "health_interval_s": 0.5},
-                                "auth": {"enabled": False}, "feed": {"url": feed},
+                                "auth": {"api_keys_file": str(workdir / "keys.yaml")},
+                                "salt": {"secret_file": str(workdir / "salt")}, "feed": {"url": feed},
                                 "model": {"name": MODEL, "tokenize_check_s": 1e-6}}, env={})
         g = await start_gateway(cfg, tokenizer=tokenizer)
         yield LiveSystem(g.url, g.admin_url, agent.admin_url)
