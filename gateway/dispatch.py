@@ -12,8 +12,8 @@ Rules:
 - The first answer goes to `answer(ctx, attempt, upstream_span)` (the front's relay), whose
   result (the HTTP status the client got) is returned.
 - A replica that answers 404 for a LoRA adapter it listed (gateway.model: discovered, not
-  configured) has unloaded it: the adapter leaves its listing (`ModelInfo.unlist`) and the next
-  ranked replica, which lists it, is tried; the last one's 404 goes to the client as it is.
+  configured) has unloaded it: the adapter leaves its listing (gateway.adapters.not_loaded) and
+  the next ranked replica, which lists it, is tried; the last one's 404 goes to the client as it is.
 - A body carrying flow control's vLLM priority that the replica refuses (400, rewrite.
   refuses_priority: an engine not run with `--scheduling-policy priority`) is sent again to the
   same replica without it, and that replica gets no priority for PRIORITY_RETRY_S (one warning):

@@ -11,8 +11,8 @@ replica's `/v1/models` lists with the model as `parent` (adapters loaded at star
 `/v1/load_lora_adapter`), as last heard (gateway.background asks every `model.lora_discovery_s`);
 a request for one may go only to the replicas that listed it (`replicas_for`), and one no replica
 lists any more is no longer served (404); a name not served is looked up again before it is
-refused (gateway.adapters), and a replica that answers 404 for an adapter it listed loses it from
-its listing (`unlist`, gateway.dispatch). A request for an adapter goes upstream under the
+refused, and a replica that answers 404 for an adapter it listed loses it from its listing
+(`unlist`; both in gateway.adapters). A request for an adapter goes upstream under the
 adapter's name, and its block keys carry the adapter's name on every block (hashing.keys), as the
 engine's hashes and the agent's keys (from the events' `lora_name`) do: an adapter's blocks are
 never the base model's, nor another adapter's.
