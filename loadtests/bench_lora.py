@@ -15,7 +15,14 @@ Stream: Poisson arrivals at `--rate`, each request for an adapter drawn uniforml
 tokens out. Reported per variant: TTFT and end-to-end p50/p99, errors, the requests that waited
 in an engine for a LoRA slot (the sims' count) and the requests per replica.
 
+`--vtime SEEDS` runs the same comparison in virtual time instead (loadtests/vtime.py: the
+gateway's routing over the engine model, which `tests/test_vtime_sim.py` checks against these
+sims request by request, LoRA slots included), one run per seed and variant, each seed its own
+stream (the no_sharing workload with adapters: prompts of the same mean length, +-50%), and prints
+each seed's figures and their medians.
+
 Run:  python -m loadtests.bench_lora [--requests 360] [--rate 6] [--json FILE]
+      python -m loadtests.bench_lora --vtime 0-19 [--json FILE]
 """
 from __future__ import annotations
 
@@ -26,8 +33,13 @@ import random
 import sys
 import time
 
+import numpy as np
+
 from loadtests.harness import EmbeddedSystem, SystemSpec
 from loadtests.runner import BenchRequest, run_interruptible, run_load, summarize
+from loadtests.vtime import SimParams, simulate
+from loadtests.vtime_report import parse_seeds
+from loadtests.workloads import build_workload
 
 MODEL = "lora-bench"
 
@@ -91,6 +103,40 @@ async def main_async(args) -> dict:
     return {"argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M"), "runs": runs}
 
 
+def vtime_variant(args, seed: int, visible: bool) -> dict:
+    """One seed's run in virtual time: the same pool and stream shape as the wall-clock variant."""
+    w = build_workload("no_sharing", args.requests, seed=seed, rate_rps=args.rate, prompt_tokens=6 * args.prompt_words,
+                       output_tokens=args.output_tokens, adapters=args.adapters, zipf_s=args.zipf_s)
+    params = SimParams.wallclock(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, max_batched_tokens=8192,
+                                 report_interval_s=0.25, request_timeout_s=args.timeout, max_loras=args.max_loras,
+                                 lora_metrics=visible)
+    r = simulate(w, args.policy, args.replicas, params, seed=seed)
+    pct = (lambda a, q: float(np.percentile(a, q)) * 1000 if len(a) else float("nan"))
+    return {"seed": seed, "ttft_ms": {"p50": pct(r.ttft_s, 50), "p99": pct(r.ttft_s, 99)},
+            "e2e_ms": {"p50": pct(r.e2e_s, 50), "p99": pct(r.e2e_s, 99)}, "errors": r.unfinished,
+            "lora_waits": r.lora_waits, "requests": r.requests,
+            "per_replica_requests": {f"r{i}": n for i, n in enumerate(r.per_replica_requests)}}
+
+
+def vtime_main(args) -> dict:
+    runs: dict[str, list[dict]] = {"visible": [], "hidden": []}
+    print("| LoRA slots, seed | TTFT p50 / p99 ms | e2e p50 / p99 ms | unfinished | requests that waited for a slot | requests per replica |")
+    print("|---|---|---|---|---|---|")
+    for seed in parse_seeds(args.vtime):
+        for name in runs:
+            r = vtime_variant(args, seed, name == "visible")
+            runs[name].append(r)
+            print(_row(f"{name}, {seed}", r))
+    med = {name: {k: float(np.median([r[m][q] for r in rs])) for m in ("ttft_ms", "e2e_ms") for q in ("p50", "p99")
+                  for k in [f"{m}_{q}"]} | {"lora_waits": float(np.median([r["lora_waits"] for r in rs]))}
+           for name, rs in runs.items()}
+    print("\nMedians over the seeds (per-seed figures):")
+    for name, m in med.items():
+        print(f"- {name}: TTFT p50 / p99 {m['ttft_ms_p50']:,.0f} / {m['ttft_ms_p99']:,.0f} ms, e2e p50 / p99 "
+              f"{m['e2e_ms_p50']:,.0f} / {m['e2e_ms_p99']:,.0f} ms, {m['lora_waits']:.0f} waited for a slot")
+    return {"argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M"), "mode": "vtime", "runs": runs, "medians": med}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtests.bench_lora", description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=4)
@@ -108,12 +154,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="a client's total timeout per request (s)")
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--vtime", metavar="SEEDS", default=None,
+                   help="run in virtual time over these seeds (0-19, 0,3,5) instead of the wall clock (default: wall clock)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report = run_interruptible(main_async(args))
+    report = vtime_main(args) if args.vtime else run_interruptible(main_async(args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

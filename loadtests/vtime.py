@@ -84,6 +84,8 @@ class SimParams:
     request_timeout_s: float | None = None  # client's total timeout: abort and count unfinished (None: wait forever)
     cache_answers: bool = True  # quoted answers (multi-turn) cached at finish; False = the wall-clock sim (filler output)
     long_prefill_token_threshold: int = 0  # vLLM's: at most this many prefill tokens per request per step (0: the budget)
+    max_loras: int = 0  # vLLM's --max-loras: adapters one batch may run (0: no limit)
+    lora_metrics: bool = True  # the engines export their LoRA slots (vllm:lora_requests_info) to the router
 
     @classmethod
     def wallclock(cls, **kw) -> "SimParams":
@@ -116,12 +118,12 @@ class _KeyMemo:
         self.memo: OrderedDict = OrderedDict()  # prefix id -> (keys tuple, leftover token list)
         self.max_entries = max_entries
 
-    def _extend(self, keys: tuple, leftover: list, toks, salt: str) -> tuple[tuple, list]:
+    def _extend(self, keys: tuple, leftover: list, toks, salt: str, lora: str | None) -> tuple[tuple, list]:
         buf = leftover + list(toks)
         n_full = len(buf) // self.bs
         if n_full == 0:
             return keys, buf
-        first, rest = block_extras(salt or None)
+        first, rest = block_extras(salt or None, lora)
         parent = keys[-1] if keys else self.root
         new = chain_keys(parent, buf[: n_full * self.bs], self.bs, first if not keys else rest, rest)
         return keys + tuple(new), buf[n_full * self.bs :]
@@ -142,32 +144,33 @@ class _KeyMemo:
             pieces.append(("e",))
         pieces.append(("h", "assistant"))
         state: tuple = ((), [])
+        tag = (req.salt, req.lora)  # a prefix's keys differ by cache salt and LoRA adapter
         # longest memoised prefix (all but the last two pieces are worth memoising)
         start = 0
         for i in range(len(pieces) - 1, 0, -1):
-            hit = self.memo.get((req.salt, tuple(pieces[:i])))
+            hit = self.memo.get((tag, tuple(pieces[:i])))
             if hit is not None:
                 state, start = hit, i
-                self.memo.move_to_end((req.salt, tuple(pieces[:i])))
+                self.memo.move_to_end((tag, tuple(pieces[:i])))
                 break
         keys, left = state
         for i in range(start, len(pieces)):
             p = pieces[i]
             toks = (_ROLE_IDS[p[1]] if p[0] == "h" else _END_IDS if p[0] == "e" else _JOIN_IDS if p[0] == "j"
                     else segment_token_ids_by_id(p[1], p[2]))
-            keys, left = self._extend(keys, left, toks, req.salt)
+            keys, left = self._extend(keys, left, toks, req.salt, req.lora)
             if i < len(pieces) - 2:
-                mk = (req.salt, tuple(pieces[: i + 1]))
+                mk = (tag, tuple(pieces[: i + 1]))
                 if mk not in self.memo:
                     self.memo[mk] = (keys, left)
                     if len(self.memo) > self.max_entries:
                         self.memo.popitem(last=False)
         out = None
         if req.output is not None:
-            okeys, oleft = self._extend(keys, left, segment_token_ids(req.output), req.salt)
+            okeys, oleft = self._extend(keys, left, segment_token_ids(req.output), req.salt, req.lora)
             out = list(okeys[len(keys) :])
             # the next turn continues from here: memoise prompt+answer as a prefix
-            self.memo[(req.salt, tuple(pieces[:-1]) + (("h", "assistant"), ("s", req.output.seg_id, req.output.n_tokens)))] = (okeys, oleft)
+            self.memo[(tag, tuple(pieces[:-1]) + (("h", "assistant"), ("s", req.output.seg_id, req.output.n_tokens)))] = (okeys, oleft)
         return RequestKeys(list(keys), out)
 
 
@@ -218,6 +221,7 @@ class SimResult:
     e2e_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per completed request: arrival to last token
     evicted_blocks: int = 0  # cached blocks evicted during the measured stream, all replicas
     preemptions: int = 0  # requests preempted during the measured stream, all replicas
+    lora_waits: int = 0  # requests an engine skipped at least once for want of a LoRA slot (SimParams.max_loras)
     per_replica_prefill_tokens: list = field(default_factory=list)  # tokens prefilled, measured stream
     # long misses: measured requests that found under half their prompt cached, by whether another
     # replica held the prompt's middle block when the request was routed (the router made a copy,
@@ -272,6 +276,7 @@ class SimResult:
             "busy_max_over_mean": float(max(busy) / np.mean(busy)) if np.mean(busy) > 0 else 0.0,
             "evicted_blocks": self.evicted_blocks,
             "preemptions": self.preemptions,
+            "lora_waits": self.lora_waits,
             "misses_copy": self.misses_copy,
             "misses_evicted": self.misses_evicted,
             "paced": len(self.paced_ttft_s),
@@ -415,6 +420,7 @@ def simulate(
             rep.prefill_tokens = 0
             rep.n_evicted = 0
             rep.n_preemptions = 0
+            rep.n_lora_waits = 0
         if closed:
             for _ in range(min(workload.concurrency, n_total)):
                 push(t0, ARRIVE, pending.popleft())
@@ -602,6 +608,7 @@ def simulate(
         e2e_s=np.array([r.finish_s - r.arrival for r in done], dtype=float),
         evicted_blocks=sum(rep.n_evicted for rep in reps),
         preemptions=sum(rep.n_preemptions for rep in reps),
+        lora_waits=sum(rep.n_lora_waits for rep in reps),
         per_replica_prefill_tokens=[rep.prefill_tokens for rep in reps],
         misses_copy=misses[1],
         misses_evicted=misses[0],

@@ -5,8 +5,7 @@ wall-clock comparison runs), so a vtime run predicts the wall-clock one; tests/t
 replays one request stream through both and checks they agree request by request. What differs is
 only how it is computed: decoding requests sit in a heap keyed by the step they finish (and by
 the step they next need a KV block) instead of being visited every step, and blocks are counted,
-not objects, so 100k requests on 64 replicas stay cheap. Not here: SimEngine's LoRA adapters and
-`max_loras` slots (virtual-time workloads run the base model only).
+not objects, so 100k requests on 64 replicas stay cheap.
 
 The model (vLLM v1, as SimEngine has it)
 - KV: `num_blocks` blocks of `block_size` tokens. One free queue in eviction order: never-used
@@ -17,7 +16,9 @@ The model (vLLM v1, as SimEngine has it)
   cached stays anonymous here (SimEngine stores a second copy; no routing signal differs).
 - Admission (FCFS, while a sequence slot and step budget remain): the leading run of cached
   blocks within the first prompt - 1 tokens is a hit; the request takes blocks for its first
-  chunk only, and stops admission when the free queue lacks them.
+  chunk only, and stops admission when the free queue lacks them. With `max_loras`, a request
+  for a LoRA adapter that is not among the running requests' adapters while they fill the slots
+  is skipped this step (it keeps its place in the queue), as SimEngine and vLLM do.
 - Each step, in order: decoding requests take one token each (and a block when they cross a
   block boundary), running prefills take chunks from the remaining `max_batched_tokens`, then
   waiting requests are admitted. A request that cannot get its blocks preempts the most recently
@@ -47,6 +48,7 @@ class SimReq:
         "i", "wr", "keys", "out_keys", "prompt", "max_out", "arrival", "rep", "cached", "computed", "total",
         "held", "anon", "registered", "first_s", "finish_s", "pred_uncached", "backlog", "running_at",
         "chunk", "gen", "epoch", "adm", "state", "finish_step", "preemptions", "warmup", "aborted", "scan", "pace",
+        "lora", "lora_waited",
     )
     WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
 
@@ -81,6 +83,8 @@ class SimReq:
         self.aborted = False
         self.pace = None  # a paced request's chunk: id of its chain (loadtests/vtime_pacing.py)
         self.scan = rk.prompt  # keys a (re)admission looks up: the prompt's, plus its output blocks after a preemption
+        self.lora = wr.lora  # its LoRA adapter (None: the base model)
+        self.lora_waited = False  # skipped at least once for want of a LoRA slot
 
     @property
     def nblocks(self) -> int:
@@ -94,6 +98,7 @@ class ReplicaModel:
         "idx", "rid", "p", "bs", "ref", "freeq", "fresh", "anon_id", "waiting", "running", "prefilling",
         "decode_heap", "block_heap", "n_decoding", "step_no", "stepping", "stored", "removed", "n_requests",
         "busy_s", "prefill_tokens", "seq", "adm_seq", "n_evicted", "n_preemptions", "n_aborted", "cache_answers", "budget",
+        "n_lora_waits",
     )
 
     def __init__(self, idx: int, p, cache_answers: bool = True) -> None:
@@ -125,6 +130,7 @@ class ReplicaModel:
         self.n_aborted = 0
         self.cache_answers = cache_answers
         self.budget = 0  # tokens left in the step being scheduled
+        self.n_lora_waits = 0  # requests skipped at least once for want of a LoRA slot
 
     # -- views -----------------------------------------------------------------------------------
     @property
@@ -134,6 +140,11 @@ class ReplicaModel:
     @property
     def n_free(self) -> int:
         return self.fresh + len(self.freeq)
+
+    def lora_adapters(self) -> tuple[tuple, tuple]:
+        """(running adapters, waiting adapters), first seen first (vllm:lora_requests_info's labels)."""
+        return (tuple(dict.fromkeys(r.lora for r in self.running if r.lora is not None)),
+                tuple(dict.fromkeys(r.lora for r in self.waiting if r.lora is not None)))
 
     def kv_usage(self) -> float:
         return 1.0 - self.n_free / self.p.num_blocks
@@ -308,8 +319,16 @@ class ReplicaModel:
         # 3. admissions, only when nothing was preempted
         if self.n_preemptions == preempted_before:
             ref, waiting = self.ref, self.waiting
+            loras = {x.lora for x in self.running if x.lora is not None} if p.max_loras else None
+            skipped: list = []  # their adapter has no LoRA slot this step
             while waiting and self.budget > 0 and len(self.running) < p.max_num_seqs:
                 r = waiting[0]
+                if loras is not None and r.lora is not None and r.lora not in loras and len(loras) >= p.max_loras:
+                    skipped.append(waiting.popleft())
+                    if not r.lora_waited:
+                        r.lora_waited = True
+                        self.n_lora_waits += 1
+                    continue
                 keys = r.scan
                 lim = min(len(keys), (r.total - 1) // bs)
                 m = 0
@@ -351,6 +370,9 @@ class ReplicaModel:
                 r.chunk = n
                 sched[r] = n
                 self.budget -= n
+                if loras is not None and r.lora is not None:
+                    loras.add(r.lora)
+            waiting.extendleft(reversed(skipped))  # back at the head, in their order
         prefill = 0
         decodes = self.n_decoding
         for r, n in sched.items():

@@ -80,20 +80,21 @@ class SimRouter:
 
     def report(self, reps: list, now: float) -> None:
         for i, rep in enumerate(reps):
+            slots = (rep.p.max_loras, *rep.lora_adapters()) if rep.p.max_loras and rep.p.lora_metrics else ()
             load = LoadReport(rep.n_running, len(rep.waiting), rep.kv_usage(), 0.0, 0.0, rep.p.num_blocks,
-                              rep.p.block_size, now)
+                              rep.p.block_size, now, *slots)
             self._record(i, "load", load=load)
 
     def route(self, now: float, r) -> int:
         """Decide where request `r` goes (the gateway's plan + dispatch accounting); its replica index."""
-        rv = RequestView(r.prompt, self.p.block_size, tuple(r.keys), r.max_out, "", r.wr.request_id)
+        rv = RequestView(r.prompt, self.p.block_size, tuple(r.keys), r.max_out, "", r.wr.request_id, lora=r.lora)
         routing = self.routing.decide(rv, self.available, self.policy, self.rng)
         self.routing.placed(self.policy, rv, routing.decision)
         cand = routing.decision.ranked[0]
         view = routing.view_of(cand.replica_id)
         predicted = predicted_matched_tokens(rv, view)
         uncached = max(0, r.prompt - predicted)
-        flight = self.routing.dispatched(cand.replica_id, r.keys, uncached, r.max_out, view)
+        flight = self.routing.dispatched(cand.replica_id, r.keys, uncached, r.max_out, view, r.lora)
         self.flights[id(r)] = (flight, Outcome(cand.replica_id, None, predicted, uncached, queued_prefill_tokens(view),
                                                view.running_reqs if view is not None else 0, None, None))
         r.pred_uncached = uncached

@@ -100,6 +100,7 @@ class WorkloadRequest:
     conversation: str = ""  # multi-turn: conversation id ("" otherwise)
     turn: int = 0  # multi-turn: 0-based turn number
     prompt_tokens: int = 0  # tokens of render_token_ids(self) (filled by the builders)
+    lora: str | None = None  # the LoRA adapter it asks for (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,16 +362,25 @@ def no_sharing(
     concurrency: int | None = None,
     prompt_tokens: int = 1500,
     output_tokens: int = 64,
+    adapters: int = 0,
+    zipf_s: float = 0.0,
 ) -> Workload:
-    """Every prompt unique (no system prompt either): caching cannot help; routing must not hurt."""
+    """Every prompt unique (no system prompt either): caching cannot help; routing must not hurt.
+    `adapters` > 0: each request asks for one of that many LoRA adapters ("adapter-K"), drawn
+    uniformly or with Zipf `zipf_s` (from a draw of its own: the prompts and arrivals are the same)."""
     _check_load(rate_rps, concurrency)
     rng = random.Random(f"no_sharing/{seed}")
+    lora_rng = random.Random(f"no_sharing/lora/{seed}")
+    names = [f"adapter-{k}" for k in range(adapters)]
+    weights = [1.0 / (k + 1) ** zipf_s for k in range(adapters)]
     times = _arrivals(n_requests, rate_rps, rng)
     reqs = []
     for i, t in enumerate(times):
         segs = (Segment(f"uniq/{seed}/{i}", "user", _jitter(rng, prompt_tokens, 0.5), "question"),)
-        reqs.append(_req(f"no_sharing-{i}", t, "t0", segs, output_tokens))
-    return _finish("no_sharing", reqs, rate_rps, concurrency, dict(prompt_tokens=prompt_tokens, output_tokens=output_tokens))
+        lora = lora_rng.choices(names, weights)[0] if names else None
+        reqs.append(_req(f"no_sharing-{i}", t, "t0", segs, output_tokens, lora=lora))
+    params = dict(prompt_tokens=prompt_tokens, output_tokens=output_tokens, **(dict(adapters=adapters, zipf_s=zipf_s) if adapters else {}))
+    return _finish("no_sharing", reqs, rate_rps, concurrency, params)
 
 
 def multi_turn(

@@ -28,11 +28,13 @@ def test_keys_memo_equals_direct_hashing():
     from hashing import KeyChain
     from loadtests.workloads import render_token_ids
 
-    w = build_workload("multi_turn", 40, seed=2, rate_rps=4.0, turns=4)
-    keys = prepare_keys(w, 16, "vtime-model")
     chain = KeyChain("vtime-model", 16)
-    for r, k in zip(w.requests, keys):
-        assert k.prompt == chain.request_keys(render_token_ids(r), salt=r.salt)
+    for w in (build_workload("multi_turn", 40, seed=2, rate_rps=4.0, turns=4),
+              build_workload("no_sharing", 40, seed=2, rate_rps=4.0, prompt_tokens=100, adapters=3)):
+        keys = prepare_keys(w, 16, "vtime-model")
+        for r, k in zip(w.requests, keys):
+            assert k.prompt == chain.request_keys(render_token_ids(r), salt=r.salt, lora=r.lora)
+    assert {r.lora for r in w.requests} == {"adapter-0", "adapter-1", "adapter-2"}
 
 
 def test_oracle_bounds_every_policy():
@@ -112,20 +114,20 @@ def test_multi_turn_turn_waits_for_the_previous_answer():
 
 # -- the replica model is loadtests/sim's engine, request by request --------------------------------
 
-def _drive_engine(w, num_blocks, budget, seqs):
+def _drive_engine(w, num_blocks, budget, seqs, max_loras=0):
     """loadtests.sim's SimEngine in virtual time: arrivals join before the next step."""
     from loadtests.sim.scheduler import EngineConfig, SimEngine, SimRequest, TimeModel
     from loadtests.workloads import render_token_ids
 
     eng = SimEngine(EngineConfig(block_size=16, num_blocks=num_blocks, max_num_seqs=seqs, max_num_batched_tokens=budget,
-                                 time=TimeModel.wallclock(), hash_algo="sha256"))
+                                 time=TimeModel.wallclock(), hash_algo="sha256", max_loras=max_loras))
     reqs, i, t, out = list(w.requests), 0, 0.0, {}
     while i < len(reqs) or eng.has_work:
         if not eng.has_work:
             t = max(t, reqs[i].arrival_s)
         while i < len(reqs) and reqs[i].arrival_s <= t:
             r = reqs[i]
-            eng.add_request(SimRequest(r.request_id, render_token_ids(r), r.max_output_tokens, cache_salt=r.salt))
+            eng.add_request(SimRequest(r.request_id, render_token_ids(r), r.max_output_tokens, cache_salt=r.salt, lora=r.lora))
             i += 1
         step = eng.step()
         t += step.duration_s
@@ -133,16 +135,17 @@ def _drive_engine(w, num_blocks, budget, seqs):
             out.setdefault(r.request_id, [t, None, None])
         for r in step.finished:
             out[r.request_id][1:] = [t, r.num_cached_tokens]
-    return out, eng.num_preemptions_total, eng.pool.num_evicted_blocks
+    return out, eng.num_preemptions_total, eng.pool.num_evicted_blocks, eng.num_lora_waits_total
 
 
-def _drive_model(w, num_blocks, budget, seqs):
+def _drive_model(w, num_blocks, budget, seqs, max_loras=0):
     """vtime's ReplicaModel alone, stepped the way simulate() steps it."""
     import heapq
 
     from loadtests.vtime_replica import ReplicaModel, SimReq
 
-    p = SimParams.wallclock(num_blocks=num_blocks, max_batched_tokens=budget, max_num_seqs=seqs, cache_answers=False)
+    p = SimParams.wallclock(num_blocks=num_blocks, max_batched_tokens=budget, max_num_seqs=seqs, cache_answers=False,
+                            max_loras=max_loras)
     keys = prepare_keys(w, 16, p.model)
     rep = ReplicaModel(0, p, cache_answers=False)
     ev = [(r.arrival_s, j, 1) for j, r in enumerate(w.requests)]
@@ -171,32 +174,35 @@ def _drive_model(w, num_blocks, budget, seqs):
         for r in fin:
             out[r.wr.request_id][1:] = [t, r.cached]
         kick(t)
-    return out, rep.n_preemptions, rep.n_evicted
+    return out, rep.n_preemptions, rep.n_evicted, rep.n_lora_waits
 
 
 import pytest  # noqa: E402
 
 
-@pytest.mark.parametrize("name,kw,rate,num_blocks,budget,seqs", [
-    ("shared_docs", dict(n_docs=6, doc_tokens=1000, output_tokens=40), 3.0, 3000, 512, 16),  # fits: no eviction
-    ("shared_docs", dict(n_docs=6, doc_tokens=1000, output_tokens=40), 12.0, 700, 512, 64),  # evictions and preemptions
-    ("shared_docs", dict(n_docs=6, doc_tokens=1000, output_tokens=40), 8.0, 600, 8192, 64),  # whole prompts in one step
-    ("multi_turn", dict(turns=4, system_tokens=200, user_tokens=60, answer_tokens=50), 12.0, 500, 512, 64),
-    ("no_sharing", {}, 4.0, 400, 512, 32),  # preempted decoders resume with one token left
+@pytest.mark.parametrize("name,kw,rate,num_blocks,budget,seqs,max_loras", [
+    ("shared_docs", dict(n_docs=6, doc_tokens=1000, output_tokens=40), 3.0, 3000, 512, 16, 0),  # fits: no eviction
+    ("shared_docs", dict(n_docs=6, doc_tokens=1000, output_tokens=40), 12.0, 700, 512, 64, 0),  # evictions and preemptions
+    ("shared_docs", dict(n_docs=6, doc_tokens=1000, output_tokens=40), 8.0, 600, 8192, 64, 0),  # whole prompts in one step
+    ("multi_turn", dict(turns=4, system_tokens=200, user_tokens=60, answer_tokens=50), 12.0, 500, 512, 64, 0),
+    ("no_sharing", {}, 4.0, 400, 512, 32, 0),  # preempted decoders resume with one token left
+    ("no_sharing", dict(prompt_tokens=200, output_tokens=48, adapters=6, zipf_s=0.5), 12.0, 400, 512, 32, 2),  # LoRA slots
 ])
-def test_replica_model_equals_the_wall_clock_engine(name, kw, rate, num_blocks, budget, seqs):
+def test_replica_model_equals_the_wall_clock_engine(name, kw, rate, num_blocks, budget, seqs, max_loras):
     """Same stream, one replica: every request's first-token time, finish time and cached tokens,
-    and the preemption and eviction counts, equal loadtests/sim's SimEngine's (what the wall-clock
-    comparison runs), so vtime predicts it."""
+    and the preemption, eviction and LoRA-slot wait counts, equal loadtests/sim's SimEngine's (what
+    the wall-clock comparison runs), so vtime predicts it."""
     w = build_workload(name, 300, seed=1, rate_rps=rate, **kw)
-    eng, eng_pre, eng_ev = _drive_engine(w, num_blocks, budget, seqs)
-    mod, mod_pre, mod_ev = _drive_model(w, num_blocks, budget, seqs)
+    eng, eng_pre, eng_ev, eng_lw = _drive_engine(w, num_blocks, budget, seqs, max_loras)
+    mod, mod_pre, mod_ev, mod_lw = _drive_model(w, num_blocks, budget, seqs, max_loras)
     assert set(eng) == set(mod) and len(eng) == 300
     for rid, (first, fin, cached) in eng.items():
         assert mod[rid] == pytest.approx([first, fin, cached], abs=1e-9), rid
-    assert (mod_pre, mod_ev) == (eng_pre, eng_ev)
+    assert (mod_pre, mod_ev, mod_lw) == (eng_pre, eng_ev, eng_lw)
     if num_blocks < 1000:
         assert eng_ev > 0  # the case exercises eviction
+    if max_loras:
+        assert eng_lw > 10  # the case exercises the slots
 
 
 def test_client_timeout_aborts_and_counts_unfinished():
