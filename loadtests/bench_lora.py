@@ -19,7 +19,8 @@ in an engine for a LoRA slot (the sims' count) and the requests per replica.
 gateway's routing over the engine model, which `tests/test_vtime_sim.py` checks against these
 sims request by request, LoRA slots included), one run per seed and variant, each seed its own
 stream (the no_sharing workload with adapters: prompts of the same mean length, +-50%), and prints
-each seed's figures and their medians.
+each seed's figures and their medians; `--gateways N` puts N gateway processes in front (each
+sees the engines' reports and only its own requests' adapters).
 
 Run:  python -m loadtests.bench_lora [--requests 360] [--rate 6] [--json FILE]
       python -m loadtests.bench_lora --vtime 0-19 [--json FILE]
@@ -110,7 +111,7 @@ def vtime_variant(args, seed: int, visible: bool) -> dict:
     params = SimParams.wallclock(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, max_batched_tokens=8192,
                                  report_interval_s=0.25, request_timeout_s=args.timeout, max_loras=args.max_loras,
                                  lora_metrics=visible)
-    r = simulate(w, args.policy, args.replicas, params, seed=seed)
+    r = simulate(w, args.policy, args.replicas, params, seed=seed, gateways=args.gateways)
     pct = (lambda a, q: float(np.percentile(a, q)) * 1000 if len(a) else float("nan"))
     return {"seed": seed, "ttft_ms": {"p50": pct(r.ttft_s, 50), "p99": pct(r.ttft_s, 99)},
             "e2e_ms": {"p50": pct(r.e2e_s, 50), "p99": pct(r.e2e_s, 99)}, "errors": r.unfinished,
@@ -156,6 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--vtime", metavar="SEEDS", default=None,
                    help="run in virtual time over these seeds (0-19, 0,3,5) instead of the wall clock (default: wall clock)")
+    p.add_argument("--gateways", type=int, default=1,
+                   help="with --vtime: gateway processes in front of the pool, sharing what the gateways share (default 1)")
     return p.parse_args(argv)
 
 
