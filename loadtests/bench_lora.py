@@ -119,6 +119,13 @@ def vtime_variant(args, seed: int, visible: bool) -> dict:
             "per_replica_requests": {f"r{i}": n for i, n in enumerate(r.per_replica_requests)}}
 
 
+def _medians(rs: list[dict]) -> dict:
+    """Medians over the seeds of each per-seed figure."""
+    out = {f"{m}_{q}": float(np.median([r[m][q] for r in rs])) for m in ("ttft_ms", "e2e_ms") for q in ("p50", "p99")}
+    out["lora_waits"] = float(np.median([r["lora_waits"] for r in rs]))
+    return out
+
+
 def vtime_main(args) -> dict:
     runs: dict[str, list[dict]] = {"visible": [], "hidden": []}
     print("| LoRA slots, seed | TTFT p50 / p99 ms | e2e p50 / p99 ms | unfinished | requests that waited for a slot | requests per replica |")
@@ -128,9 +135,7 @@ def vtime_main(args) -> dict:
             r = vtime_variant(args, seed, name == "visible")
             runs[name].append(r)
             print(_row(f"{name}, {seed}", r))
-    med = {name: {k: float(np.median([r[m][q] for r in rs])) for m in ("ttft_ms", "e2e_ms") for q in ("p50", "p99")
-                  for k in [f"{m}_{q}"]} | {"lora_waits": float(np.median([r["lora_waits"] for r in rs]))}
-           for name, rs in runs.items()}
+    med = {name: _medians(rs) for name, rs in runs.items()}
     print("\nMedians over the seeds (per-seed figures):")
     for name, m in med.items():
         print(f"- {name}: TTFT p50 / p99 {m['ttft_ms_p50']:,.0f} / {m['ttft_ms_p99']:,.0f} ms, e2e p50 / p99 "
