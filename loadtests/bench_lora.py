@@ -28,7 +28,6 @@ Run:  python -m loadtests.bench_lora [--requests 360] [--rate 6] [--json FILE]
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import sys

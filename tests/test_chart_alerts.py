@@ -14,6 +14,7 @@ import yaml
 
 from tests.chart.live_metrics import declared, metric_types, metrics_read, running_system
 from tests.chart.render import FULL_NAME, NAMESPACE as NS, ci_values, deep_merge, render
+
 THRESHOLDS = {"errorRatio": 0.05, "ttftP99Seconds": 10, "shedRatio": 0.1, "agentLagSeconds": 5}
 
 
