@@ -500,7 +500,7 @@ def simulate(
             rep = reps[ri]
             rep.n_requests += 1
             if retainer is not None:
-                retainer.used(ri, r.keys, router.root_blocks, t)
+                retainer.used(ri, r.keys, router.root_blocks, t, lambda: r.lora)  # a refresh runs the root's adapter
             if r.warmup:
                 rep.waiting.append(r)
             else:

@@ -34,7 +34,7 @@ _REFRESH_ID_BASE = 1 << 41  # refresh requests' indices, above any workload's an
 def refresh_request(rf: Refresh, n: int, block_size: int, t: float) -> SimReq:
     """Refresh `rf` (replica index, keys) as the `n`-th modelled refresh request, sent at `t`."""
     wr = SimpleNamespace(prompt_tokens=len(rf.keys) * block_size + 1, max_output_tokens=1, request_id=f"keepalive-{n}",
-                         refresh=rf)
+                         refresh=rf, lora=rf.payload)  # the payload: the root's LoRA adapter (loadtests/vtime.py)
     r = SimReq(_REFRESH_ID_BASE + n, wr, SimpleNamespace(prompt=list(rf.keys), output=None), t)
     r.pace = KEEPALIVE
     r.rep = rf.replica

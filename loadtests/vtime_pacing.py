@@ -126,7 +126,8 @@ class PaceChains:
     def _next(self, cid: int, chain: _Chain) -> SimReq:
         n_tok = chain.cuts.pop(0)
         self.n += 1
-        wr = SimpleNamespace(prompt_tokens=n_tok, max_output_tokens=1, request_id=f"pace-{self.n}")
+        wr = SimpleNamespace(prompt_tokens=n_tok, max_output_tokens=1, request_id=f"pace-{self.n}",
+                             lora=None)  # the pacing probe runs base-model workloads
         rk = SimpleNamespace(prompt=list(chain.prefix[: n_tok // self.bs]), output=None)
         c = SimReq(_CHUNK_ID_BASE + self.n, wr, rk, chain.arrival)
         c.pace = cid

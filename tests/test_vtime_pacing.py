@@ -15,7 +15,7 @@ from loadtests.workloads import Segment, Workload, WorkloadRequest
 
 
 def _req(i, prompt, pred_uncached, keys=None):
-    wr = SimpleNamespace(prompt_tokens=prompt, max_output_tokens=4, request_id=f"q{i}")
+    wr = SimpleNamespace(prompt_tokens=prompt, max_output_tokens=4, request_id=f"q{i}", lora=None)
     r = SimReq(i, wr, SimpleNamespace(prompt=keys or list(range(100 + i * 1000, 100 + i * 1000 + prompt // 16)), output=None), 0.0)
     r.pred_uncached = pred_uncached
     r.rep = 0
