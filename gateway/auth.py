@@ -108,12 +108,17 @@ def read_keys_file(path: str | Path) -> dict[str, Any]:
 class Identity:
     tenant_id: str  # raw tenant id (never logged)
     user_id: str | None = None  # from a JWT claim, when configured and present
-    method: str = "none"  # "api_key" | "jwt" | "none"
+    method: str = "none"  # "api_key" | "jwt" | "trusted-header" | "none"
     claims: Mapping[str, Any] | None = field(default=None, compare=False)  # a verified JWT's claims (never logged)
 
     @property
     def tenant_hash(self) -> str:
         return tenant_hash(self.tenant_id)
+
+    @property
+    def identified(self) -> bool:
+        """A tenant was identified (API key, JWT or a trusted gateway's header), not auth off."""
+        return self.method != "none"
 
 
 class ApiKeyStore:

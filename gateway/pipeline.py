@@ -215,7 +215,7 @@ class Pipeline:
         ctx.keys = self.model.keychain.request_keys(ctx.prompt.first_ids, salt=ctx.salt, lora=ctx.lora)
         rv = RequestView(prompt_tokens=len(ctx.prompt.first_ids), block_size=self.model.block_size,
                          keys=tuple(ctx.keys), max_output_tokens=ctx.request.max_tokens,
-                         tenant_hash=ident.tenant_hash if ident.method != "none" else "", request_id=ctx.request_id,
+                         tenant_hash=ident.tenant_hash if ident.identified else "", request_id=ctx.request_id,
                          lora=ctx.lora)
         self.decide(ctx, rv, only=only)
 
@@ -233,7 +233,7 @@ class Pipeline:
         lesson = learn(outcome, self.routing.calibrator, self.policy)
         agreement = self.metrics.record_lesson(lesson)
         ident = ctx.identity
-        if ident is not None and ident.method != "none":  # a tenant was identified (key, JWT or trusted header)
+        if ident is not None and ident.identified:
             self.metrics.record_tenant_usage(ident.tenant_hash, lesson)
         if lesson.cached_tokens is not None:  # the index check (gateway.index_health)
             self.routing.checked(lesson.replica_id, lesson.predicted_cached_tokens, lesson.cached_tokens, lesson.queued_s)
@@ -267,7 +267,7 @@ class Pipeline:
         m = self.metrics
         m.request_done(ctx.route, ctx.status, ctx.replica)
         m.child(m.e2e, ctx.route).observe(elapsed)
-        if ident is not None and ident.method != "none":  # a tenant was identified (key, JWT or trusted header)
+        if ident is not None and ident.identified:
             m.child(m.tenant_requests, m.tenant_label(ident.tenant_hash)).inc()
         ctx.span.set("http.response.status_code", ctx.status)
         ctx.span.end()

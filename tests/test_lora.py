@@ -101,6 +101,15 @@ async def _recording_replica(models: list[dict] | None = None, seen: list | None
     return runner, url, seen
 
 
+async def _statuses(s: aiohttp.ClientSession, url: str, model: str, prompts: list[str]) -> list[int]:
+    """The status of a completion for `model` of each prompt, sent one after another."""
+    out = []
+    for prompt in prompts:
+        async with s.post(url + "/v1/completions", json={"model": model, "prompt": prompt}) as r:
+            out.append(r.status)
+    return out
+
+
 def _two_replicas(url_a: str, url_b: str, feed: str, seed: int, discovery_s: float):
     """A gateway's config for replicas a and b, adapters discovered every `discovery_s`."""
     return config_from_dict({"server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
@@ -188,11 +197,7 @@ async def test_an_adapter_loaded_on_some_replicas_goes_only_there(tok):
     try:
         async with aiohttp.ClientSession() as s:
             async def send(model: str, n: int) -> list[int]:
-                statuses = []
-                for i in range(n):
-                    async with s.post(g.url + "/v1/completions", json={"model": model, "prompt": f"question {i}?"}) as r:
-                        statuses.append(r.status)
-                return statuses
+                return await _statuses(s, g.url, model, [f"question {i}?" for i in range(n)])
 
             async def until(pred) -> None:
                 for _ in range(100):
@@ -374,11 +379,7 @@ async def test_an_adapter_loaded_after_the_last_round_is_served_at_once_and_an_u
     try:
         async with aiohttp.ClientSession() as s:
             async def send(model: str, n: int) -> list[int]:
-                out = []
-                for _ in range(n):
-                    async with s.post(g.url + "/v1/completions", json={"model": model, "prompt": DOC}) as r:
-                        out.append(r.status)
-                return out
+                return await _statuses(s, g.url, model, [DOC] * n)
 
             assert "late-lora" not in gw.model.served
             for listing in (listing_a, listing_b):
