@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import secrets
-import socket
 import tempfile
 import uuid
 from dataclasses import dataclass, field, replace
@@ -20,13 +19,9 @@ from pathlib import Path
 
 import aiohttp
 
+from loadtests.ports import free_port
+
 __all__ = ["SystemSpec", "EmbeddedSystem", "api_key_for"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def api_key_for(tenant: str) -> str:
@@ -96,7 +91,7 @@ class EmbeddedSystem:
         self.feed = open_feed(spec.feed_url or f"memory://embedded-{uuid.uuid4().hex[:8]}")
         tm = TimeModel.wallclock() if spec.time_profile == "wallclock" else TimeModel()
         ids = [f"r{i}" for i in range(spec.replicas)]
-        endpoints = {rid: (f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}") for rid in ids}
+        endpoints = {rid: (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for rid in ids}
         sims = {}
         for rid in ids:
             ev, rp = endpoints[rid]

@@ -3,7 +3,6 @@ a missing redis-server or vLLM makes the test fail with the reason."""
 from __future__ import annotations
 
 import contextlib
-import random
 import shutil
 import socket
 import subprocess
@@ -13,47 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from loadtests.ports import free_port  # noqa: F401  (tests import it from here)
+
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
 FIXTURE_EVENTS = FIXTURES / "vllm-0.32-cpu-kv-events.json"
-
-
-_PORT_LOW = 20000  # free_port draws from here up to the kernel's ephemeral range
-_PORTS_GIVEN: set[int] = set()
-_PORT_RNG = random.SystemRandom()  # not the tests' seeded random: parallel processes must not draw alike
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on, for a server a test is about to start.
-
-    Why not the kernel's pick (bind to port 0): that comes from the ephemeral range, the same range
-    every outgoing connection on the machine takes its local port from, so between this check and
-    the server's bind a client socket of another test or process could take it (CI saw servers
-    fail to bind that way). Drawn at random below the ephemeral range instead, where only explicit
-    binds land, and never the same twice in one session."""
-    hi = _ephemeral_low()
-    if hi - _PORT_LOW >= 1000:
-        for _ in range(200):
-            port = _PORT_RNG.randrange(_PORT_LOW, hi)
-            if port in _PORTS_GIVEN:
-                continue
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            _PORTS_GIVEN.add(port)
-            return port
-    with socket.socket() as s:  # an unusual port range: the kernel's pick
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def serve_app(app, *, ssl_context=None, shutdown_timeout: float = 60.0):

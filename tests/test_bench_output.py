@@ -140,7 +140,7 @@ def test_a_taken_port_is_one_line_not_a_traceback(monkeypatch, capsys):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
-    monkeypatch.setattr(harness, "_free_port", lambda: taken.getsockname()[1])
+    monkeypatch.setattr(harness, "free_port", lambda: taken.getsockname()[1])
     monkeypatch.setattr(uvloop, "install", lambda: None)  # keep this test process's loop policy
     try:
         rc = main(["bench", "--policy", "round_robin", "--replicas", "1", "--requests", "2", *SMALL])
