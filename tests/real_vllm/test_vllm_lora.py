@@ -164,21 +164,25 @@ def test_lora_slots_reach_the_gateway(lora_system):
 
     t = threading.Thread(target=stream, daemon=True)
     t.start()
-    engine = index = None
-    deadline = time.monotonic() + 60
+    engine = index = last = None
+    polls, started = 0, time.monotonic()
+    deadline = started + 150  # within the stream's own timeout: a slow machine ends the stream, not the poll
     while time.monotonic() < deadline and not done.is_set() and (engine is None or index is None):
         if engine is None:
-            lr = parse_load(httpx.get(rep.url + "/metrics", timeout=10).text)
-            if ADAPTERS[1] in lr.lora_running:
-                engine = lr
+            last = parse_load(httpx.get(rep.url + "/metrics", timeout=10).text)
+            polls += 1
+            if ADAPTERS[1] in last.lora_running:
+                engine = last
         if index is None:
             lr = system.call(gw.index.last_load, "r0")
             if lr is not None and ADAPTERS[1] in lr.lora_running:
                 index = lr
         time.sleep(0.05)
+    waited, ended_first = time.monotonic() - started, done.is_set()
     t.join(timeout=180)
     assert statuses == [200], statuses
-    assert engine is not None, "the engine's /metrics never named the running adapter (the stream ended first?)"
+    assert engine is not None, (f"the engine's /metrics never named the running adapter in {polls} polls over "
+                                f"{waited:.1f} s (the stream had ended: {ended_first}); the last said {last}")
     assert index is not None, "the agent's load records never brought the running adapter to the gateway"
     assert (engine.max_lora, index.max_lora) == (3, 3) and engine.lora_running == (ADAPTERS[1],)
     deadline = time.monotonic() + 30
