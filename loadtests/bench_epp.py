@@ -38,7 +38,8 @@ import subprocess
 import sys
 from typing import Any, Mapping, Sequence
 
-from loadtests.bench_gateway_overhead import MODEL, _free_port, fake_upstream_main, run_level
+from loadtests.ports import free_port
+from loadtests.bench_gateway_overhead import MODEL, fake_upstream_main, run_level
 from loadtests.runner import process_cpu_s, wait_http
 
 
@@ -123,14 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.epp.envoy import EnvoyOptions, EnvoyProcess, bootstrap, direct_bootstrap
 
     ctx = mp.get_context("spawn")
-    up_port = _free_port()
+    up_port = free_port()
     endpoint = f"127.0.0.1:{up_port}"
     up = ctx.Process(target=fake_upstream_main, args=(up_port, args.interval_ms), daemon=True)
     up.start()
     transports = [t for t in args.transports.split(",") if t]
     pickers: dict[str, tuple] = {}  # transport -> (process, port)
     for t in transports:
-        port, ready = _free_port(), ctx.Event()
+        port, ready = free_port(), ctx.Event()
         pk = ctx.Process(target=picker_main, args=(port, [endpoint], args.picker, ready, t), daemon=True)
         pk.start()
         pickers[t] = (pk, port, ready)
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             targets[epp_names[t]] = (f"http://127.0.0.1:{epp.listen_port}", epp.proc.pid)
             picker_pids[epp_names[t]] = pk.pid
         if not args.no_gateway:
-            gw_port, gw_admin = _free_port(), _free_port()
+            gw_port, gw_admin = free_port(), free_port()
             gw = subprocess.Popen(
                 [sys.executable, "-m", "gateway.cli", "gateway", "--host", "127.0.0.1", "--port", str(gw_port),
                  "--admin-port", str(gw_admin), "--replica", f"r0=http://{endpoint}", "--no-auth", "--feed", "memory://",

@@ -26,10 +26,10 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import socket
 import sys
 import time
 
+from loadtests.ports import free_port
 from loadtests.runner import process_cpu_s
 
 METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
@@ -42,12 +42,6 @@ _HEADERS = [(":method", "POST"), (":path", "/v1/chat/completions"), (":authority
 _BODY = (b'{"model":"m","stream":true,"messages":[{"role":"user","content":"' + b"lorem ipsum " * 165 + b'"}]}')
 _SSE = b'data: {"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":" tok"}}]}\n\n'
 _EP = "10.0.0.7:8000,10.0.0.8:8000"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- the two message APIs
@@ -328,7 +322,7 @@ def client_main(port: int, levels: list[int], seconds: float, chunks: int, serve
 
 def stream_phase(binding: str, levels: list[int], seconds: float, chunks: int) -> dict:
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     ready = ctx.Event()
     srv = ctx.Process(target=server_main, args=(binding, port, ready), daemon=True)
     srv.start()

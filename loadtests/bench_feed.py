@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from redis.utils import HIREDIS_AVAILABLE
 from replica_agent.feed import FeedEvent, TenantShare, fair_share_board, open_feed
 from replica_agent.feed.fair_share import _decode, _encode
 from replica_agent.feed.records import KINDS, Hello, LoadReport, decode_event, encode_event
+from loadtests.ports import free_port
 
 _generic = msgspec.msgpack.Decoder()
 
@@ -187,12 +187,6 @@ async def _run(url: str, args) -> list[tuple[str, float, float]]:
     return rows
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtests.bench_feed", description=__doc__.split("\n\n")[0])
     p.add_argument("--records", type=int, default=4000, help="records in the stream read back")
@@ -202,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     exe = shutil.which("redis-server")
     if exe is None:
         raise SystemExit("redis-server not found")
-    port, tmp = _free_port(), tempfile.mkdtemp(prefix="wr-bench-feed-")
+    port, tmp = free_port(), tempfile.mkdtemp(prefix="wr-bench-feed-")
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", tmp], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

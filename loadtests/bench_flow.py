@@ -43,7 +43,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,18 +50,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+from loadtests.ports import free_port
 from loadtests.runner import BenchRequest, _one, percentiles, process_cpu_s, run_load, wait_http
 
 MODEL = "flow-bench"
 TENANT_KEYS = {"quiet": "sk-flow-quiet", "noisy": "sk-flow-noisy"}
 _WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma "
           "tau upsilon phi chi psi omega river stone cloud ember lantern meadow harbor quartz willow").split()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _text(rng: random.Random, n_words: int) -> str:
@@ -83,7 +77,7 @@ def pool_main(redis_url: str, port: int, index: int, args: dict) -> None:
         feed = open_feed(redis_url)
         tm = TimeModel.wallclock(time_scale=args["time_scale"])
         tm.prefill_s_per_token = args["prefill_ms_per_token"] / 1000.0
-        ev, rp = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+        ev, rp = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
         sim = await start_sim_server(SimConfig(model=MODEL, num_blocks=args["num_blocks"], max_model_len=4096,
                                                max_num_seqs=args["max_num_seqs"], time=tm, kv_events_endpoint=ev,
                                                scheduling_policy=args.get("scheduling_policy", "fcfs"),
@@ -152,7 +146,7 @@ class Gateways:
         self.urls: list[str] = []
         self.admin: list[str] = []
         for i in range(n):
-            ports = (_free_port(), _free_port())
+            ports = (free_port(), free_port())
             d = workdir / f"gw{i}-{'on' if flow else 'off'}-{time.monotonic_ns()}"
             d.mkdir()
             _gateway_config(d / "gateway.yaml", redis_url, sims, ports, flow=flow, args=args, headroom=headroom,
@@ -469,11 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     if exe is None:
         raise SystemExit("redis-server not found (apt-get install redis-server)")
     workdir = Path(tempfile.mkdtemp(prefix="warmroute-bench-flow-"))
-    rport = _free_port()
+    rport = free_port()
     redis = subprocess.Popen([exe, "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                               "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ctxp = __import__("multiprocessing").get_context("spawn")
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     redis_url = f"redis://127.0.0.1:{rport}/0"
     pool: list = []
     report: dict = {"command": " ".join(["python -m loadtests.bench_flow"] + (argv if argv is not None else sys.argv[1:])),

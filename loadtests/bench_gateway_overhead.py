@@ -30,21 +30,15 @@ import functools
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
+from loadtests.ports import free_port
 from loadtests.runner import process_cpu_s, wait_http
 
 MODEL = "bench-model"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- fake upstream
@@ -244,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ncpu = os.cpu_count() or 1
     pin = args.gateway_cpu >= 0 and ncpu >= 2
     others = {c for c in range(ncpu) if c != args.gateway_cpu} if pin else None
-    up_port, gw_port, gw_admin = _free_port(), _free_port(), _free_port()
+    up_port, gw_port, gw_admin = free_port(), free_port(), free_port()
     ctx = __import__("multiprocessing").get_context("spawn")
     if args.upstream == "fake":
         up = ctx.Process(target=fake_upstream_main, args=(up_port, args.interval_ms), daemon=True)

@@ -14,20 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
 
 import aiohttp
 
+from loadtests.ports import free_port
 from loadtests.runner import process_cpu_s
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _wait_healthy(url: str, timeout_s: float = 60.0) -> None:
@@ -61,7 +55,7 @@ async def _client(session: aiohttp.ClientSession, url: str, idx: int, stop_at: f
 
 
 async def run_level(concurrency: int, duration_s: float, max_tokens: int, extra_args: list[str]) -> dict:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main())", "sim", "--port", str(port),
            "--time-profile", "wallclock", "--num-blocks", "20000", "--max-num-seqs", "256", *extra_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -41,7 +41,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,7 @@ from pathlib import Path
 import aiohttp
 
 from gateway.tokenization import TokenizerService
+from loadtests.ports import free_port
 from loadtests.bench import WALLCLOCK_DEFAULTS, _parse_params, bench_requests
 from loadtests.runner import CpuMeter, run_load, summarize
 from loadtests.vtime_regimes import REGIMES, build_case
@@ -77,12 +77,6 @@ _SIM_COUNTERS = {
 
 class Unavailable(RuntimeError):
     """A router that could not be installed, started or reached."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------ processes
@@ -251,7 +245,7 @@ class RouterRun:
 def _router_argv(kind: str, policy: str, port: int, sim_urls: list[str], venv: Path, ctx: dict) -> tuple[list[str], dict, str, str]:
     """(argv, env, readiness URL, Prometheus URL) of one router."""
     if kind == "warmroute":
-        admin = _free_port()
+        admin = free_port()
         argv = [ctx["warmroute_bin"], "gateway", "--no-auth", "--host", "127.0.0.1", "--port", str(port),
                 "--admin-port", str(admin), "--feed", ctx["feed_url"], "--policy", policy, "--block-size", "16",
                 "--model", MODEL, "--salt-secret-file", ctx["salt_file"]]
@@ -264,7 +258,7 @@ def _router_argv(kind: str, policy: str, port: int, sim_urls: list[str], venv: P
         if "max_num_seqs" in policy_params(policy):  # the operator's setting mirrors the engines' --max-num-seqs
             env["WARMROUTE_POLICY__PARAMS__MAX_NUM_SEQS"] = str(ctx["max_num_seqs"])
         return argv, env, f"http://127.0.0.1:{admin}/readyz", f"http://127.0.0.1:{admin}/metrics"
-    prom = _free_port()
+    prom = free_port()
     if kind == "sglang":
         py = venv / "bin" / "python"
         if not py.exists():
@@ -404,7 +398,7 @@ async def _compare(args, procs: Procs, tmp: Path) -> dict:
         raise SystemExit(f"warmroute console script not found next to {sys.executable}")
 
     # feed: a private redis-server
-    redis_port = _free_port()
+    redis_port = free_port()
     procs.start("redis", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                           "--appendonly", "no", "--dir", str(tmp)])
     feed_url = f"redis://127.0.0.1:{redis_port}/0"
@@ -415,8 +409,8 @@ async def _compare(args, procs: Procs, tmp: Path) -> dict:
     sims: dict[str, str] = {}
     endpoints = {}
     for i in range(args.replicas):
-        rid, port = f"r{i}", _free_port()
-        ev, rp = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+        rid, port = f"r{i}", free_port()
+        ev, rp = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
         endpoints[rid] = (ev, rp)
         procs.start(f"agent-{rid}", [wr_bin, "agent", "--replica-id", rid, "--engine-url", f"http://127.0.0.1:{port}",
                                      "--kv-events-endpoint", ev, "--replay-endpoint", rp, "--bind", "--feed", feed_url,
@@ -447,7 +441,7 @@ async def _compare(args, procs: Procs, tmp: Path) -> dict:
             argv: list[str] = []
             try:
                 drained_s = await _drain_and_reset(session, sims, args.drain_timeout)
-                port = _free_port()
+                port = free_port()
                 argv, env, ready, prom_url = _router_argv(kind, policy, port, sim_urls, venv, ctx)
                 code = _code_state() if kind == "warmroute" else None
                 procs.start(name, argv, env)

@@ -52,8 +52,9 @@ from pathlib import Path
 
 import aiohttp
 
+from loadtests.ports import free_port
 from loadtests.bench import _parse_params, bench_requests
-from loadtests.compare_peers import (DEFAULT_PEERS_VENV, MODEL, Procs, Unavailable, _apply_regime, _drain_and_reset, _free_port,
+from loadtests.compare_peers import (DEFAULT_PEERS_VENV, MODEL, Procs, Unavailable, _apply_regime, _drain_and_reset,
                                      _router_argv, _sim_counters, _wait_http, _warmup)
 from loadtests.compare_peers import _workload as _regime_workload
 from loadtests.vtime_regimes import REGIMES
@@ -204,7 +205,7 @@ def hot_frames(raw: str, top: int) -> list[tuple[str, int]]:
 
 def _start_pool(args, procs: Procs, tmp: Path, wr_bin: str) -> tuple[dict, dict]:
     """redis + sims + agents (as compare_peers); (sims rid -> url, router ctx)."""
-    redis_port = _free_port()
+    redis_port = free_port()
     procs.start("redis", ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                           "--appendonly", "no", "--dir", str(tmp)])
     feed_url = f"redis://127.0.0.1:{redis_port}/0"
@@ -212,8 +213,8 @@ def _start_pool(args, procs: Procs, tmp: Path, wr_bin: str) -> tuple[dict, dict]
     salt_file.write_text(os.urandom(24).hex())
     sims = {}
     for i in range(args.replicas):
-        rid, port = f"r{i}", _free_port()
-        ev, rp = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+        rid, port = f"r{i}", free_port()
+        ev, rp = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
         procs.start(f"agent-{rid}", [wr_bin, "agent", "--replica-id", rid, "--engine-url", f"http://127.0.0.1:{port}",
                                      "--kv-events-endpoint", ev, "--replay-endpoint", rp, "--bind", "--feed", feed_url,
                                      "--model", MODEL, "--block-size", "16", "--load-interval", str(args.agent_load_interval)])
@@ -294,7 +295,7 @@ async def _one_run(session, args, procs: Procs, variant: tuple[str, str], load: 
     """One gateway (one variant) under the load: its CPU seconds, per request, idle; py-spy samples."""
     (vname, vdir), (reqs, warm), (sims, ctx) = variant, load, pool
     await _drain_and_reset(session, sims, 120)
-    port = _free_port()
+    port = free_port()
     peer = vdir.startswith(PEER_PREFIX)  # a peer router (e.g. @sglang): its own venv, no profilers
     kind = vdir[len(PEER_PREFIX):] if peer else "warmroute"
     argv, env, ready, _ = _router_argv(kind, args.policy if not peer else "cache_aware", port, list(sims.values()),

@@ -26,7 +26,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from loadtests.ports import free_port
 from loadtests.runner import wait_http
 
 __all__ = ["SoakConfig", "SoakResult", "run_soak", "main"]
@@ -75,12 +75,6 @@ class SoakResult:
     @property
     def ok(self) -> bool:
         return not self.failures
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rss(pid: int) -> int:
@@ -125,13 +119,13 @@ def _start_system(cfg: SoakConfig, ps: _Processes) -> tuple[subprocess.Popen, st
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found (apt-get install redis-server), or pass --redis-url")
-        port = _free_port()
+        port = free_port()
         ps.start("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                            "--dir", str(ps.workdir)])
         redis_url = f"redis://127.0.0.1:{port}/0"
     replicas = []
     for i in range(cfg.replicas):
-        http, pub, rep = _free_port(), _free_port(), _free_port()
+        http, pub, rep = free_port(), free_port(), free_port()
         sim = ps.start(f"sim{i}", wr + ["sim", "--host", "127.0.0.1", "--port", str(http), "--model", MODEL,
                                         "--num-blocks", str(cfg.sim_num_blocks), "--kv-events-endpoint", f"tcp://*:{pub}",
                                         "--replay-endpoint", f"tcp://127.0.0.1:{rep}"])
@@ -141,7 +135,7 @@ def _start_system(cfg: SoakConfig, ps: _Processes) -> tuple[subprocess.Popen, st
                                     f"tcp://127.0.0.1:{pub}", "--replay-endpoint", f"tcp://127.0.0.1:{rep}",
                                     "--feed", redis_url, "--model", MODEL, "--load-interval", "0.5"])
         replicas.append(f"r{i}={url}")
-    api, admin = _free_port(), _free_port()
+    api, admin = free_port(), free_port()
     gw_cfg = {"server": {"host": "127.0.0.1", "port": api, "admin_port": admin},
               "membership": {"replicas": replicas}, "auth": {"enabled": False},
               "model": {"name": MODEL, "max_model_len": 8192},

@@ -1,7 +1,7 @@
 """Start, stop, kill and restart real vLLM (CPU build) replicas for end-to-end tests.
 
-Runs in the project venv (stdlib only); each replica runs in the separate vLLM venv made by
-setup_vllm.sh, and tests talk to it over HTTP and ZMQ only.
+Runs in the project venv (stdlib, and loadtests.ports for free ports); each replica runs in the
+separate vLLM venv made by setup_vllm.sh, and tests talk to it over HTTP and ZMQ only.
 
     from real_vllm.launch import start_replicas       # under pytest (tests/ is on sys.path)
     reps = start_replicas(2, model_dir)                # concurrent start, waits for /health
@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from loadtests.ports import free_port
 
 __all__ = [
     "DEFAULT_VENV",
@@ -100,24 +101,10 @@ def ensure_model(model_dir: str | os.PathLike | None = None, tokenizer_dir: str 
     return make_tiny_model.make_tiny_model(model_dir or DEFAULT_MODEL_DIR, tokenizer_dir)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _free_ports(n: int) -> list[int]:
-    """n distinct free ports (held open together so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct free ports, below the ephemeral range (loadtests.ports: a vLLM start takes a
+    minute, long enough for a client socket to take a port the kernel picked)."""
+    return [free_port() for _ in range(n)]
 
 
 def _tail(path: Path, lines: int = 60) -> str:
