@@ -112,12 +112,12 @@ async def run_inflight_exchange(board: InflightBoard, load: LoadTracker, health:
         pending = load.take_pending()
         try:
             try:
-                got = await board.exchange_inflight(pending, load.gauges(time.monotonic()))
+                got = await board.exchange_inflight(pending, load.gauges(time.monotonic()), load.adapters())
             except BaseException:
                 load.restore_pending(pending)  # not applied (as far as we know): sent again next time
                 raise
-            shared = {rid: (v.reqs, v.prefill_tokens, v.open_reqs, v.routed_rps, v.size_weight, v.size_tokens)
-                      for rid, v in got.items()}
+            shared = {rid: (v.reqs, v.prefill_tokens, v.open_reqs, v.routed_rps, v.size_weight, v.size_tokens,
+                            v.lora_running, v.lora_wanting) for rid, v in got.items()}
             if load.lost_by_feed(shared):
                 # the feed had none of ours before this exchange: it holds `pending` of ours now
                 log.warning("the feed lost this gateway's in-flight counters: publishing them again")

@@ -15,7 +15,10 @@ own work and at most one poll stale for theirs.
 Per replica it also counts this gateway's open requests per LoRA adapter, in flight
 (`inflight_loras`: no first token yet, so running or waiting for a slot) and active
 (`active_loras`: generating, so holding a slot): the adapters it has just given work there, before
-the engine's next report can say so.
+the engine's next report can say so. It publishes them with every exchange (`adapters`) and
+reads the other gateways' back (`others_lora_running`, `others_lora_wanting`): with several
+processes, each otherwise saw only its own since the engine's last report, and two could take a
+replica's last free slot for two adapters in the same second.
 
 Per replica it also keeps a mean of the uncached prefill tokens of requests sent there
 (`mean_uncached_tokens`), which the cache-aware policy uses to price a waiting request, and a
@@ -76,6 +79,8 @@ class ReplicaLoad:
     others_size_tokens: float = 0.0  # their weight x mean uncached tokens, summed (same)
     inflight_loras: dict[str, int] | None = None  # this gateway: LoRA adapter -> its requests here without a first token
     active_loras: dict[str, int] | None = None  # this gateway: LoRA adapter -> its requests here generating
+    others_lora_running: tuple[str, ...] = ()  # other gateways' adapters with requests here generating (last exchange)
+    others_lora_wanting: tuple[str, ...] = ()  # theirs with requests here without a first token (same)
 
 
 class Flight:
@@ -248,14 +253,22 @@ class LoadTracker:
         self._published = out
         return out
 
+    def adapters(self) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+        """This gateway's LoRA adapters to publish with the exchange: replica -> (those its requests
+        there are generating, those without a first token), replicas with none left out."""
+        return {rid: (tuple(ld.active_loras or ()), tuple(ld.inflight_loras or ()))
+                for rid, ld in self._loads.items() if ld.active_loras or ld.inflight_loras}
+
     def set_shared(self, shared: Mapping[str, tuple]) -> None:
         """The feed's counters, all gateways including this one: replica -> (reqs, tokens, open),
         optionally followed by the summed dispatch gauges (routed_rps, size weight, weight x mean)
-        when the exchange published ours (`gauges`)."""
+        when the exchange published ours (`gauges`), and by the other gateways' adapters there
+        (running, wanting)."""
         for rid, ld in self._loads.items():
             if rid not in shared:
                 ld.others_reqs = ld.others_tokens = ld.others_open = 0
                 ld.others_rps = ld.others_size_weight = ld.others_size_tokens = 0.0
+                ld.others_lora_running = ld.others_lora_wanting = ()
         for rid, counts in shared.items():
             reqs, tokens, opened = counts[:3]
             ld = self._get(rid)
@@ -270,6 +283,7 @@ class LoadTracker:
                     max(0.0, float(t) - o) for t, o in zip(counts[3:6], own))
             else:  # no gauges in this exchange: only ours are known
                 ld.others_rps = ld.others_size_weight = ld.others_size_tokens = 0.0
+            ld.others_lora_running, ld.others_lora_wanting = counts[6:8] if len(counts) >= 8 else ((), ())
 
     @staticmethod
     def _size_weight(ld: ReplicaLoad, now: float) -> float:

@@ -289,15 +289,16 @@ def build_views(
 
 def _lora_slots(rep, ld) -> tuple[int, tuple[str, ...], tuple[str, ...]]:
     """(max_lora, the adapters holding slots, the others wanting one): the engine's last report,
-    plus this gateway's requests there since (generating: holding a slot; no first token yet:
-    running or waiting, counted as wanting one unless their adapter holds a slot)."""
+    plus the requests there since of this gateway and (as of the last exchange) the others
+    (generating: holding a slot; no first token yet: running or waiting, counted as wanting one
+    unless their adapter holds a slot)."""
     if rep is None or not rep.max_lora:
         return 0, (), ()
     running, waiting = rep.lora_running, rep.lora_waiting
-    if ld is not None and ld.active_loras:
-        running = tuple(dict.fromkeys((*running, *ld.active_loras)))
-    if ld is not None and ld.inflight_loras:
-        waiting = (*waiting, *ld.inflight_loras)
+    if ld is not None and (ld.active_loras or ld.others_lora_running):
+        running = tuple(dict.fromkeys((*running, *(ld.active_loras or ()), *ld.others_lora_running)))
+    if ld is not None and (ld.inflight_loras or ld.others_lora_wanting):
+        waiting = (*waiting, *(ld.inflight_loras or ()), *ld.others_lora_wanting)
     if waiting:
         held = set(running)
         waiting = tuple(a for a in dict.fromkeys(waiting) if a not in held)

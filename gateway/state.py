@@ -123,6 +123,8 @@ def _replica(gw, s, st) -> dict:
         "inflight_reqs": ld.inflight_reqs, "inflight_tokens": ld.inflight_tokens, "active_reqs": ld.active_reqs,
         # this gateway's requests there per LoRA adapter: no first token yet, and generating
         "lora_reqs": {"inflight": dict(ld.inflight_loras or {}), "active": dict(ld.active_loras or {})},
+        # the other gateways' adapters there as of the last exchange: generating, and not yet
+        "others_loras": {"running": list(ld.others_lora_running), "wanting": list(ld.others_lora_wanting)},
         "others_inflight_reqs": ld.others_reqs,
         # requests routed there per second, by this gateway and by every gateway (gateway.load's
         # dispatch gauges), and the mean uncached tokens of those requests (by age; None: none yet)

@@ -20,7 +20,8 @@ gateway's routing over the engine model, which `tests/test_vtime_sim.py` checks 
 sims request by request, LoRA slots included), one run per seed and variant, each seed its own
 stream (the no_sharing workload with adapters: prompts of the same mean length, +-50%), and prints
 each seed's figures and their medians; `--gateways N` puts N gateway processes in front (each
-sees the engines' reports and only its own requests' adapters).
+sees the engines' reports, its own requests' adapters and, through the gateways' exchange, the
+others').
 
 Run:  python -m loadtests.bench_lora [--requests 360] [--rate 6] [--json FILE]
       python -m loadtests.bench_lora --vtime 0-19 [--json FILE]
@@ -64,7 +65,7 @@ async def run_variant(args, visible: bool, reqs: list[BenchRequest]) -> dict:
     spec = SystemSpec(replicas=args.replicas, policy=args.policy, model=MODEL, num_blocks=args.num_blocks,
                       max_num_seqs=args.max_num_seqs, auth=False,
                       lora_modules=tuple(f"adapter-{i}" for i in range(args.adapters)), max_loras=args.max_loras,
-                      lora_metrics=visible)
+                      lora_metrics=visible, agent_load_interval_s=args.report_interval)
     async with EmbeddedSystem(spec) as system:
         samples, wall = await run_load(system.url, reqs, timeout_s=args.timeout)
         stats = system.sim_stats()
@@ -108,7 +109,7 @@ def vtime_variant(args, seed: int, visible: bool) -> dict:
     w = build_workload("no_sharing", args.requests, seed=seed, rate_rps=args.rate, prompt_tokens=6 * args.prompt_words,
                        output_tokens=args.output_tokens, adapters=args.adapters, zipf_s=args.zipf_s)
     params = SimParams.wallclock(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, max_batched_tokens=8192,
-                                 report_interval_s=0.25, request_timeout_s=args.timeout, max_loras=args.max_loras,
+                                 report_interval_s=args.report_interval, request_timeout_s=args.timeout, max_loras=args.max_loras,
                                  lora_metrics=visible)
     r = simulate(w, args.policy, args.replicas, params, seed=seed, gateways=args.gateways)
     pct = (lambda a, q: float(np.percentile(a, q)) * 1000 if len(a) else float("nan"))
@@ -161,6 +162,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--vtime", metavar="SEEDS", default=None,
                    help="run in virtual time over these seeds (0-19, 0,3,5) instead of the wall clock (default: wall clock)")
+    p.add_argument("--report-interval", type=float, default=0.25,
+                   help="seconds between the agents' scrapes of the engines' /metrics, the LoRA slots' source "
+                        "(default 0.25; the chart's agents: 1.0)")
     p.add_argument("--gateways", type=int, default=1,
                    help="with --vtime: gateway processes in front of the pool, sharing what the gateways share (default 1)")
     return p.parse_args(argv)

@@ -27,6 +27,7 @@ from gateway.routing import RoutingState, predicted_matched_tokens, queued_prefi
 from policies.base import RequestView
 from policies.calibration import Calibrator
 from replica_agent.feed import FeedEvent, LoadReport
+from replica_agent.feed.records import merge_adapters
 
 __all__ = ["VClock", "SimRouter", "SimGateways"]
 
@@ -137,7 +138,8 @@ class SimGateways:
     one of them at random (a fresh connection per request, spread by the kernel's SO_REUSEPORT or
     the Service), which routes, tracks and learns from it alone. The gateways' exchange through
     the feed's shared counters (the gateway's `run_inflight_exchange`, through the same LoadTracker
-    calls: take_pending, gauges, set_shared: in-flight counts and dispatch gauges; take_shared,
+    calls: take_pending, gauges, adapters, set_shared: in-flight counts, dispatch gauges and the
+    LoRA adapters of each one's requests (each gateway gets the others'); take_shared,
     apply_shared: copies in progress; take_placements, apply_placements: the plan's placements)
     runs every `feed.inflight_poll_s` (0.1 s; at the first arrival after it) and with every load
     report. Not shared, as in the gateway: speculative index entries of short new parts (under
@@ -176,9 +178,15 @@ class SimGateways:
                 gauges[rid] = tuple(a + b for a, b in zip(gauges.get(rid, (0.0, 0.0, 0.0)), gs))
         board = {rid: self.shared.get(rid, (0, 0, 0)) + gauges.get(rid, (0.0, 0.0, 0.0))
                  for rid in set(self.shared) | set(gauges)}
+        published = [g.routing.load.adapters() for g in self.routers]
         trades = [(g, g.routing.take_shared(), g.routing.take_placements()) for g in self.routers]
-        for g in self.routers:
-            g.routing.load.set_shared(board)
+        for i, g in enumerate(self.routers):
+            if any(published):  # the others' adapters, as the feed gives each gateway
+                loras = merge_adapters(p for j, p in enumerate(published) if j != i)
+                g.routing.load.set_shared({rid: board.get(rid, (0, 0, 0, 0.0, 0.0, 0.0)) + loras.get(rid, ((), ()))
+                                           for rid in set(board) | set(loras)})
+            else:
+                g.routing.load.set_shared(board)
             for src, entries, placements in trades:
                 if src is not g:
                     g.routing.apply_shared(entries)

@@ -66,7 +66,7 @@ class ReplicaView:
     routed_rps: float | None = None  # requests the gateway routed there per second, a moving mean (None: not tracked)
     others_routed_rps: float = 0.0  # of those, the other gateways' (as of the last exchange; 0: none known)
     max_lora: int = 0  # the engine's LoRA slots per batch (vLLM --max-loras); 0: unknown, or LoRA off
-    lora_running: tuple[str, ...] = ()  # adapters holding those slots (engine-reported, plus the gateway's own since)
+    lora_running: tuple[str, ...] = ()  # adapters holding those slots (engine-reported, plus the gateways' since)
     lora_waiting: tuple[str, ...] = ()  # other adapters with requests there wanting a slot (the same sources)
 
 

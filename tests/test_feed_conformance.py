@@ -189,6 +189,31 @@ async def test_dispatch_gauges_replace_and_sum(make_feed):
     await g2.close()
 
 
+async def test_lora_adapters_replace_and_reach_the_other_processes(make_feed):
+    """Each process's adapters per replica (generating, no first token yet) replace its previous
+    ones; a read merges the other processes' (an adapter generating anywhere is running, not
+    wanting), never the reader's own; an exchange without them leaves ours; an empty map clears."""
+    g1, g2, g3 = make_feed(), make_feed(), make_feed()
+    await g1.exchange_inflight({}, None, {"r": (["x"], ["y"]), "q": ([], ["x"])})
+    await g2.exchange_inflight({}, None, {"r": ([], ["x", "z"])})
+    seen = await g3.exchange_inflight({"r": (1, 10)}, None, {})
+    assert (seen["r"].lora_running, seen["r"].lora_wanting) == (("x",), ("y", "z"))
+    assert (seen["q"].lora_running, seen["q"].lora_wanting) == ((), ("x",))
+    assert seen["r"].reqs == 1
+    seen = await g1.inflight()  # g2's only
+    assert (seen["r"].lora_running, seen["r"].lora_wanting) == ((), ("x", "z"))
+    assert "q" not in seen or seen["q"].lora_wanting == ()
+    await g2.exchange_inflight({})  # no adapters given: g2's stay
+    assert (await g3.inflight())["r"].lora_wanting == ("y", "z")
+    await g2.exchange_inflight({}, None, {})  # none any more
+    await g1.exchange_inflight({}, None, {"r": (["y"], [])})  # replaced: q and x dropped
+    seen = await g3.inflight()
+    assert (seen["r"].lora_running, seen["r"].lora_wanting) == (("y",), ())
+    assert "q" not in seen or seen["q"].lora_wanting == ()
+    for g in (g1, g2, g3):
+        await g.close()
+
+
 async def test_copies_in_progress_reach_every_other_process_once(make_feed):
     g1, g2, g3 = make_feed(), make_feed(), make_feed()
     big = (2**64 - 1, 0, 12345678901234567890)  # block keys are unsigned 64-bit

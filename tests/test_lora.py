@@ -269,6 +269,52 @@ def test_lora_slots_in_the_views():
     assert ld is None or not (ld.inflight_loras or ld.active_loras)
 
 
+async def test_other_gateways_adapters_reach_the_views():
+    """Two gateway processes on one feed: each publishes its requests' adapters per replica with
+    its exchange (gateway.background's call), and the other's views count them as its own
+    (generating: holding a slot; no first token: wanting one) until that gateway's next exchange
+    says they ended; a gateway never reads its own back."""
+    import uuid
+
+    from gateway.load import LoadTracker
+    from gateway.routing import build_views
+    from replica_agent.feed import open_feed
+    from replica_agent.feed.records import LoadReport
+
+    url = f"memory://lora-share-{uuid.uuid4().hex[:8]}"
+    feeds, loads = [open_feed(url), open_feed(url)], [LoadTracker(), LoadTracker()]
+    reports = {"a": LoadReport(1, 0, 0.1, 0, 0, 100, 16, 0.0, 2, ("x",), ())}
+
+    async def exchange(i: int) -> None:
+        got = await feeds[i].exchange_inflight(loads[i].take_pending(), loads[i].gauges(0.0), loads[i].adapters())
+        loads[i].set_shared({rid: (v.reqs, v.prefill_tokens, v.open_reqs, v.routed_rps, v.size_weight, v.size_tokens,
+                                   v.lora_running, v.lora_wanting) for rid, v in got.items()})
+
+    def slots(i: int) -> tuple:
+        (v,) = build_views(["a"], matches={}, available={"a": True}, live={}, reports=reports,
+                           loads=loads[i].snapshot(), rates={"a": (1e-4, 0.02)})
+        return v.max_lora, v.lora_running, v.lora_waiting
+
+    y = loads[0].dispatch("a", 10, lora="y")
+    z = loads[0].dispatch("a", 10, lora="z")
+    await exchange(0)
+    assert slots(1) == (2, ("x",), ())  # not exchanged yet: the engine's report only
+    await exchange(1)
+    assert slots(1) == (2, ("x",), ("y", "z"))
+    y.first_token()
+    await exchange(0)
+    await exchange(1)
+    assert slots(1) == (2, ("x", "y"), ("z",))
+    assert loads[0].get("a").others_lora_running == ()  # its own are not read back as another's
+    y.finish()
+    z.finish()
+    await exchange(0)
+    await exchange(1)
+    assert slots(1) == (2, ("x",), ())
+    for f in feeds:
+        await f.close()
+
+
 async def test_an_adapter_goes_where_it_runs_or_a_slot_is_free(tok):
     """Two replicas with one LoRA slot each (as their agents report vllm:lora_requests_info): a
     request for an adapter goes to the one running it, or with its slot free, not to the one whose
@@ -320,6 +366,7 @@ async def test_an_adapter_goes_where_it_runs_or_a_slot_is_free(tok):
                 reps = {x["replica_id"]: x for x in (await r.json())["replicas"]}
             assert reps["a"]["load_report"]["lora_running"] == ["sql-lora"] and reps["a"]["load_report"]["max_lora"] == 1
             assert reps["a"]["lora_reqs"] == {"inflight": {}, "active": {}}  # every request answered
+            assert reps["a"]["others_loras"] == {"running": [], "wanting": []}  # no other gateway
     finally:
         await feed.close()
         await g.close()

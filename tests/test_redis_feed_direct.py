@@ -128,6 +128,36 @@ async def test_bad_gauges_copies_and_placements_from_another_gateway_are_skipped
         await g1.close()
 
 
+async def test_adapters_of_a_stopped_or_bad_gateway_are_left_out(redis_server):
+    """Another gateway's LoRA adapters count while it exchanges: a field published more than
+    ADAPTERS_STALE_S ago (that gateway stopped; its hash lives on until its TTL) is left out, and so
+    is one that is not what this version writes (another version, or a bad writer), without losing
+    the exchange or the other gateways' adapters."""
+    import json
+    import time
+
+    from replica_agent.feed.base import ADAPTERS_STALE_S
+
+    g1 = open_feed(redis_server.url, owner="g1")
+    raw = aioredis.from_url(redis_server.url)
+    fresh, stale = time.time(), time.time() - ADAPTERS_STALE_S - 1
+    try:
+        await raw.hset("wr:inflight:live", "\x00lora", json.dumps({"o": "live", "t": fresh, "a": {"r": [["x"], []]}}))
+        await raw.hset("wr:inflight:gone", "\x00lora", json.dumps({"o": "gone", "t": stale, "a": {"r": [["y"], []]}}))
+        await raw.hset("wr:inflight:bad1", "\x00lora", b"\xff not json")
+        await raw.hset("wr:inflight:bad2", "\x00lora", json.dumps({"o": "bad2", "t": fresh, "a": {"r": ["x"]}}))
+        await raw.hset("wr:inflight:bad3", "\x00lora", json.dumps({"o": "bad3", "t": fresh, "a": {"r": [[7, "w"], "z"]}}))
+        await raw.hset("wr:inflight:bad4", mapping={"\x00lora": json.dumps([1, 2]), "r\x00reqs": 2})
+        seen = await g1.exchange_inflight({"r": (1, 10)}, None, {"r": (["mine"], [])})
+        assert (seen["r"].reqs, seen["r"].lora_running, seen["r"].lora_wanting) == (3, ("x",), ())
+        assert json.loads(await raw.hget("wr:inflight:g1", "\x00lora"))["a"] == {"r": [["mine"], []]}
+        await g1.exchange_inflight({}, None, {})
+        assert await raw.hget("wr:inflight:g1", "\x00lora") is None  # cleared once it has none
+    finally:
+        await raw.aclose()
+        await g1.close()
+
+
 async def test_exchange_inflight_is_increments_then_read(redis_server):
     g1, g2 = open_feed(redis_server.url, owner="g1"), open_feed(redis_server.url, owner="g2")
     raw = aioredis.from_url(redis_server.url)

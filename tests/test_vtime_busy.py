@@ -272,6 +272,36 @@ def test_several_gateways_each_route_a_share_and_see_the_others_in_flight_work()
         simulate(w, object(), 3, p, gateways=2)
 
 
+def test_gateways_see_each_others_lora_adapters_through_the_exchange():
+    """With LoRA adapters and two gateways, each gateway's exchange hands the other its requests'
+    adapters per replica (as the feed does: its own left out): at every exchange, what one sees of
+    the other's is what the other holds."""
+    from gateway.load import LoadTracker
+    from loadtests.vtime import SimParams
+
+    w = build_workload("no_sharing", 200, seed=2, rate_rps=20.0, prompt_tokens=240, output_tokens=32, adapters=6)
+    p = SimParams.wallclock(num_blocks=3000, max_num_seqs=16, report_interval_s=0.25, max_loras=2)
+    seen, last = [], []
+    orig = LoadTracker.set_shared
+
+    def set_shared(self, shared):
+        orig(self, shared)
+        mine = {(r, a) for r, ld in self._loads.items() for a in (*(ld.inflight_loras or ()), *(ld.active_loras or ()))}
+        theirs = {(r, a) for r, ld in self._loads.items() for a in (*ld.others_lora_running, *ld.others_lora_wanting)}
+        seen.append(len(theirs))
+        last[:] = [*last[-1:], (id(self), mine, theirs)]
+
+    LoadTracker.set_shared = set_shared
+    try:
+        s = simulate(w, "cache_aware", 4, p, seed=2, gateways=2).summary()
+    finally:
+        LoadTracker.set_shared = orig
+    assert s["completed"] == 200 and s["unfinished"] == 0
+    assert max(seen) > 0  # a gateway saw the other's adapters between the engines' reports
+    (g0, mine0, theirs0), (g1, mine1, theirs1) = last  # the last exchange: each gateway once
+    assert g0 != g1 and mine0 and mine1 and (theirs0, theirs1) == (mine1, mine0)
+
+
 @pytest.mark.parametrize("policy, p99_max", [("cache_plan", 2.5), ("cache_aware", 6.0)])
 def test_the_busy_uniform_case_holds_with_two_gateways(policy, p99_max):
     """Two gateway processes, each routing on its own half of the stream and seeing the other's

@@ -24,7 +24,10 @@ Rules every transport keeps (tests/test_feed_conformance.py checks them on each,
     by every process using the same feed, and a process's own counts expire when it stops
     exchanging them (Redis: a TTL refreshed by every exchange). `exchange_inflight` may also carry
     the process's dispatch gauges (per replica: routed rate, size weight, weight x mean), which
-    replace its previous ones; `inflight()` returns every process's gauges summed.
+    replace its previous ones; `inflight()` returns every process's gauges summed. It may also
+    carry the process's LoRA adapters per replica (those its requests there run, generating or not
+    yet), which replace its previous ones; the reads return the other processes' (not the
+    reader's own, nor those of a process silent for ADAPTERS_STALE_S), merged per replica.
   - copies in progress (`exchange_copies`): each process's entries (replica, block keys, TTL) reach
     every other process using the feed once, with the TTL left (none of its own, none expired);
     the feed keeps only the latest ~COPIES_KEPT of them.
@@ -42,6 +45,9 @@ from .records import FeedEvent, Inflight, Snapshot
 
 COPIES_KEPT = 1000  # copies in progress a feed keeps for late readers (older ones are dropped)
 PLACEMENT_BATCHES_KEPT = 300  # placement batches (one per gateway exchange that had any) a feed keeps
+# A process's published LoRA adapters count this long after its last exchange (a live gateway
+# exchanges at least once a second; one that stopped must not hold LoRA slots for the hash's TTL).
+ADAPTERS_STALE_S = 5.0
 
 __all__ = ["Feed", "FeedReader", "FeedWriter", "InflightBoard", "FeedUnavailable", "open_feed"]
 
@@ -91,11 +97,15 @@ class InflightBoard(Protocol):
     async def inflight(self) -> dict[str, Inflight]: ...
 
     async def exchange_inflight(self, changes: Mapping[str, tuple[int, ...]],
-                                gauges: Mapping[str, tuple[float, float, float]] | None = None) -> dict[str, Inflight]:
+                                gauges: Mapping[str, tuple[float, float, float]] | None = None,
+                                adapters: Mapping[str, tuple[Sequence[str], Sequence[str]]] | None = None,
+                                ) -> dict[str, Inflight]:
         """`incr_inflight` for every replica -> (reqs, tokens[, open_reqs]) change, this process's
-        dispatch gauges (replica -> (routed_rps, size_weight, size_tokens)) set in place of its
+        dispatch gauges (replica -> (routed_rps, size_weight, size_tokens)) and LoRA adapters
+        (replica -> (adapters generating, adapters without a first token)) each set in place of its
         previous ones when given, its counters kept alive, then `inflight()`: what a gateway does
-        every poll, in one round trip."""
+        every poll, in one round trip. The adapters read back are the other processes' (a process's
+        that has not published for ADAPTERS_STALE_S left out: it stopped)."""
         ...
 
     async def exchange_copies(self, entries: Sequence[tuple[str, Sequence[int], float]]) -> list[tuple[str, tuple[int, ...], float]]:

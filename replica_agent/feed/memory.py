@@ -16,8 +16,8 @@ from collections import deque
 from dataclasses import replace
 from typing import Mapping, Sequence
 
-from .base import COPIES_KEPT, PLACEMENT_BATCHES_KEPT
-from .records import FeedEvent, Inflight, LoadReport, Snapshot, fresh_stream_base
+from .base import ADAPTERS_STALE_S, COPIES_KEPT, PLACEMENT_BATCHES_KEPT
+from .records import FeedEvent, Inflight, LoadReport, Snapshot, fresh_stream_base, merge_adapters
 
 __all__ = ["MemoryFeed", "reset_memory_feeds"]
 
@@ -32,6 +32,7 @@ class _Hub:
         self.live: dict[str, tuple[float, LoadReport | None]] = {}  # replica -> (expires monotonic, load)
         self.inflight: dict[str, list[int]] = {}
         self.gauges: dict[str, dict[str, tuple[float, float, float]]] = {}  # owner -> its dispatch gauges
+        self.adapters: dict[str, tuple[float, dict]] = {}  # owner -> (published monotonic, replica -> (running, wanting))
         self.copies: deque = deque(maxlen=COPIES_KEPT)  # (seq, owner, replica, keys, expires monotonic)
         self.copies_seq = 0
         self.placements: deque = deque(maxlen=PLACEMENT_BATCHES_KEPT)  # (seq, owner, records)
@@ -159,12 +160,16 @@ class MemoryFeed:
             c[2] += open_reqs
 
     async def exchange_inflight(self, changes: Mapping[str, tuple[int, ...]],
-                                gauges: Mapping[str, tuple[float, float, float]] | None = None) -> dict[str, Inflight]:
+                                gauges: Mapping[str, tuple[float, float, float]] | None = None,
+                                adapters: Mapping[str, tuple[Sequence[str], Sequence[str]]] | None = None,
+                                ) -> dict[str, Inflight]:
         for rid, change in changes.items():
             await self.incr_inflight(rid, *change)
-        if gauges is not None:
-            with self._hub.lock:
+        with self._hub.lock:
+            if gauges is not None:
                 self._hub.gauges[self.owner] = dict(gauges)
+            if adapters is not None:
+                self._hub.adapters[self.owner] = (time.monotonic(), {r: (tuple(a), tuple(w)) for r, (a, w) in adapters.items()})
         return await self.inflight()
 
     async def inflight(self) -> dict[str, Inflight]:
@@ -175,10 +180,13 @@ class MemoryFeed:
                     acc = sums.setdefault(rid, [0.0, 0.0, 0.0])
                     for i, x in enumerate(g):
                         acc[i] += x
+            now = time.monotonic()
+            loras = merge_adapters(per for owner, (t, per) in self._hub.adapters.items()
+                                   if owner != self.owner and now - t <= ADAPTERS_STALE_S)
             out = {}
-            for r in set(self._hub.inflight) | set(sums):
+            for r in set(self._hub.inflight) | set(sums) | set(loras):
                 c = self._hub.inflight.get(r, (0, 0, 0))
-                out[r] = Inflight(c[0], c[1], c[2], *sums.get(r, (0.0, 0.0, 0.0)))
+                out[r] = Inflight(c[0], c[1], c[2], *sums.get(r, (0.0, 0.0, 0.0)), *loras.get(r, ((), ())))
             return out
 
     async def exchange_copies(self, entries: Sequence[tuple[str, Sequence[int], float]]) -> list[tuple[str, tuple[int, ...], float]]:

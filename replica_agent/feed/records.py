@@ -111,6 +111,23 @@ class Inflight:
     routed_rps: float = 0.0  # requests routed here per second
     size_weight: float = 0.0  # by-age weight of the requests in their mean uncached tokens
     size_tokens: float = 0.0  # that weight x that mean
+    # the other gateways' LoRA adapters with requests here (each gateway's own replaced at every
+    # exchange; the reader's own left out): generating, so holding a slot; no first token yet
+    lora_running: tuple[str, ...] = ()
+    lora_wanting: tuple[str, ...] = ()
+
+
+def merge_adapters(published) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Several gateways' LoRA adapters (each a mapping replica -> (running, wanting)) merged per
+    replica, names in first-seen order: running if any gateway's request there generates; wanting
+    otherwise. Names that are not strings are dropped (another version's, or a damaged entry)."""
+    acc: dict[str, tuple[dict, dict]] = {}
+    for per in published:
+        for rid, (running, wanting) in per.items():
+            run, want = acc.setdefault(rid, ({}, {}))
+            run.update((a, None) for a in running if isinstance(a, str))
+            want.update((a, None) for a in wanting if isinstance(a, str))
+    return {rid: (tuple(run), tuple(a for a in want if a not in run)) for rid, (run, want) in acc.items() if run or want}
 
 
 def fresh_stream_base() -> int:

@@ -9,7 +9,9 @@ Keys (prefix "wr:" by default):
   {p}inflight:{owner}         HASH "<rid>\\x00reqs" / "<rid>\\x00tokens" / "<rid>\\x00open" -> int, one per feed instance
                               (each gateway), EXPIRE inflight_ttl_s refreshed on every change, so a
                               gateway that dies stops counting instead of leaking in-flight work;
-                              and its dispatch gauges "<rid>\\x00rps" / "szw" / "szt" -> float (HSET)
+                              and its dispatch gauges "<rid>\\x00rps" / "szw" / "szt" -> float (HSET),
+                              and its LoRA adapters "\\x00lora" -> JSON {"o": owner, "t": wall time,
+                              "a": {rid: [running, wanting]}} (HSET while it has any, then HDEL)
   {p}copies                   STREAM of copies in progress, fields o (owner), r (replica), t (ttl_s),
                               w (wall-clock publish time), k (keys, uint64 little-endian), trimmed
                               to ~COPIES_KEPT entries
@@ -40,8 +42,9 @@ from typing import Mapping, Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from .base import COPIES_KEPT, PLACEMENT_BATCHES_KEPT, FeedUnavailable
-from .records import INVALID_KIND, FeedDecodeError, FeedEvent, Inflight, LoadReport, Snapshot, fresh_stream_base, decode_event, decode_snapshot, encode_event, encode_snapshot
+from .base import ADAPTERS_STALE_S, COPIES_KEPT, PLACEMENT_BATCHES_KEPT, FeedUnavailable
+from .records import (INVALID_KIND, FeedDecodeError, FeedEvent, Inflight, LoadReport, Snapshot, fresh_stream_base,
+                      decode_event, decode_snapshot, encode_event, encode_snapshot, merge_adapters)
 
 __all__ = ["RedisFeed", "redact_url"]
 
@@ -130,6 +133,7 @@ def _field(fields, name: bytes):
 
 _INFLIGHT_FIELDS = {"reqs": 0, "tokens": 1, "open": 2}  # hash field suffix -> Inflight position
 _GAUGE_FIELDS = {"rps": 0, "szw": 1, "szt": 2}  # dispatch gauges (HSET, not HINCRBY): suffix -> position
+_ADAPTERS_FIELD = "\x00lora"  # one field per gateway: no replica before the NUL, so older gateways skip it
 _BIG_ENDIAN = sys.byteorder == "big"  # copies' keys travel little-endian
 
 
@@ -151,13 +155,37 @@ def _gauge_cmds(key: str, gauges: Mapping[str, tuple[float, float, float]], gone
     return cmds
 
 
-def _sum_inflight(hashes) -> dict[str, Inflight]:
-    """Every gateway's in-flight hashes (flat [field, value, ...] lists) summed per replica."""
+def _adapters_value(owner: str, adapters: Mapping[str, tuple[Sequence[str], Sequence[str]]]) -> str:
+    return json.dumps({"o": owner, "t": time.time(), "a": {r: [list(a), list(w)] for r, (a, w) in adapters.items()}},
+                      separators=(",", ":"))
+
+
+def _published_adapters(value: bytes, owner: str, now: float) -> dict | None:
+    """Another gateway's adapters field, or None: ours, published over ADAPTERS_STALE_S ago (that
+    gateway stopped; gateways' clocks agree to well under that), or not what this version writes."""
+    try:
+        got = json.loads(value)
+        if got["o"] == owner or now - float(got["t"]) > ADAPTERS_STALE_S:
+            return None
+        return {r: (a, w) for r, (a, w) in got["a"].items() if isinstance(a, list) and isinstance(w, list)}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _sum_inflight(hashes, owner: str = "") -> dict[str, Inflight]:
+    """Every gateway's in-flight hashes (flat [field, value, ...] lists) summed per replica; the
+    other gateways' (not `owner`'s) LoRA adapters merged."""
     acc: dict[str, list[int]] = {}
     gauges: dict[str, list[float]] = {}
+    published = []
+    now = time.time()
     for flat in hashes or ():
         for f, v in zip(flat[::2], flat[1::2]):
             rid, _, what = f.decode().rpartition("\x00")
+            if what == "lora" and not rid:
+                if (got := _published_adapters(v, owner, now)) is not None:
+                    published.append(got)
+                continue
             i = _INFLIGHT_FIELDS.get(what)
             if i is not None:
                 acc.setdefault(rid, [0, 0, 0])[i] += int(v)
@@ -170,10 +198,12 @@ def _sum_inflight(hashes) -> dict[str, Inflight]:
                     continue  # not a number: that gateway's gauge is skipped, never the exchange
                 if x > 0.0 and x != float("inf"):
                     gauges.setdefault(rid, [0.0, 0.0, 0.0])[i] += x
+    loras = merge_adapters(published)
     out = {}
-    for rid in set(acc) | set(gauges):
+    for rid in set(acc) | set(gauges) | set(loras):
         c = acc.get(rid, (0, 0, 0))
-        out[rid] = Inflight(max(0, c[0]), max(0, c[1]), max(0, c[2]), *gauges.get(rid, (0.0, 0.0, 0.0)))
+        out[rid] = Inflight(max(0, c[0]), max(0, c[1]), max(0, c[2]), *gauges.get(rid, (0.0, 0.0, 0.0)),
+                            *loras.get(rid, ((), ())))
     return out
 
 
@@ -190,6 +220,7 @@ class RedisFeed:
         self._board: _Direct | None = None  # in-flight increments and reads
         self._shares: _Direct | None = None  # flow control's fair-share board (replica_agent.feed.fair_share)
         self._gauge_rids: set[str] = set()  # replicas whose dispatch gauges our hash holds
+        self._adapters_held = False  # our hash holds an adapters field
         self._last_read: dict[str, bytes] = {}  # stream (copies, placements) -> id of the last entry read
         self._next: dict[str, int] = {}  # replica -> last offset assigned
 
@@ -337,12 +368,15 @@ class RedisFeed:
 
     async def inflight(self) -> dict[str, Inflight]:
         (hashes,) = await self._call(self._direct("_board").run(("EVAL", _READ_INFLIGHT_LUA, 0, f"{self.prefix}inflight:*")))
-        return _sum_inflight(hashes)
+        return _sum_inflight(hashes, self.owner)
 
     async def exchange_inflight(self, changes: Mapping[str, tuple[int, ...]],
-                                gauges: Mapping[str, tuple[float, float, float]] | None = None) -> dict[str, Inflight]:
+                                gauges: Mapping[str, tuple[float, float, float]] | None = None,
+                                adapters: Mapping[str, tuple[Sequence[str], Sequence[str]]] | None = None,
+                                ) -> dict[str, Inflight]:
         """`incr_inflight` for every (replica -> (reqs, tokens[, open_reqs])) change, our dispatch
-        gauges set when given, our counters' TTL refreshed, and then `inflight()`, in one round trip."""
+        gauges and adapters set when given, our counters' TTL refreshed, and then `inflight()`, in
+        one round trip."""
         key = f"{self.prefix}inflight:{self.owner}"
         cmds: list[tuple] = []
         for rid, change in changes.items():
@@ -350,10 +384,16 @@ class RedisFeed:
         if gauges is not None:
             cmds += _gauge_cmds(key, gauges, self._gauge_rids - set(gauges))
             self._gauge_rids = set(gauges)
+        if adapters:
+            cmds.append(("HSET", key, _ADAPTERS_FIELD, _adapters_value(self.owner, adapters)))
+        elif adapters is not None and self._adapters_held:
+            cmds.append(("HDEL", key, _ADAPTERS_FIELD))
         cmds.append(("PEXPIRE", key, int(self.inflight_ttl_s * 1000)))
         cmds.append(("EVAL", _READ_INFLIGHT_LUA, 0, f"{self.prefix}inflight:*"))
         replies = await self._call(self._direct("_board").run(*cmds))
-        return _sum_inflight(replies[-1])
+        if adapters is not None:
+            self._adapters_held = bool(adapters)
+        return _sum_inflight(replies[-1], self.owner)
 
     async def exchange_copies(self, entries: Sequence[tuple[str, Sequence[int], float]]) -> list[tuple[str, tuple[int, ...], float]]:
         """XADD ours, then XRANGE everything after the last entry read, in one round trip. The TTL
