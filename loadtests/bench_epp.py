@@ -39,6 +39,7 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from loadtests.ports import free_port
+from loadtests.processes import stop_processes
 from loadtests.bench_gateway_overhead import MODEL, fake_upstream_main, run_level
 from loadtests.runner import process_cpu_s, wait_http
 
@@ -207,13 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for p in procs:
             p.stop()
-        if gw is not None:
-            gw.terminate()
-            try:
-                gw.wait(15)
-            except subprocess.TimeoutExpired:
-                gw.kill()
-                gw.wait()
+        stop_processes([gw], 15)
         for p in [pk for pk, _, _ in pickers.values()] + [up]:
             p.terminate()
             p.join(5)

@@ -37,6 +37,7 @@ from replica_agent.feed import FeedEvent, TenantShare, fair_share_board, open_fe
 from replica_agent.feed.fair_share import _decode, _encode
 from replica_agent.feed.records import KINDS, Hello, LoadReport, decode_event, encode_event
 from loadtests.ports import free_port
+from loadtests.processes import stop_processes
 
 _generic = msgspec.msgpack.Decoder()
 
@@ -203,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.5)
         rows = asyncio.run(_run(f"redis://127.0.0.1:{port}/0", args))
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_processes([proc])
         shutil.rmtree(tmp, ignore_errors=True)
     print("| measurement | old CPU-us | new CPU-us | old / new |\n|---|---|---|---|")
     for label, old, new in rows:

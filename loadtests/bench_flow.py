@@ -51,6 +51,7 @@ import urllib.request
 from pathlib import Path
 
 from loadtests.ports import free_port
+from loadtests.processes import stop_processes
 from loadtests.runner import BenchRequest, _one, percentiles, process_cpu_s, run_load, wait_http
 
 MODEL = "flow-bench"
@@ -164,14 +165,7 @@ class Gateways:
         return sum(process_cpu_s(p.pid) for p in self.procs)
 
     def close(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs, 20)
 
 
 def _reset_caches(sims: list[str]) -> None:
@@ -514,8 +508,7 @@ def main(argv: list[str] | None = None) -> int:
             p.terminate()
         for p in pool:
             p.join(10)
-        redis.terminate()
-        redis.wait(10)
+        stop_processes([redis])
         report["loadavg_end"] = os.getloadavg()
         shutil.rmtree(workdir, ignore_errors=True)
     if args.json:

@@ -36,6 +36,7 @@ import sys
 import time
 
 from loadtests.ports import free_port
+from loadtests.processes import stop_processes
 from loadtests.runner import process_cpu_s, wait_http
 
 MODEL = "bench-model"
@@ -294,12 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"peak: {s['rps']:.0f} streamed req/s through one worker (gateway CPU share {s['gateway_cpu_share']:.2f}, "
                   f"{s['gateway_cpu_ms_per_request']:.3f} CPU-ms/req -> {s['rps_per_core_projected']:.0f} req/s per core)", flush=True)
     finally:
-        gw.terminate()
-        try:
-            gw.wait(15)
-        except subprocess.TimeoutExpired:
-            gw.kill()
-            gw.wait()
+        stop_processes([gw], 15)
         up.terminate()
         up.join(5)
     report["loadavg_end"] = os.getloadavg()

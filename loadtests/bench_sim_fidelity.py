@@ -21,6 +21,7 @@ import time
 import aiohttp
 
 from loadtests.ports import free_port
+from loadtests.processes import stop_processes
 from loadtests.runner import process_cpu_s
 
 
@@ -85,12 +86,7 @@ async def run_level(concurrency: int, duration_s: float, max_tokens: int, extra_
             "wall_s": wall,
         }
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,7 @@ import aiohttp
 
 from gateway.tokenization import TokenizerService
 from loadtests.ports import free_port
+from loadtests.processes import stop_processes
 from loadtests.bench import WALLCLOCK_DEFAULTS, _parse_params, bench_requests
 from loadtests.runner import CpuMeter, run_load, summarize
 from loadtests.vtime_regimes import REGIMES, build_case
@@ -131,24 +132,7 @@ class Procs:
         p = self.procs.pop(name, None)
         if p is None:
             return
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                p.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait(5)
-        # the group may outlive its leader (children); sweep it by the same id
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_processes([p], timeout_s, group=True)  # the group may outlive its leader: swept too
 
     def stop_all(self) -> None:
         for name in reversed(list(self.procs)):

@@ -25,7 +25,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loadtests.ports import free_port
+from loadtests.processes import stop_processes
 from loadtests.runner import wait_http
 
 __all__ = ["SoakConfig", "SoakResult", "run_soak", "main"]
@@ -100,15 +100,7 @@ class _Processes:
         return p
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in reversed(self.procs):
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
+        stop_processes(reversed(self.procs), group=True)
 
 
 def _start_system(cfg: SoakConfig, ps: _Processes) -> tuple[subprocess.Popen, str, str]:

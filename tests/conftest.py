@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from loadtests.ports import free_port  # noqa: F401  (tests import it from here)
+from loadtests.processes import stop_processes
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
@@ -115,12 +116,7 @@ class RedisServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_processes([self.proc], 5)
             self.proc = None
 
 

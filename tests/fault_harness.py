@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtests.processes import stop_processes
 from loadtests.runner import wait_http
 from tests.conftest import free_port
 
@@ -85,17 +86,7 @@ class Proc:
     def stop(self, timeout_s: float = 10.0) -> int | None:
         if self.popen is None:
             return None
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(10)
-        return self.popen.returncode
+        return stop_processes([self.popen], timeout_s, group=True)[0]
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""

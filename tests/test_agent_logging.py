@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+from loadtests.processes import stop_processes
 from loadtests.sim.server import SimConfig, start_sim_server
 from replica_agent.feed.redis_feed import redact_url
 from replica_agent.feed import FailureLog
@@ -89,12 +90,7 @@ async def test_agent_process_logs_a_dead_engine_once_and_its_recovery():
         text = "".join(lines)
         assert "hunter2" not in text and ":***@" in text  # the feed failure is logged, its password not
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc])
         if sim is not None:
             await sim.close()
     assert proc.returncode == 0

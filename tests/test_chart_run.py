@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from loadtests.processes import stop_processes
 from loadtests.runner import wait_http
 from tests.chart.podrun import LocalContainer, local_entrypoint
 from tests.chart.render import NAMESPACE, Rendered, deep_merge, render
@@ -233,10 +234,7 @@ def test_rendered_system_runs_serves_warm_and_explains_its_weights(tmp_path):
         stop_s = {}
         for c in reversed(running):
             stop_s[c.spec["name"] + ("" if c.spec["name"] != "agent" else c.pod_name)] = c.stop(15)
-        for p in sims:
-            p.terminate()
-        for p in sims:
-            p.wait(15)
+        stop_processes(sims, 15)
         otlp.close()
     assert all(s < 10 for s in stop_s.values()), stop_s
     logs = "\n".join(c.log() for c in running)
@@ -368,8 +366,7 @@ def test_rendered_picker_runs_and_answers_its_probes_and_envoy(tmp_path):
         assert agent.check(agent.probe("livenessProbe"))[0]
     finally:
         stop_s = {c.spec["name"]: c.stop(15) for c in reversed(running)}
-        sim.terminate()
-        sim.wait(15)
+        stop_processes([sim], 15)
     assert stop_s["epp"] < 10, stop_s
     assert picker_dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 5 + 5  # preStop + drain
     logs = "\n".join(c.log() for c in running)

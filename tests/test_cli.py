@@ -4,7 +4,6 @@ process, and `warmroute bench` / `warmroute demo` end to end (small)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from loadtests.processes import stop_processes
 from tests.conftest import free_port
 
 EXE = [sys.executable, "-m", "gateway.cli"]
@@ -68,12 +68,7 @@ def test_sim_process_serves_and_stops_on_sigterm():
             text = r.read().decode()
         assert 'vllm:cache_config_info{' in text and 'num_gpu_blocks="64"' in text
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc], 15)
     assert proc.returncode in (0, -signal.SIGTERM)
 
 

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from loadtests.processes import stop_processes
 from gateway.epp.envoy import EnvoyOptions, EnvoyProcess, bootstrap, find_envoy
 from gateway.epp.extproc import Reject
 from gateway.epp.server import TRANSPORTS, EppServer
@@ -43,13 +44,7 @@ class Sim:
             pytest.fail(f"warmroute sim did not start on {self.port}: {line!r}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_processes([self.proc])
 
 
 @pytest.fixture(params=TRANSPORTS)

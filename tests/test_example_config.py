@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from loadtests.processes import stop_processes
 from gateway.config import GatewayConfig, check_files, load_config
 from tests.conftest import REPO, free_port
 
@@ -96,12 +96,7 @@ def test_a_gateway_starts_from_the_example(tmp_path, redis_server):
         with urllib.request.urlopen(req, timeout=5) as r:
             assert json.loads(r.read())["data"][0]["id"] == "warmroute-sim"  # model.name from the file
     finally:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        stop_processes([p], 30)
     assert p.returncode == 0, log.read_text()[-3000:]
 
 

@@ -23,6 +23,7 @@ import jwt
 import pytest
 from aiohttp import web
 
+from loadtests.processes import stop_processes
 from gateway.config import config_from_dict
 from gateway.server import start_gateway
 from gateway.telemetry import JsonFormatter
@@ -68,8 +69,7 @@ class PasswordRedis:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(5)
+            stop_processes([self.proc], 5)
             self.proc = None
 
 

@@ -27,6 +27,7 @@ import yaml
 import zmq
 import zmq.asyncio
 
+from loadtests.processes import stop_processes
 from gateway.config import config_from_dict
 from gateway.server import start_gateway
 from loadtests.sim.server import SimConfig, start_sim_server
@@ -132,12 +133,7 @@ def running_prometheus(workdir: Path, targets: dict[str, str], rule_files: list[
             time.sleep(0.2)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc])
         log.close()
 
 

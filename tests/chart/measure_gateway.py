@@ -18,13 +18,13 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from loadtests.processes import stop_processes
 from loadtests.runner import wait_http
 from tests.conftest import free_port as _free_port
 
@@ -110,15 +110,7 @@ def main() -> int:
         print(json.dumps(out))
         return 0
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(reversed(procs), 15)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
