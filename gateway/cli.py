@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "sim": ("loadtests.sim_cli", "loadtests.sim.server", "one simulated vLLM replica (HTTP, prefix cache, scheduler, KV events)"),
     "bench": ("loadtests.bench_cli", "loadtests.bench", "run a workload against policies (or a --target) and write a report"),
     "demo": ("loadtests.demo_cli", "loadtests.demo", "embedded self-contained run: cache-aware vs round-robin side by side"),
+    "check": ("gateway.check_cli", "gateway.check", "is a deployed gateway ready and answering? (what `helm test` runs)"),
 }
 
 

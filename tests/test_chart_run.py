@@ -81,6 +81,8 @@ def run_values(ports: dict, otlp_port: int, **over) -> dict:
         "auth": {"apiKeys": {"tenants": {"t0": [API_KEY]}}},
         "gateway": {"workers": 1, "ports": {"http": ports["http"], "admin": ports["admin"]},
                     "tokenizer": {"source": "builtin"}},
+        # the Services' ports as the containers' (no kube-proxy here: a Service name reaches the pod's port)
+        "service": {"port": ports["http"], "adminPort": ports["admin"]},
         "replicas": {"mode": "attach", "attach": {"endpoints": [
             {"id": f"r{i}", "url": f"http://127.0.0.1:{ports[f'sim{i}']}",
              "kvEventsEndpoint": f"tcp://127.0.0.1:{ports[f'ev{i}']}",
@@ -105,6 +107,15 @@ def _warmroute_image(r: Rendered) -> str:
 
 def _container(r: Rendered, kind: str, name: str, container: str, root: Path) -> LocalContainer:
     return LocalContainer(r, r.get(kind, name), container, root, warmroute_image=_warmroute_image(r), namespace=NAMESPACE)
+
+
+def _helm_test(r: Rendered, root: Path, rc_expected: int = 0) -> str:
+    """Run the rendered `helm test` Pod to its end; its log."""
+    pod = next(p for p in r.of_kind("Pod") if p["metadata"]["annotations"].get("helm.sh/hook") == "test")
+    check = LocalContainer(r, pod, "check", root, warmroute_image=_warmroute_image(r), namespace=NAMESPACE)
+    rc = check.start().wait(120)
+    assert rc == rc_expected, check.log()
+    return check.log()
 
 
 def _arg(argv: list[str], flag: str) -> str:
@@ -230,6 +241,11 @@ def test_rendered_system_runs_serves_warm_and_explains_its_weights(tmp_path):
             assert time.monotonic() < deadline, f"no spans exported to the OTLP endpoint: {otlp.bodies[:2]}"
             time.sleep(0.2)
         assert all(ct == "application/x-protobuf" for _, ct, _ in otlp.bodies)
+
+        # `helm test`: the rendered check Pod passes against this release (no key given: the API
+        # must refuse an unauthenticated listing).
+        log = _helm_test(r, tmp_path / "check-1")
+        assert log.count("ok   ") == 2 and "auth enforced" in log, log
     finally:
         stop_s = {}
         for c in reversed(running):
@@ -264,6 +280,7 @@ def epp_values(ports: dict) -> dict:
         "salt": {"value": SALT},
         "auth": {"apiKeys": {"tenants": {"t0": [API_KEY]}}},
         "gateway": {"ports": {"admin": ports["admin"]}, "tokenizer": {"source": "builtin"}},
+        "service": {"adminPort": ports["admin"]},  # the Service's port as the container's (no kube-proxy here)
         "replicas": {"mode": "attach", "attach": {"port": ports["sim1"], "podSelector": {"matchLabels": {"app": "vllm"}},
                                                   "endpoints": [
             {"id": "r1", "url": f"http://127.0.0.1:{ports['sim1']}", "kvEventsEndpoint": f"tcp://127.0.0.1:{ports['ev1']}",
@@ -364,6 +381,8 @@ def test_rendered_picker_runs_and_answers_its_probes_and_envoy(tmp_path):
         assert sent["cache_salt"] and sent["cache_salt"] != "client-chosen-salt" and SALT not in json.dumps(sent)
         assert "authorization" in mutation["-removed"]
         assert agent.check(agent.probe("livenessProbe"))[0]
+        log = _helm_test(r, tmp_path / "check")  # `helm test` in epp mode: the picker's readiness only
+        assert log.startswith("ok   ready") and log.count("ok   ") == 1, log
     finally:
         stop_s = {c.spec["name"]: c.stop(15) for c in reversed(running)}
         stop_processes([sim], 15)

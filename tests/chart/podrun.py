@@ -77,9 +77,10 @@ class LocalContainer:
                  namespace: str, cluster_domain: str = "cluster.local") -> None:
         self.rendered = rendered
         self.workload = workload
-        self.pod = workload["spec"]["template"]["spec"]
+        bare = workload["kind"] == "Pod"  # a bare Pod (`helm test`'s) rather than a workload's template
+        self.pod = workload["spec"] if bare else workload["spec"]["template"]["spec"]
         self.spec = next(c for c in self.pod["containers"] if c["name"] == container)
-        self.pod_name = f"{workload['metadata']['name']}-0"
+        self.pod_name = workload["metadata"]["name"] + ("" if bare else "-0")
         self.root = root / self.pod_name / container
         self.warmroute_image = warmroute_image
         self.mounts = sorted(((m["mountPath"], m["name"]) for m in self.spec.get("volumeMounts", [])),
