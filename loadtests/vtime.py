@@ -38,6 +38,9 @@ scrape, so load is up to one interval stale), speculative keys for `spec_ttl_s`;
 counts exact and immediate. cache_aware's and cache_plan's `max_num_seqs` default to the modelled
 replicas' (an operator sets it to the engines' --max-num-seqs) unless policy_params give one.
 
+Events (arrivals, replica steps, client timeouts, KV events, load reports) and what each does:
+`loadtests/vtime_loop.py`; `simulate` builds a run, runs that loop and reports its figures.
+
 API: `simulate(workload, policy, n_replicas, params=SimParams(), policy_params={}, seed=0,
 keys=None, collapse_ttft_s=None, warmup=None) -> SimResult` (`policy`: a registry name or a policy
 object); `prepare_keys(workload, block_size)` computes every request's keys once
@@ -45,10 +48,9 @@ so several policies can share them. `SimResult.summary()` is a flat dict for rep
 """
 from __future__ import annotations
 
-import heapq
 import random
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,7 +58,8 @@ import numpy as np
 from gateway.config import FeedConfig
 from hashing.keys import block_extras, chain_keys, root_key
 from loadtests.vtime_replica import ReplicaModel, SimReq
-from loadtests.vtime_keepalive import KEEPALIVE, KeepAlive, Retainer, queue_refresh, refresh_request
+from loadtests.vtime_keepalive import KeepAlive, Retainer
+from loadtests.vtime_loop import EventLoop, is_long_miss
 from loadtests.workloads import (_END_IDS, _JOIN_IDS, _ROLE_IDS, Workload, WorkloadRequest, last_third_start,
                                  segment_token_ids)
 from loadtests.vtime_pacing import PaceChains, Pacing
@@ -292,11 +295,6 @@ class SimResult:
 # ---------------------------------------------------------------------------------- simulation
 
 
-def is_long_miss(cached: int, prompt: int) -> bool:
-    """A request that found under half its prompt cached (SimResult's misses)."""
-    return 2 * cached < prompt
-
-
 def simulate(
     workload: Workload,
     policy_name,
@@ -376,221 +374,31 @@ def simulate(
         router = SimGateways([SimRouter(n_replicas, p, pol, random.Random(seed * 1000 + i), clock)
                               for i, pol in enumerate(policies)], random.Random(seed + 7))
     reps = [ReplicaModel(i, p, p.cache_answers) for i in range(n_replicas)]
-
     chains = PaceChains(pacing, p.block_size)  # paced requests (pacing) and background warms (cache_plan)
     retainer = Retainer(keep_alive) if keep_alive is not None else None
+    run = EventLoop(workload, wreqs, keys, n_total, bool(warm), p, router, reps, chains, retainer, clock,
+                    refresh_first=refresh_first, collapse_ttft_s=collapse_ttft_s, observe=observe)
+    run.run()
+    return _result(run, workload, policy_name, policy, n_replicas, wall0)
 
-    def held_blocks(ri: int, prefix: tuple) -> int:
-        return router.routing.index.gpu_run(router.rids[ri], prefix)
 
-    def waiting_reqs(ri: int) -> int:
-        return router.routing.index.waiting_reqs(router.rids[ri])
-
-    heap: list = []  # (time, seq, kind, payload)
-    seq = 0
-    STEP, REPORT, EVENTS, ARRIVE, TIMEOUT = 0, 1, 2, 3, 4
-
-    closed = workload.concurrency is not None
-    # multi-turn: a user cannot send turn k+1 before reading answer k. A turn whose scheduled
-    # arrival comes before its previous turn finished is sent when that turn finishes.
-    prev_turn: dict = {}  # request index -> index of the previous turn of its conversation
-    last_of: dict = {}
-    for i, wr in enumerate(wreqs[:n_total]):
-        if wr.conversation:
-            j = last_of.get(wr.conversation)
-            if j is not None and wr.turn > 0:
-                prev_turn[i] = j
-            last_of[wr.conversation] = i
-    finished_idx: set = set()
-    deferred: dict = {}  # index of an unfinished turn -> index of the next turn waiting for it
-    pending = deque(range(n_total))
-    t_start = 0.0  # the measured stream's time origin (end of the warm-up)
-
-    def push(t: float, kind: int, payload) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(heap, (t, seq, kind, payload))
-
-    def start_stream(t0: float) -> None:
-        nonlocal t_start
-        t_start = t0
-        for rep in reps:  # figures count from here
-            rep.busy_s = 0.0
-            rep.n_requests = 0
-            rep.prefill_tokens = 0
-            rep.n_evicted = 0
-            rep.n_preemptions = 0
-            rep.n_lora_waits = 0
-        if closed:
-            for _ in range(min(workload.concurrency, n_total)):
-                push(t0, ARRIVE, pending.popleft())
-        else:
-            for i in range(n_total):
-                push(t0 + wreqs[i].arrival_s, ARRIVE, i)
-
-    if warm:
-        push(0.0, ARRIVE, n_total)
-    else:
-        start_stream(0.0)
-    push(0.0, REPORT, None)
-
-    step_start = [0.0] * n_replicas
-    held_elsewhere: set = set()  # measured requests routed away from a replica holding their prompt's middle block
-    misses = [0, 0]  # long misses of the measured stream: prefix evicted everywhere, copies (SimResult)
-    refresh_computed = 0  # prompt tokens the keep-alive refreshes computed (not cached)
-    done: list = []
-    n_done = 0
-    n_unfinished = 0
-    last_t = 0.0
-    routed: deque = deque()  # routed requests in arrival order (head: oldest possibly without a first token)
-    all_routed: list = []
-    collapsed = False
-    timeout = p.request_timeout_s
-
-    def kick(ri: int, t: float) -> None:
-        rep = reps[ri]
-        dur = rep.start_step()
-        if dur is None:
-            rep.stepping = False
-            return
-        rep.stepping = True
-        step_start[ri] = t
-        push(t + dur, STEP, ri)
-
-    def flush_events(ri: int, t: float) -> None:
-        rep = reps[ri]
-        if not rep.stored and not rep.removed:
-            return
-        st, rm = rep.stored, rep.removed
-        rep.stored, rep.removed = [], []
-        if p.event_delay_s <= 0:
-            router.apply_events(ri, st, rm)
-        else:
-            push(t + p.event_delay_s, EVENTS, (ri, st, rm))
-
-    def conversation_moves_on(i: int, t: float) -> None:
-        """Request i is over (finished or given up): its conversation's next turn may go."""
-        if prev_turn:
-            finished_idx.add(i)
-            nxt = deferred.pop(i, None)
-            if nxt is not None:
-                push(t, ARRIVE, nxt)
-        if closed and pending:
-            push(t, ARRIVE, pending.popleft())
-
-    while heap:
-        t, _, kind, payload = heapq.heappop(heap)
-        last_t = clock.t = t
-        if kind == ARRIVE:
-            pj = prev_turn.get(payload)
-            if pj is not None and pj not in finished_idx:
-                deferred[pj] = payload
-                continue
-            r = SimReq(payload, wreqs[payload], keys[payload], t)
-            r.warmup = payload >= n_total
-            if collapse_ttft_s is not None and not r.warmup:
-                routed.append(r)
-                all_routed.append(r)
-            ri = router.route(t, r)
-            r.rep = ri
-            if r.keys and not r.warmup:
-                mid = r.keys[len(r.keys) // 2]
-                if any(mid in o.ref for j, o in enumerate(reps) if j != ri):
-                    held_elsewhere.add(payload)
-            rep = reps[ri]
-            rep.n_requests += 1
-            if retainer is not None:
-                retainer.used(ri, r.keys, router.root_blocks, t, lambda: r.lora)  # a refresh runs the root's adapter
-            if r.warmup:
-                rep.waiting.append(r)
-            else:
-                rep.waiting.extend(chains.admit(r, ri))
-                if router.warm is not None:
-                    wi, prefix = router.warm
-                    reps[wi].waiting.append(chains.warm(prefix, wi, t, router.warm_dispatched(wi, prefix)))
-                    if not reps[wi].stepping:
-                        kick(wi, t)
-            if timeout is not None and not r.warmup:
-                push(t + timeout, TIMEOUT, r)
-            if not rep.stepping:
-                kick(ri, t)
-        elif kind == STEP:
-            ri = payload
-            rep = reps[ri]
-            rep.busy_s += t - step_start[ri]
-            firsts: list = []
-            fin: list = []
-            rep.end_step(t, firsts, fin)
-            for r in firsts:
-                if r.pace is None:
-                    router.first_token(r)
-            for r in fin:
-                if r.pace is KEEPALIVE:
-                    refresh_computed += r.prompt - r.cached
-                    retainer.done(r.wr.refresh)
-                    continue
-                if r.pace is not None:  # a paced request's chunk: the chain's next part joins the queue
-                    rep.waiting.extend(chains.chunk_done(r))
-                    continue
-                router.finished(r)
-                if not r.warmup and is_long_miss(r.cached, r.prompt):
-                    misses[r.i in held_elsewhere] += 1
-                if observe is not None and not r.warmup:
-                    observe(r, r.i in held_elsewhere)
-                if r.warmup:
-                    if r.i + 1 < len(wreqs):
-                        push(t, ARRIVE, r.i + 1)
-                    else:
-                        start_stream(t)
-                    continue
-                done.append(r)
-                n_done += 1
-                conversation_moves_on(r.i, t)
-            flush_events(ri, t)  # the step's KV events go out when it ends (the sim publishes then)
-            kick(ri, t)
-        elif kind == TIMEOUT:
-            r = payload
-            if r.state != SimReq.DONE:
-                reps[r.rep].abort(r)
-                router.aborted(r)
-                n_unfinished += 1
-                conversation_moves_on(r.i, t)
-        elif kind == EVENTS:
-            ri, st, rm = payload
-            router.apply_events(ri, st, rm)
-        elif kind == REPORT:
-            if collapse_ttft_s is not None:
-                while routed and (routed[0].first_s >= 0.0 or routed[0].aborted):
-                    routed.popleft()
-                if routed and t - routed[0].arrival > collapse_ttft_s:
-                    collapsed = True
-                    break
-            router.report(reps, t)
-            if retainer is not None:
-                due = retainer.due(t, held_blocks, lambda ri: p.num_blocks, waiting_reqs)
-                for j, rf in enumerate(due, retainer.sent - len(due) + 1):
-                    ka = refresh_request(rf, j, p.block_size, t)
-                    queue_refresh(reps[ka.rep].waiting, ka, first=refresh_first)
-                    if not reps[ka.rep].stepping:
-                        kick(ka.rep, t)
-            if n_done + n_unfinished < n_total:
-                push(t + p.report_interval_s, REPORT, None)
-        if n_done + n_unfinished >= n_total and kind in (STEP, TIMEOUT):
-            break
-
+def _result(run: EventLoop, workload: Workload, policy_name: str, policy, n_replicas: int, wall0: float) -> SimResult:
+    """The run's figures (simulate's `collapse_ttft_s` says what a collapsed run's TTFTs are)."""
+    done, reps, wreqs, n_total, last_t = run.done, run.reps, run.wreqs, run.n_total, run.last_t
+    collapsed, chains, retainer = run.collapsed, run.chains, run.retainer
     if collapsed:
         # TTFT: every routed request, those without a first token with their wait so far (lower
         # bounds); tokens and hits: the finished requests
-        ttft = np.array([(r.first_s if r.first_s >= 0.0 else last_t) - r.arrival for r in all_routed if not r.aborted], dtype=float)
+        ttft = np.array([(r.first_s if r.first_s >= 0.0 else last_t) - r.arrival for r in run.all_routed if not r.aborted], dtype=float)
     else:
         ttft = np.array([r.first_s - r.arrival for r in done], dtype=float)
-    first_arrival = t_start + (wreqs[0].arrival_s if n_total and not closed else 0.0)
+    first_arrival = run.t_start + (wreqs[0].arrival_s if n_total and not run.closed else 0.0)
     return SimResult(
         workload=workload.name,
         policy=policy_name,
         n_replicas=n_replicas,
         requests=n_total,
-        completed=n_done,
+        completed=run.n_done,
         duration_s=max(1e-9, last_t - first_arrival),
         ttft_s=ttft,
         arrival_s=np.zeros(0) if collapsed else np.array([r.arrival for r in done], dtype=float),
@@ -600,20 +408,20 @@ def simulate(
         per_replica_requests=[rep.n_requests for rep in reps],
         per_replica_busy_s=[rep.busy_s for rep in reps],
         wall_s=time.perf_counter() - wall0,
-        calibration=router.cal.snapshot(),
+        calibration=run.router.cal.snapshot(),
         policy_params=getattr(policy, "params", lambda: {})(),
         collapsed=collapsed,
         stopped_at_s=last_t if collapsed else 0.0,
-        unfinished=n_unfinished,
+        unfinished=run.n_unfinished,
         e2e_s=np.array([r.finish_s - r.arrival for r in done], dtype=float),
         evicted_blocks=sum(rep.n_evicted for rep in reps),
         preemptions=sum(rep.n_preemptions for rep in reps),
         lora_waits=sum(rep.n_lora_waits for rep in reps),
         per_replica_prefill_tokens=[rep.prefill_tokens for rep in reps],
-        misses_copy=misses[1],
-        misses_evicted=misses[0],
+        misses_copy=run.misses[1],
+        misses_evicted=run.misses[0],
         paced_ttft_s=np.array([r.first_s - r.arrival for r in chains.paced if r.first_s >= 0.0], dtype=float),
         warms=chains.warms,
         refreshes=retainer.sent if retainer is not None else 0,
-        refresh_computed_tokens=refresh_computed,
+        refresh_computed_tokens=run.refresh_computed,
     )
