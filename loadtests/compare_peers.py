@@ -44,7 +44,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +51,7 @@ import aiohttp
 
 from gateway.tokenization import TokenizerService
 from loadtests.ports import free_port
-from loadtests.processes import stop_processes
+from loadtests.peer_pool import SIM_COUNTERS, Procs, Unavailable, drain_and_reset, drain_sims, sim_counters, wait_ready
 from loadtests.bench import WALLCLOCK_DEFAULTS, _parse_params, bench_requests
 from loadtests.runner import CpuMeter, run_load, summarize
 from loadtests.vtime_regimes import REGIMES, build_case
@@ -62,157 +61,6 @@ from policies.registry import policy_params
 MODEL = "warmroute-sim"
 DEFAULT_ROUTERS = "warmroute:cache_aware,warmroute:round_robin,sglang:cache_aware,sglang:round_robin,vllm:cache_aware"
 DEFAULT_PEERS_VENV = Path(os.environ.get("WARMROUTE_PEERS_VENV", Path.home() / ".cache/warmroute/peers-venv"))
-_CLK = os.sysconf("SC_CLK_TCK")
-_SIM_COUNTERS = {
-    "vllm:time_to_first_token_seconds_count": "requests",
-    "vllm:prompt_tokens_total": "prompt_tokens",
-    "vllm:prefix_cache_queries_total": "cache_queries_tokens",
-    "vllm:prefix_cache_hits_total": "cache_hits_tokens",
-    "vllm:num_preemptions_total": "preemptions",
-    "warmroute_sim_steps_total": "steps",
-    "warmroute_sim_step_modelled_seconds_total": "modelled_s",
-    "warmroute_sim_step_actual_seconds_total": "actual_s",
-    "warmroute_sim_step_lateness_max_seconds": "lateness_max_s",
-}
-
-
-class Unavailable(RuntimeError):
-    """A router that could not be installed, started or reached."""
-
-
-# ------------------------------------------------------------------------------ processes
-
-
-class Procs:
-    """Child processes, each the leader of its own process group; stopped by that id."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        log = open(self.logdir / f"{name}.log", "wb")
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env={**os.environ, **(env or {})}, start_new_session=True)
-        log.close()
-        self.procs[name] = p
-        return p
-
-    def log_tail(self, name: str, n: int = 12) -> str:
-        try:
-            lines = (self.logdir / f"{name}.log").read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return " | ".join(lines[-n:])[-1500:]
-
-    def alive(self, name: str) -> bool:
-        p = self.procs.get(name)
-        return p is not None and p.poll() is None
-
-    def cpu_s(self, name: str) -> float:
-        """utime+stime of every live process in `name`'s process group."""
-        p = self.procs.get(name)
-        if p is None:
-            return 0.0
-        total = 0
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    st = f.read()
-            except OSError:
-                continue
-            fields = st[st.rfind(")") + 2:].split()
-            if int(fields[2]) == p.pid:  # pgrp
-                total += int(fields[11]) + int(fields[12])
-        return total / _CLK
-
-    def stop(self, name: str, timeout_s: float = 10.0) -> None:
-        p = self.procs.pop(name, None)
-        if p is None:
-            return
-        stop_processes([p], timeout_s, group=True)  # the group may outlive its leader: swept too
-
-    def stop_all(self) -> None:
-        for name in reversed(list(self.procs)):
-            self.stop(name)
-
-
-async def _wait_http(session: aiohttp.ClientSession, url: str, procs: Procs, name: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
-        if not procs.alive(name):
-            raise Unavailable(f"{name} exited (rc={procs.procs[name].returncode}): {procs.log_tail(name)}")
-        try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    return
-                last = f"HTTP {r.status}: {(await r.text())[:200]}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        await asyncio.sleep(0.2)
-    raise Unavailable(f"{name} not ready at {url} after {timeout_s:.0f}s ({last}); log: {procs.log_tail(name)}")
-
-
-# ------------------------------------------------------------------------------ sims
-
-
-def _parse_metrics(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = _SIM_COUNTERS.get(name)
-        if key is not None:
-            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
-async def _sim_counters(session: aiohttp.ClientSession, sims: dict[str, str]) -> dict[str, dict]:
-    async def one(url: str) -> dict:
-        async with session.get(url + "/metrics") as r:
-            m = _parse_metrics(await r.text())
-        async with session.get(url + "/sim/stats") as r:
-            m["stats"] = await r.json()
-        return m
-
-    vals = await asyncio.gather(*(one(u) for u in sims.values()))
-    return dict(zip(sims, vals))
-
-
-async def _drain_and_reset(session: aiohttp.ClientSession, sims: dict[str, str], timeout_s: float) -> float:
-    """Wait until no sim has work, then reset every prefix cache; return seconds waited."""
-    t0 = time.monotonic()
-    await _drain(session, sims, timeout_s)
-    for url in sims.values():
-        async with session.post(url + "/reset_prefix_cache") as r:
-            if r.status != 200:
-                raise RuntimeError(f"reset_prefix_cache on {url}: HTTP {r.status}")
-    await asyncio.sleep(1.0)  # AllBlocksCleared -> agents -> feed
-    return time.monotonic() - t0
-
-
-async def _drain(session: aiohttp.ClientSession, sims: dict[str, str], timeout_s: float) -> None:
-    """Wait until no sim has work (restarting them after `timeout_s`)."""
-    t0 = time.monotonic()
-    while True:
-        stats = await _sim_counters(session, sims)
-        busy = {rid: (s["stats"]["num_running"], s["stats"]["num_waiting"]) for rid, s in stats.items()
-                if s["stats"]["num_running"] or s["stats"]["num_waiting"]}
-        if not busy:
-            break
-        if time.monotonic() - t0 > timeout_s:
-            # last resort: drop everything, like a new engine process (the agents resync)
-            print(f"  sims still busy after {timeout_s:.0f}s {busy}: restarting them (fault restart)", file=sys.stderr)
-            for url in sims.values():
-                async with session.post(url + "/sim/fault", json={"kind": "restart"}) as r:
-                    await r.read()
-            await asyncio.sleep(2.0)
-            return
-        await asyncio.sleep(0.5)
 
 
 # ------------------------------------------------------------------------------ routers
@@ -411,7 +259,7 @@ async def _compare(args, procs: Procs, tmp: Path) -> dict:
     report: dict[str, dict] = {}
     async with aiohttp.ClientSession() as session:
         for rid, url in sims.items():
-            await _wait_http(session, url + "/health", procs, f"sim-{rid}", 60)
+            await wait_ready(session, url + "/health", procs, f"sim-{rid}", 60)
         for rid in sims:
             if not procs.alive(f"agent-{rid}"):
                 raise RuntimeError(f"agent-{rid} exited: {procs.log_tail(f'agent-{rid}')}")
@@ -424,23 +272,23 @@ async def _compare(args, procs: Procs, tmp: Path) -> dict:
             print(f"== {label}", file=sys.stderr)
             argv: list[str] = []
             try:
-                drained_s = await _drain_and_reset(session, sims, args.drain_timeout)
+                drained_s = await drain_and_reset(session, sims, args.drain_timeout)
                 port = free_port()
                 argv, env, ready, prom_url = _router_argv(kind, policy, port, sim_urls, venv, ctx)
                 code = _code_state() if kind == "warmroute" else None
                 procs.start(name, argv, env)
                 url = f"http://127.0.0.1:{port}"
-                await _wait_http(session, ready, procs, name, args.startup_timeout)
+                await wait_ready(session, ready, procs, name, args.startup_timeout)
                 await _warmup(session, url)
-                await _drain_and_reset(session, sims, args.drain_timeout)
+                await drain_and_reset(session, sims, args.drain_timeout)
                 await _prewarm(url, warm, args.request_timeout)
-                await _drain(session, sims, args.drain_timeout)
+                await drain_sims(session, sims, args.drain_timeout)
             except Unavailable as exc:
                 print(f"  unavailable: {exc}", file=sys.stderr)
                 report[label] = {"available": False, "reason": str(exc), "command": shlex.join(argv)}
                 procs.stop(name)
                 continue
-            before = await _sim_counters(session, sims)
+            before = await sim_counters(session, sims)
             rm0 = await _router_metrics(session, prom_url, kind)
             own = ["redis", name, *(f"sim-{r}" for r in sims), *(f"agent-{r}" for r in sims)]
             cpu0 = {n: procs.cpu_s(n) for n in own}
@@ -450,7 +298,7 @@ async def _compare(args, procs: Procs, tmp: Path) -> dict:
             share = meter.share()
             me1 = os.times()
             cpu1 = {n: procs.cpu_s(n) for n in own}
-            after = await _sim_counters(session, sims)
+            after = await sim_counters(session, sims)
             rm1 = await _router_metrics(session, prom_url, kind)
             router_metrics = {k: v - rm0.get(k, 0.0) for k, v in rm1.items()}  # this run only (not the warm-up)
             router_alive = procs.alive(name)
@@ -460,7 +308,7 @@ async def _compare(args, procs: Procs, tmp: Path) -> dict:
                           workload_params=workload.params, replicas=args.replicas, num_blocks_per_replica=args.num_blocks,
                           time_profile="wallclock", rate_rps=args.rate, seed=args.seed,
                           fresh_connections=not args.keep_alive)
-            d = {rid: {k: after[rid].get(k, 0.0) - before[rid].get(k, 0.0) for k in _SIM_COUNTERS.values() if k != "lateness_max_s"}
+            d = {rid: {k: after[rid].get(k, 0.0) - before[rid].get(k, 0.0) for k in SIM_COUNTERS.values() if k != "lateness_max_s"}
                  for rid in sims}
             steps = sum(x["steps"] for x in d.values())
             q = sum(x["cache_queries_tokens"] for x in d.values())

@@ -54,8 +54,8 @@ import aiohttp
 
 from loadtests.ports import free_port
 from loadtests.bench import _parse_params, bench_requests
-from loadtests.compare_peers import (DEFAULT_PEERS_VENV, MODEL, Procs, Unavailable, _apply_regime, _drain_and_reset,
-                                     _router_argv, _sim_counters, _wait_http, _warmup)
+from loadtests.compare_peers import DEFAULT_PEERS_VENV, MODEL, _apply_regime, _router_argv, _warmup
+from loadtests.peer_pool import Procs, Unavailable, drain_and_reset, sim_counters, wait_ready
 from loadtests.compare_peers import _workload as _regime_workload
 from loadtests.vtime_regimes import REGIMES
 from loadtests.runner import BenchRequest, run_load
@@ -266,7 +266,7 @@ def prewarm_requests(workload, reqs: list[BenchRequest]) -> list[BenchRequest]:
 async def _wait_idle(session, sims: dict, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        stats = await _sim_counters(session, sims)
+        stats = await sim_counters(session, sims)
         if not any(s["stats"]["num_running"] or s["stats"]["num_waiting"] for s in stats.values()):
             return
         await asyncio.sleep(0.3)
@@ -294,7 +294,7 @@ async def _one_run(session, args, procs: Procs, variant: tuple[str, str], load: 
                    pool: tuple[dict, dict]) -> dict:
     """One gateway (one variant) under the load: its CPU seconds, per request, idle; py-spy samples."""
     (vname, vdir), (reqs, warm), (sims, ctx) = variant, load, pool
-    await _drain_and_reset(session, sims, 120)
+    await drain_and_reset(session, sims, 120)
     port = free_port()
     peer = vdir.startswith(PEER_PREFIX)  # a peer router (e.g. @sglang): its own venv, no profilers
     kind = vdir[len(PEER_PREFIX):] if peer else "warmroute"
@@ -308,9 +308,9 @@ async def _one_run(session, args, procs: Procs, variant: tuple[str, str], load: 
         env = {**env, **dict(kv.split("=", 1) for kv in args.env), "PYTHONPATH": vdir}
     p = procs.start(name, argv, env)
     url = f"http://127.0.0.1:{port}"
-    await _wait_http(session, ready, procs, name, 90)
+    await wait_ready(session, ready, procs, name, 90)
     await _warmup(session, url)
-    await _drain_and_reset(session, sims, 120)
+    await drain_and_reset(session, sims, 120)
     if warm:
         await run_load(url, warm, concurrency=2 * len(sims), fresh_connections=True, timeout_s=120)
         await _wait_idle(session, sims)
@@ -374,7 +374,7 @@ async def _run(args, procs: Procs, tmp: Path, variants: list[tuple[str, str]]) -
     runs = []
     async with aiohttp.ClientSession() as session:
         for rid, url in pool[0].items():
-            await _wait_http(session, url + "/health", procs, f"sim-{rid}", 60)
+            await wait_ready(session, url + "/health", procs, f"sim-{rid}", 60)
         for rnd in range(args.rounds):
             order = variants if rnd % 2 == 0 else variants[::-1]
             for v in order:
