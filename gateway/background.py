@@ -5,7 +5,7 @@ constructor), and how they report trouble.
   with backoff when the feed fails.
 - `run_inflight_exchange`: every `inflight_poll_s`, adds this gateway's in-flight changes to the
   feed's shared counters, sets its dispatch gauges (gateway.load: routed rates and request sizes
-  per replica) and reads everyone's, in one round trip (`exchange_inflight`: so active-active
+  per replica) and its requests' LoRA adapters per replica, and reads everyone's, in one round trip (`exchange_inflight`: so active-active
   gateways see each other's load, and each exchange refreshes our counters' TTL, after which a
   killed gateway's stop weighing on the replicas); then trades copies in progress with the other
   gateways (`exchange_copies`, gateway.routing: a second round trip) and, for a policy that shares
