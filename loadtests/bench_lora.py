@@ -19,9 +19,10 @@ in an engine for a LoRA slot (the sims' count) and the requests per replica.
 gateway's routing over the engine model, which `tests/test_vtime_sim.py` checks against these
 sims request by request, LoRA slots included), one run per seed and variant, each seed its own
 stream (the no_sharing workload with adapters: prompts of the same mean length, +-50%), and prints
-each seed's figures and their medians; `--gateways N` puts N gateway processes in front (each
-sees the engines' reports, its own requests' adapters and, through the gateways' exchange, the
-others').
+each seed's figures and their medians. `--gateways N` puts N gateways in front (in either mode;
+each sees the engines' reports, its own requests' adapters and, through the gateways' exchange,
+the others'; on the wall clock they are instances in this process on one feed, the requests sent
+to each in turn).
 
 Run:  python -m loadtests.bench_lora [--requests 360] [--rate 6] [--json FILE]
       python -m loadtests.bench_lora --vtime 0-19 [--json FILE]
@@ -65,9 +66,9 @@ async def run_variant(args, visible: bool, reqs: list[BenchRequest]) -> dict:
     spec = SystemSpec(replicas=args.replicas, policy=args.policy, model=MODEL, num_blocks=args.num_blocks,
                       max_num_seqs=args.max_num_seqs, auth=False,
                       lora_modules=tuple(f"adapter-{i}" for i in range(args.adapters)), max_loras=args.max_loras,
-                      lora_metrics=visible, agent_load_interval_s=args.report_interval)
+                      lora_metrics=visible, agent_load_interval_s=args.report_interval, gateways=args.gateways)
     async with EmbeddedSystem(spec) as system:
-        samples, wall = await run_load(system.url, reqs, timeout_s=args.timeout)
+        samples, wall = await run_load(system.urls, reqs, timeout_s=args.timeout)
         stats = system.sim_stats()
         seen = {rid: (r.max_lora if (r := system.gateway.gateway.routing.index.last_load(rid)) is not None else None)
                 for rid in stats}
@@ -166,7 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds between the agents' scrapes of the engines' /metrics, the LoRA slots' source "
                         "(default 0.25; the chart's agents: 1.0)")
     p.add_argument("--gateways", type=int, default=1,
-                   help="with --vtime: gateway processes in front of the pool, sharing what the gateways share (default 1)")
+                   help="gateways in front of the pool, sharing what gateways share through the feed; on the wall "
+                        "clock instances in this process, the requests spread over them in turn (default 1)")
     return p.parse_args(argv)
 
 

@@ -1,6 +1,8 @@
 """An embedded warmroute system in one process: N simulated vLLM replicas, one sidecar agent per
-replica publishing to a feed, and a gateway consuming it. Used by `warmroute demo`, `warmroute
-bench` (self-contained mode) and end-to-end tests.
+replica publishing to a feed, and a gateway consuming it (or `gateways` of them, each with its own
+feed connection, index and in-flight counts, trading through the feed as gateway pods do; a load
+spreads its requests over `urls`). Used by `warmroute demo`, `warmroute bench` (self-contained
+mode), the benchmarks and end-to-end tests.
 
 Wiring, as in a real deployment: each sim's ZMQ PUB connects to its agent's bound SUB on
 127.0.0.1 (vLLM's rule for a non-wildcard endpoint), the replay socket is the sim's ROUTER, the
@@ -46,6 +48,7 @@ class SystemSpec:
     lora_modules: tuple[str, ...] = ()  # LoRA adapters every sim serves (found by the gateway in /v1/models)
     max_loras: int = 1  # adapters one sim batch may run
     lora_metrics: bool = True  # the sims export their LoRA slots (vllm:lora_requests_info)
+    gateways: int = 1  # gateway instances on the same feed (the first is `gateway`; all in `gateways`)
 
 
 class EmbeddedSystem:
@@ -56,6 +59,7 @@ class EmbeddedSystem:
         self.sims: list = []
         self.agents: list = []
         self.gateway = None
+        self.gateways: list = []
         self.feed = None
         self._tmp = tempfile.TemporaryDirectory(prefix="warmroute-embedded-")
         self.api_keys = {t: api_key_for(t) for t in spec.tenants}
@@ -63,6 +67,11 @@ class EmbeddedSystem:
     @property
     def url(self) -> str:
         return self.gateway.url
+
+    @property
+    def urls(self) -> list[str]:
+        """Every gateway's API URL (one per `SystemSpec.gateways`)."""
+        return [g.url for g in self.gateways]
 
     @property
     def admin_url(self) -> str:
@@ -126,16 +135,20 @@ class EmbeddedSystem:
         else:
             cfg.auth.enabled = False
         self.gateway = await start_gateway(cfg, feed=self.feed)
-        await self._wait_ready()
+        self.gateways.append(self.gateway)
+        for _ in range(spec.gateways - 1):  # each opens its own connection to the feed: its own owner there
+            self.gateways.append(await start_gateway(cfg))
+        for g in self.gateways:
+            await self._wait_ready(g.admin_url)
 
-    async def _wait_ready(self, timeout_s: float = 30.0) -> None:
+    async def _wait_ready(self, admin_url: str, timeout_s: float = 30.0) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         last = ""
         async with aiohttp.ClientSession() as s:
             while loop.time() < deadline:
                 try:
-                    async with s.get(self.admin_url + "/readyz") as r:
+                    async with s.get(admin_url + "/readyz") as r:
                         last = await r.text()
                         if r.status == 200:
                             return
@@ -150,9 +163,7 @@ class EmbeddedSystem:
     async def close(self) -> None:
         """Stop everything; a component that does not stop within `CLOSE_TIMEOUT_S` is reported
         (with the stacks of the tasks still running) and left behind rather than hanging the run."""
-        steps = []
-        if self.gateway is not None:
-            steps.append(("gateway", self.gateway.close()))
+        steps = [(f"gateway {i}", g.close()) for i, g in enumerate(self.gateways)]
         steps += [(f"agent {i}", a.close()) for i, a in enumerate(self.agents)]
         steps += [(f"sim {i}", s.close()) for i, s in enumerate(self.sims)]
         if self.feed is not None and hasattr(self.feed, "close"):
@@ -160,6 +171,7 @@ class EmbeddedSystem:
             if asyncio.iscoroutine(res):
                 steps.append(("feed", res))
         self.gateway, self.feed = None, None
+        self.gateways.clear()
         self.agents.clear()
         self.sims.clear()
         for name, coro in steps:

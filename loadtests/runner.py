@@ -186,7 +186,7 @@ async def _one(session: aiohttp.ClientSession, base_url: str, req: BenchRequest,
 
 
 async def run_load(
-    base_url: str,
+    base_url: str | Sequence[str],
     requests: Sequence[BenchRequest],
     *,
     concurrency: int | None = None,
@@ -195,10 +195,12 @@ async def run_load(
     on_done: Callable[[Sample], None] | None = None,
 ) -> tuple[list[Sample], float]:
     """Send `requests`; return (samples in request order, wall seconds). Open loop unless
-    `concurrency` is given. `on_done(sample)` is called as each request finishes (progress).
+    `concurrency` is given. Several base URLs (gateway instances): request i goes to the
+    (i mod n)-th, as a Service spreads connections over its pods. `on_done(sample)` is called as each request finishes (progress).
     A request with `after` >= 0 is sent no sooner than that request has finished (a user reads
     answer k before sending turn k + 1; vtime's rule too), at its own arrival time or then."""
     done = on_done or (lambda _s: None)
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
     connector = aiohttp.TCPConnector(limit=0, force_close=fresh_connections)
     samples: list[Sample | None] = [None] * len(requests)
     finished = [asyncio.Event() for _ in requests] if any(r.after >= 0 for r in requests) else []
@@ -207,7 +209,7 @@ async def run_load(
         if r.after >= 0:
             await finished[r.after].wait()
         try:
-            samples[i] = await _one(session, base_url, r, t0, timeout_s)
+            samples[i] = await _one(session, urls[i % len(urls)], r, t0, timeout_s)
         finally:
             if finished:
                 finished[i].set()

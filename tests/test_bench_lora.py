@@ -29,3 +29,36 @@ def test_virtual_time_form_routes_by_the_slots_only_when_exported():
     assert visible["requests"] == hidden["requests"] == 160 and visible["errors"] == hidden["errors"] == 0
     assert hidden["lora_waits"] >= 20 and visible["lora_waits"] * 4 <= hidden["lora_waits"], (visible, hidden)
     assert report["medians"]["visible"]["lora_waits"] == visible["lora_waits"]
+
+
+async def test_several_embedded_gateways_share_one_pool_and_see_each_others_adapters():
+    """`--gateways` on the wall clock: gateway instances on one feed, the load sent to each in turn;
+    while one gateway's requests for an adapter run, the other's view of that replica names the
+    adapter (the in-flight exchange; ~5 s streams outlast the quiet exchange period), and every
+    request is answered."""
+    import asyncio
+
+    from loadtests.harness import EmbeddedSystem, SystemSpec
+    from loadtests.runner import BenchRequest, run_load
+
+    spec = SystemSpec(replicas=2, model="lora-bench", num_blocks=512, auth=False, lora_modules=("a-0", "a-1"),
+                      max_loras=1, gateways=2, agent_load_interval_s=5.0)  # the engines' reports come late here
+    async with EmbeddedSystem(spec) as system:
+        assert len(set(system.urls)) == 2
+        first, second = (g.gateway for g in system.gateways)
+        reqs = [BenchRequest(0.05 * i, "/v1/completions", {"model": "a-0", "prompt": f"Request {i}: " + "w " * 40,
+                                                              "max_tokens": 400, "ignore_eos": True}) for i in range(4)]
+        load = asyncio.create_task(run_load(system.urls[:1], reqs, timeout_s=60))  # all through the first
+        seen: set = set()
+        for _ in range(300):  # a gateway whose peers have nothing in flight exchanges once a second
+            await asyncio.sleep(0.05)
+            for ld in second.routing.load.snapshot().values():
+                seen.update(ld.others_lora_running + ld.others_lora_wanting)
+            if seen or load.done():
+                break
+        samples, _ = await load
+        assert [s.status for s in samples] == [200] * 4
+        assert seen == {"a-0"}, seen
+        samples, _ = await run_load(system.urls, reqs, timeout_s=60)  # spread over both in turn
+        assert [s.status for s in samples] == [200] * 4
+        assert sum(ld.active_reqs + ld.inflight_reqs for ld in first.routing.load.snapshot().values()) == 0
