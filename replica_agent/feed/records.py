@@ -119,15 +119,17 @@ class Inflight:
 
 def merge_adapters(published) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     """Several gateways' LoRA adapters (each a mapping replica -> (running, wanting)) merged per
-    replica, names in first-seen order: running if any gateway's request there generates; wanting
-    otherwise. Names that are not strings are dropped (another version's, or a damaged entry)."""
+    replica, names sorted (the gateways' order is the feed's, which need not be stable): running if
+    any gateway's request there generates; wanting otherwise. Names that are not strings are
+    dropped (another version's, or a damaged entry)."""
     acc: dict[str, tuple[dict, dict]] = {}
     for per in published:
         for rid, (running, wanting) in per.items():
             run, want = acc.setdefault(rid, ({}, {}))
             run.update((a, None) for a in running if isinstance(a, str))
             want.update((a, None) for a in wanting if isinstance(a, str))
-    return {rid: (tuple(run), tuple(a for a in want if a not in run)) for rid, (run, want) in acc.items() if run or want}
+    return {rid: (tuple(sorted(run)), tuple(sorted(a for a in want if a not in run)))
+            for rid, (run, want) in acc.items() if run or want}
 
 
 def fresh_stream_base() -> int:
