@@ -4,21 +4,21 @@ constructor), and how they report trouble.
 - `run_index_sync`: keeps the KV index current from the feed (gateway.index_sync), restarting it
   with backoff when the feed fails.
 - `run_inflight_exchange`: every `inflight_poll_s`, adds this gateway's in-flight changes to the
-  feed's shared counters, sets its dispatch gauges (gateway.load: routed rates and request sizes
-  per replica) and its requests' LoRA adapters per replica, and reads everyone's, in one round trip (`exchange_inflight`: so active-active
-  gateways see each other's load, and each exchange refreshes our counters' TTL, after which a
-  killed gateway's stop weighing on the replicas); then trades copies in progress with the other
-  gateways (`exchange_copies`, gateway.routing: a second round trip) and, for a policy that shares
-  them (cache_plan), placements (`exchange_placements`: a third, which also carries keep-alive's
-  refreshes and gives both to this gateway's `retainer`: gateway.keepalive, `touched`); every
-  QUIET_EXCHANGE_S instead while no other gateway has anything in flight, unless keep-alive keeps
-  something here and other gateways' records arrived within its forget_s (idle CPU: each
-  exchange wakes Redis and this process), and every `flow.busy_exchange_s` while flow control
-  holds requests here or at another gateway (`busy`: a saturated pool, where a grant the others
-  see late fills a slot twice; the counters only, copies and placements keep `inflight_poll_s`).
-  Counters the feed lost (Redis restarted empty, or our key expired while it was unreachable) are
-  noticed in the exchange's reply and published again whole; changes a failed exchange did not
-  apply are sent again with the next one.
+  feed's shared counters, sets its dispatch gauges (gateway.load: routed rates and request sizes per
+  replica) and its requests' LoRA adapters per replica, and reads everyone's, in one round trip
+  (`exchange_inflight`: so active-active gateways see each other's load, and each exchange refreshes
+  our counters' TTL, after which a killed gateway's stop weighing on the replicas); then trades
+  copies in progress with the other gateways (`exchange_copies`, gateway.routing: a second round
+  trip) and, for a policy that shares them (cache_plan), placements (`exchange_placements`: a third,
+  which also carries keep-alive's refreshes and gives both to this gateway's `retainer`:
+  gateway.keepalive, `touched`); every QUIET_EXCHANGE_S instead while no other gateway has anything
+  in flight, unless keep-alive keeps something here and other gateways' records arrived within its
+  forget_s (idle CPU: each exchange wakes Redis and this process), and every `flow.busy_exchange_s`
+  while flow control holds requests here or at another gateway (`busy`: a saturated pool, where a
+  grant the others see late fills a slot twice; the counters only, copies and placements keep
+  `inflight_poll_s`). Counters the feed lost (Redis restarted empty, or our key expired while it was
+  unreachable) are noticed in the exchange's reply and published again whole; changes a failed
+  exchange did not apply are sent again with the next one.
 - `run_share_exchange`: every `flow.share_interval_s` (`flow.busy_exchange_s` while requests are
   held here or at another gateway; QUIET_EXCHANGE_S while no other gateway was on the board at
   the last exchange), flow control's row on the fair-share board out and the other gateways' rows

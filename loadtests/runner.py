@@ -195,10 +195,11 @@ async def run_load(
     on_done: Callable[[Sample], None] | None = None,
 ) -> tuple[list[Sample], float]:
     """Send `requests`; return (samples in request order, wall seconds). Open loop unless
-    `concurrency` is given. Several base URLs (gateway instances): request i goes to the
-    (i mod n)-th, as a Service spreads connections over its pods. `on_done(sample)` is called as each request finishes (progress).
-    A request with `after` >= 0 is sent no sooner than that request has finished (a user reads
-    answer k before sending turn k + 1; vtime's rule too), at its own arrival time or then."""
+    `concurrency` is given. Several base URLs (gateway instances): request i goes to the (i mod n)-th, as a
+    Service spreads connections over its pods. `on_done(sample)` is called as each request
+    finishes (progress). A request with `after` >= 0 is sent no sooner than that request has
+    finished (a user reads answer k before sending turn k + 1; vtime's rule too), at its own
+    arrival time or then."""
     done = on_done or (lambda _s: None)
     urls = [base_url] if isinstance(base_url, str) else list(base_url)
     connector = aiohttp.TCPConnector(limit=0, force_close=fresh_connections)

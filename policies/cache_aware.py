@@ -159,9 +159,10 @@ Why these pieces
   running and waiting adapters with it fit in `max_lora`. `lora_running` and `lora_waiting` are
   the engine's report (vllm:lora_requests_info, through the agent) plus the adapters of this
   gateway's requests sent there since, and of the other gateways' as of their last exchange
-  (generating: running; no first token yet: waiting unless their adapter runs). Taking a free slot for an adapter that already runs elsewhere costs other
-  requests instead (as evicting does): the slot is held about a generation, and a request for an
-  adapter that runs nowhere waits if it then finds none free, so a second slot is priced at a
+  (generating: running; no first token yet: waiting unless their adapter runs). Taking a free
+  slot for an adapter that already runs elsewhere costs other requests instead (as evicting
+  does): the slot is held about a generation, and a request for an adapter that runs nowhere
+  waits if it then finds none free, so a second slot is priced at a
   generation times the share of the pool's slots held or wanted (`lora_spread_s`: free when slots
   are plentiful, about a generation when all are wanted). An adapter's requests so gather where
   it runs (the Inference Extension's LoRA affinity) unless that replica's queue costs more.
