@@ -370,3 +370,28 @@ def test_chart_metadata():
     meta = helm.Chart.load(str(CHART_DIR)).metadata
     assert meta["name"] == "warmroute" and meta["apiVersion"] == "v2" and meta["kubeVersion"]
     assert Path(CHART_DIR / "values.schema.json").exists()
+
+
+@pytest.mark.parametrize("name", ["default", "full", "epp-deploy"])
+def test_the_helm_test_pod_calls_the_routers_services_and_the_network_policy_admits_it(name):
+    """`helm test`'s Pod runs `warmroute check` against the router's admin Service (and, for the
+    HTTP gateway, its API Service) on their rendered ports, and the router's NetworkPolicy admits
+    it on both even when only named peers may call the API or scrape the admin port."""
+    r = render(ci_values(name))
+    (pod,) = r.of_kind("Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[0] == "check"
+    services = {s["metadata"]["name"]: {p["port"] for p in s["spec"]["ports"]} for s in r.of_kind("Service")}
+    targets = [args[args.index(flag) + 1] for flag in ("--admin-url", "--url") if flag in args]
+    assert len(targets) == (1 if name.startswith("epp") else 2)
+    for url in targets:
+        host, port = url.removeprefix("http://").split(":")
+        assert int(port) in services[host], (url, services)
+    router = next(p for p in r.of_kind("NetworkPolicy") if p["metadata"]["name"] in (FULL_NAME + "-gateway", FULL_NAME + "-epp"))
+    labels = pod["metadata"]["labels"]
+    for port in ("admin",) if name.startswith("epp") else ("http", "admin"):
+        rules = [rule for rule in router["spec"]["ingress"] if {"port": port, "protocol": "TCP"} in rule["ports"]]
+        assert rules and all("from" not in rule or any(_selects(f.get("podSelector", {}).get("matchLabels", {}), labels)
+                                                        and "namespaceSelector" not in f for f in rule["from"])
+                             for rule in rules), (port, rules)
