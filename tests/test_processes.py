@@ -33,7 +33,7 @@ def test_a_group_stops_with_its_leader():
     child = f"import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', {IGNORES_TERM!r}]); print(c.pid, flush=True); c.wait()"
     leader = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, start_new_session=True)
     pid = int(leader.stdout.readline())
-    time.sleep(0.5)  # the grandchild sets its handler
+    assert leader.stdout.readline().strip() == b"up"  # the child (our pipe is its stdout too) ignores SIGTERM now
     stop_processes([leader], timeout_s=1.0, group=True)
     for _ in range(50):
         try:
