@@ -99,7 +99,7 @@ class RequestContext:
 
     request_id: str  # the client's X-Request-Id when sane, else our own
     route: str  # the API path, e.g. "/v1/chat/completions"
-    kind: str  # CHAT | COMPLETIONS
+    kind: str  # CHAT | COMPLETIONS; an engine route's path without "/" (gateway.engine_routes)
     headers: Mapping[str, str]  # the client's request headers
     t0: float  # perf_counter at arrival
     identity: Identity | None = None  # who asked (authenticate)

@@ -38,7 +38,7 @@ from gateway.telemetry import Metrics
 from gateway.upstream import UpstreamPool
 from policies.base import Candidate
 
-__all__ = ["Dispatcher", "Answer", "start_try"]
+__all__ = ["Dispatcher", "Answer", "start_try", "exhausted"]
 
 log = logging.getLogger("warmroute.gateway")
 
@@ -79,7 +79,7 @@ class Dispatcher:
                         at = await self._send(ctx, st.url, without_priority(ctx.payload), headers)
                 except UpstreamFailure as f:
                     last = f
-                    self._failed(ctx, f, up_span, retrying=n + 1 < len(ranked))
+                    self.failed(ctx, f, up_span, retrying=n + 1 < len(ranked))
                     continue
                 except BaseException:
                     up_span.error("cancelled")
@@ -93,7 +93,7 @@ class Dispatcher:
             finally:
                 tr.flight.finish()
                 up_span.end()
-        raise _exhausted(last)
+        raise exhausted(last)
 
     def _send(self, ctx: RequestContext, url: str, body: bytes, headers: dict) -> Awaitable[Attempt]:
         return attempt(self.pool, url, ctx.route, body, headers, stream=ctx.request.stream,
@@ -113,7 +113,8 @@ class Dispatcher:
     def _start(self, ctx: RequestContext, n: int, cand: Candidate) -> Try:
         return start_try(self.routing, ctx, n, cand)
 
-    def _failed(self, ctx: RequestContext, f: UpstreamFailure, up_span, *, retrying: bool) -> None:
+    def failed(self, ctx: RequestContext, f: UpstreamFailure, up_span, *, retrying: bool) -> None:
+        """`ctx.replica` failed before its first byte: eject it (with backoff), count, log, mark the span."""
         rid = ctx.replica
         backoff = self.membership.report_failure(rid, f.reason)
         m = self.metrics
@@ -137,7 +138,7 @@ def start_try(routing: RoutingState, ctx: RequestContext, n: int, cand: Candidat
     return ctx.attempt
 
 
-def _exhausted(last: UpstreamFailure | None) -> ApiError:
+def exhausted(last: UpstreamFailure | None) -> ApiError:
     msg = "no replica could take the request"
     if last is None:
         return ApiError(503, msg, code="upstream_unavailable", headers={"Retry-After": "1"})

@@ -31,7 +31,7 @@ import os
 import random
 import time
 from functools import partial
-from typing import Collection, Mapping
+from typing import Awaitable, Callable, Collection, Mapping
 
 from gateway.adapters import AdapterLookup
 from gateway.auth import Authenticator, Identity, TenantLimiter
@@ -64,6 +64,7 @@ log = logging.getLogger("warmroute.gateway")
 access_log = logging.getLogger("warmroute.gateway.access")
 
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}  # API path -> request kind
+Answer = Callable[[RequestContext, bytes, FrontResponse], Awaitable[int]]  # serves a request; the client's status
 
 
 class Pipeline:
@@ -100,17 +101,26 @@ class Pipeline:
         if request.method != "POST":
             return await send_error(resp, ApiError(405, f"method {request.method} not allowed on {request.path} (use POST)",
                                                    code="method_not_allowed", headers={"Allow": "POST"}))
+        await self.serve(request, resp, self._generate)
+
+    async def serve(self, request: FrontRequest, resp: FrontResponse, answer: Answer) -> None:
+        """`answer(ctx, body, resp)`, which returns the client's status, over a new context: an
+        ApiError answered in OpenAI's shape, a client gone counted 499, a bug answered 500, and
+        `finish` whatever happened (the generation routes and gateway.engine_routes)."""
         ctx = self.new_context(request.path, request.headers)
         try:
-            await self._serve(ctx, request.body, resp)
+            await self._serve(ctx, request.body, resp, answer)
         finally:
             self.finish(ctx)
 
-    async def _serve(self, ctx: RequestContext, body: bytes, resp: FrontResponse) -> None:
+    async def _generate(self, ctx: RequestContext, body: bytes, resp: FrontResponse) -> int:
+        await self.prepare(ctx, body)
+        return await self.dispatcher.run(ctx, partial(self._answer, resp))
+
+    async def _serve(self, ctx: RequestContext, body: bytes, resp: FrontResponse, answer: Answer) -> None:
         try:
             try:
-                await self.prepare(ctx, body)
-                ctx.status = await self.dispatcher.run(ctx, partial(self._answer, resp))
+                ctx.status = await answer(ctx, body, resp)
             except (asyncio.CancelledError, ConnectionResetError):  # the client went away
                 ctx.status = 499
                 raise
@@ -155,7 +165,7 @@ class Pipeline:
         rid = headers.get("X-Request-Id")
         if not rid or len(rid) > 128 or not rid.isprintable():
             rid = f"wr-{self._id_prefix}-{next(self._ids)}"
-        return RequestContext(rid, route, ROUTES[route], headers, time.perf_counter(), span=NO_SPAN)
+        return RequestContext(rid, route, ROUTES.get(route) or route.strip("/"), headers, time.perf_counter(), span=NO_SPAN)
 
     async def prepare(self, ctx: RequestContext, raw_body: bytes, *, identity: Identity | None = None,
                       only: Collection[str] | None = None) -> None:
@@ -184,12 +194,13 @@ class Pipeline:
         """Who asks, for which model, within the tenant's limits; the trace span starts here."""
         ctx.identity = identity if identity is not None else self.auth.authenticate(ctx.headers)
         ctx.payload = parse_body(raw_body)  # the front already bounded its size (413)
-        model = await self._check_model(ctx.payload)
+        model = await self.served_model(ctx.payload)
         self.auth.authorize_model(ctx.identity, model)
         ctx.limited = self.limiter.acquire(ctx.identity.tenant_id)
         ctx.span = self.tracing.request_span(ctx, model)
 
-    async def _check_model(self, payload: dict) -> str:
+    async def served_model(self, payload: dict) -> str:
+        """The requested model, if served (gateway.parse.check_model; else an adapter looked up)."""
         try:
             return check_model(payload, self.model.served, self.model.known)
         except ApiError as e:  # an adapter loaded since the last discovery round is served at once

@@ -43,6 +43,7 @@ from gateway.keepalive import KeepAlive, Retainer
 from gateway.load import ROUTED_TAU_S, LoadTracker
 from gateway.membership import Membership, MembershipRunner
 from gateway.model import ModelInfo
+from gateway.engine_routes import ENGINE_ROUTES, EngineRoutes
 from gateway.pipeline import ROUTES, Pipeline
 from gateway.proxy import make_session
 from gateway.routing import RoutingState
@@ -113,6 +114,7 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None  # probes and model discovery
         self.pool: UpstreamPool | None = None  # proxied requests (the hot path)
         self.pipeline: Pipeline | None = None  # the request path, once everything it needs exists
+        self.engine_routes: EngineRoutes | None = None  # /tokenize and /detokenize (gateway.engine_routes), likewise
         self.tokenize_checker: TokenizeChecker | None = None  # sampled /tokenize checks (gateway.tokenize_check)
         self.mrunner: MembershipRunner | None = None
         self._front: FrontServer | None = None  # the API port
@@ -168,12 +170,13 @@ class Gateway:
             self._spawn(run_adapter_discovery(self.session, self.membership, self.model, cfg.model.lora_discovery_s),
                         "lora-discovery")
         self.tokenize_checker = TokenizeChecker(cfg.model.tokenize_check_s, self.session, self.metrics)
+        dispatcher = Dispatcher(self.pool, self.membership, self.routing, self.metrics, cfg.proxy, self.model)
         self.pipeline = Pipeline(
             cfg, auth=self.auth, limiter=self.limiter, salter=self.salter, model=self.model, tokenizer=self.tokenizer,
-            routing=self.routing, membership=self.membership, policy=self.policy,
-            dispatcher=Dispatcher(self.pool, self.membership, self.routing, self.metrics, cfg.proxy, self.model),
+            routing=self.routing, membership=self.membership, policy=self.policy, dispatcher=dispatcher,
             metrics=self.metrics, tracing=self.tracing, flow=self.flow, retainer=self.retainer,
             tokenize_checker=self.tokenize_checker, adapter_lookup=self._adapter_lookup())
+        self.engine_routes = EngineRoutes(self.pipeline, dispatcher)
         if self.retainer is not None:
             self._spawn(run_keep_alive(self.retainer, cfg.keep_alive, session=self.session, membership=self.membership,
                                        index=self.index, model=self.model, metrics=self.metrics,
@@ -303,8 +306,11 @@ class Gateway:
             await self.pipeline.handle(request, resp)
         elif request.path == "/v1/models":
             await self.h_models(request, resp)
+        elif request.path in ENGINE_ROUTES:
+            await self.engine_routes.handle(request, resp)
         else:
-            await send_error(resp, ApiError(404, f"unknown route {request.method} {request.path}", code="unknown_route"))
+            await send_error(resp, ApiError(404, f"unknown route {request.method} {request.path} (served: {API_PATHS})",
+                                            code="unknown_route"))
 
     async def h_models(self, request: FrontRequest, resp: FrontResponse) -> None:
         if request.method != "GET":
@@ -322,6 +328,9 @@ class Gateway:
                  "parent": self.model.name if n in self.model.adapters else None,
                  "max_model_len": self.model.max_model_len} for n in names]
         await resp.send(200, {"Content-Type": "application/json"}, _encode({"object": "list", "data": data}))
+
+
+API_PATHS = ", ".join([*ROUTES, "/v1/models", *ENGINE_ROUTES])  # named in an unknown route's 404
 
 
 def _host_for_url(host: str) -> str:

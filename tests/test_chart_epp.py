@@ -29,6 +29,7 @@ import kubernetes_validate as kv
 import pytest
 import yaml
 
+from gateway.engine_routes import ENGINE_ROUTES
 from gateway.epp_cli import add_arguments as epp_arguments
 from gateway.pipeline import ROUTES
 from tests.chart.render import CHART_DIR, FULL_NAME, ci_values, deep_merge, render
@@ -216,7 +217,7 @@ def test_http_route_sends_the_pickers_paths_to_the_pool():
                                     "name": pool["metadata"]["name"]}]
     # Exactly the paths the picker answers (anything else it refuses with 404).
     assert all(set(m) == {"path"} and m["path"]["type"] == "Exact" for m in rule["matches"])
-    assert {m["path"]["value"] for m in rule["matches"]} == set(ROUTES)
+    assert {m["path"]["value"] for m in rule["matches"]} == set(ROUTES) | set(ENGINE_ROUTES)
     assert re.fullmatch(r"([0-9]{1,5}(h|m|s|ms)){1,4}", rule["timeouts"]["request"])  # Gateway API Duration
     # epp-attach renders none; NOTES shows one to write.
     r2 = render(ci_values("epp-attach"))
@@ -224,7 +225,7 @@ def test_http_route_sends_the_pickers_paths_to_the_pool():
     example = r2.notes.split("for example:")[1].split("Did the Gateway")[0]
     shown = yaml.safe_load(re.sub(r"^ {7}", "", example, flags=re.M))
     assert shown["spec"]["rules"][0]["backendRefs"][0]["name"] == "llama-pool"
-    assert {m["path"]["value"] for m in shown["spec"]["rules"][0]["matches"]} == set(ROUTES)
+    assert {m["path"]["value"] for m in shown["spec"]["rules"][0]["matches"]} == set(ROUTES) | set(ENGINE_ROUTES)
 
 
 # ------------------------------------------------------------------------------ the picker's pod

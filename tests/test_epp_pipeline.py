@@ -243,3 +243,33 @@ async def test_a_404_for_an_adapter_the_replica_listed_drops_it_there(stack):
     finally:
         for rid in ("r0", "r1"):
             gw.model.set_listed(rid, [])
+
+
+async def test_the_engine_tokenizer_routes_pass_through_envoy(stack):
+    """/tokenize and /detokenize through Envoy: admitted as the HTTP gateway admits them, answered by
+    a replica untouched, in turn; a refused primary is ejected as a generation request's is."""
+    base = stack["url"].removesuffix("/v1")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "count me, ünïcödé"}]}
+    async with httpx.AsyncClient(timeout=10) as h:
+        direct = (await h.post(stack["sims"][0].url + "/tokenize", json=body)).json()
+        auth = {"Authorization": f"Bearer {KEYS['tenant-a']}"}
+        r = await h.post(base + "/tokenize", headers=auth, json=body)
+        assert r.status_code == 200 and r.json() == direct, r.text
+        r = await h.post(base + "/detokenize", headers=auth, json={"model": MODEL, "tokens": direct["tokens"]})
+        assert r.status_code == 200 and "count me, ünïcödé" in r.json()["prompt"], r.text
+        r = await h.post(base + "/tokenize", json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+        r = await h.post(base + "/v1/responses", headers=auth, json={"model": MODEL, "input": "hi"})
+        assert r.status_code == 404 and "/tokenize" in r.json()["error"]["message"]
+    gw = stack["gw"]
+    picker = PipelinePicker(gw)
+    headers = {":path": "/tokenize", ":method": "POST", "authorization": f"Bearer {KEYS['tenant-a']}"}
+    raw = b'{"prompt": "hello"}'
+    picks = [await picker.pick(headers, raw, None) for _ in range(2)]
+    assert {p.ctx.replica for p in picks} == {"r0", "r1"} and all(p.body == raw and len(p.endpoints) == 2 for p in picks)
+    picker.observe(picks[0].ctx, Outcome(picks[0].endpoints[0], 200, None, None, None, 0, 10, False))
+    primary = picks[1].ctx.replica
+    picker.observe(picks[1].ctx, Outcome(picks[1].endpoints[1], 200, None, None, None, 0, 10, False))
+    assert not gw.membership.available(primary)
+    gw.membership.get(primary).ejected_until = 0.0  # let the other tests use it again
+    gw.membership.report_success(primary)

@@ -7,6 +7,8 @@ tries on a connect failure, at most `proxy.max_attempts`) and the rewritten body
 work is counted on the primary from then on. An error the pipeline answers (401, 400, 404, 429,
 503 ...) becomes an ImmediateResponse in OpenAI's error shape. The client's credentials are
 removed from what Envoy forwards to the engine.
+The engine's tokenizer routes (`/tokenize`, `/detokenize`: gateway.engine_routes) are admitted the
+same way and sent untouched to the replicas that serve the model, in turn.
 `observe()` gets what the response path saw: the replica that answered (when Envoy retried,
 the primary is reported failed, as the HTTP gateway's dispatch would), its status, usage, time
 to first event and decode interval, and whether the stream ended early; it ends the in-flight
@@ -26,8 +28,9 @@ from gateway.auth import Identity
 from gateway.dispatch import start_try
 from gateway.epp.extproc import Outcome, Pick, Reject
 from gateway.errors import ApiError
+from gateway.engine_routes import ENGINE_ROUTES
 from gateway.pipeline import ROUTES, outcome_of
-from gateway.server import Gateway
+from gateway.server import API_PATHS, Gateway
 
 __all__ = ["PipelinePicker", "endpoint_of"]
 
@@ -60,8 +63,8 @@ class PipelinePicker:
         if pipeline is None:
             return Reject.from_api_error(ApiError(503, "the picker is still starting", code="not_ready"))
         path = headers.get(":path", "").partition("?")[0]
-        if path not in ROUTES:
-            return Reject.from_api_error(ApiError(404, f"unknown route {path}", code="unknown_route"))
+        if path not in ROUTES and path not in ENGINE_ROUTES:
+            return Reject.from_api_error(ApiError(404, f"unknown route {path} (served: {API_PATHS})", code="unknown_route"))
         if headers.get(":method", "POST") != "POST":
             return Reject.from_api_error(ApiError(405, f"method {headers.get(':method')} not allowed on {path} (use POST)",
                                                   code="method_not_allowed", headers={"Allow": "POST"}))
@@ -69,6 +72,8 @@ class PipelinePicker:
         only = None if subset is None else {rid for rid, ep in endpoints.items() if ep in set(subset)}
         ctx = pipeline.new_context(path, headers)
         try:
+            if path in ENGINE_ROUTES:
+                return await self._pick_for_engine_route(ctx, body, only, endpoints)
             await pipeline.prepare(ctx, body, identity=self._trusted_identity(headers), only=only)
         except ApiError as e:
             ctx.status, ctx.error = e.status, e.code or ""
@@ -83,6 +88,18 @@ class PipelinePicker:
         return Pick(body=ctx.body, endpoints=[endpoints[c.replica_id] for c in ranked if c.replica_id in endpoints],
                     ctx=ctx, remove_headers=_CLIENT_CREDENTIALS, strip_usage=not ctx.request.client_wants_usage)
 
+    async def _pick_for_engine_route(self, ctx, body: bytes, only: set[str] | None, endpoints: dict[str, str]) -> Pick:
+        """/tokenize and /detokenize (gateway.engine_routes): admitted as the HTTP gateway admits
+        them, sent untouched to the available replicas that serve the model, in turn."""
+        engine = self.gw.engine_routes
+        serving = await engine.admit(ctx, body, identity=self._trusted_identity(ctx.headers))
+        if only is not None:
+            serving = only if serving is None else only & serving
+        ready = engine.ready(serving)
+        ctx.replica = ready[0].replica_id
+        return Pick(body=body, endpoints=[endpoints[st.replica_id] for st in ready if st.replica_id in endpoints],
+                    ctx=ctx, remove_headers=_CLIENT_CREDENTIALS, strip_usage=False)
+
     def _trusted_identity(self, headers: Mapping[str, str]) -> Identity | None:
         if self.trusted_tenant_header is None:
             return None
@@ -94,6 +111,8 @@ class PipelinePicker:
 
     def observe(self, ctx, outcome: Outcome) -> None:
         gw, tr = self.gw, ctx.attempt
+        if tr is None:  # an engine route: nothing in flight, nothing to learn
+            return self._observe_engine_route(ctx, outcome)
         served = self._replica_of(outcome.served_endpoint) or tr.replica_id
         tr.flight.first_token()
         tr.flight.finish()
@@ -113,6 +132,16 @@ class PipelinePicker:
         elif ctx.status == 200 and served == tr.replica_id:
             gw.pipeline.learn(ctx, outcome_of(tr, ttft_s=outcome.ttft_s, usage=outcome.usage,
                                               decode_step_s=outcome.decode_s))
+        gw.pipeline.finish(ctx)
+
+    def _observe_engine_route(self, ctx, outcome: Outcome) -> None:
+        gw, primary = self.gw, ctx.replica
+        served = self._replica_of(outcome.served_endpoint) or primary
+        if served != primary:  # Envoy retried elsewhere: the primary refused the connection
+            gw.membership.report_failure(primary, "connect failed (retried by the proxy)")
+            gw.metrics.child(gw.metrics.retries, "connect").inc()
+        ctx.replica = served
+        ctx.status = outcome.status or 502
         gw.pipeline.finish(ctx)
 
     def _replica_of(self, endpoint: str | None) -> str | None:

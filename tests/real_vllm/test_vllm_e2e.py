@@ -3,7 +3,8 @@ connect mode + replay + /metrics scraping) publishing to a real Redis feed, and 
 (conftest.py `e2e_system`). Everything here goes through the gateway's public API unless it says
 "directly", and compares the gateway's beliefs with what the engine itself reports.
 
-1. tokenization parity: the gateway's token ids == the engine's POST /tokenize (chat + completions);
+1. tokenization parity: the gateway's token ids == the engine's POST /tokenize (chat + completions),
+   and the engine's /tokenize and /detokenize through the gateway answer as the engine does;
 2. key parity + prediction accuracy: over a shared-document, two-tenant workload (>= 50 requests)
    the gateway's predicted matched tokens (span attribute) == the engine's `cached_tokens`, and
    afterwards the index holds each request's keys on exactly the replicas whose engine reports them;
@@ -182,6 +183,16 @@ def test_tokenization_parity(vllm_replicas, e2e_system):
         assert r.status_code == 200, r.text
         assert r.json()["request"]["prompt_tokens"] == len(engine), name
     assert not mismatches, "\n".join(mismatches)
+    # vLLM's /tokenize and /detokenize through the gateway (gateway.engine_routes) answer as the engine does.
+    for name, body in _parity_bodies():
+        r = httpx.post(e2e_system.url + "/tokenize", json={"model": e2e_system.model, **body},
+                       headers=e2e_system.headers("acme"), timeout=60)
+        assert r.status_code == 200 and r.json()["tokens"] == _engine_tokenize(rep, body), (name, r.text[:300])
+    ids = _engine_tokenize(rep, _parity_bodies()[0][1])
+    r = httpx.post(e2e_system.url + "/detokenize", json={"model": e2e_system.model, "tokens": ids},
+                   headers=e2e_system.headers("acme"), timeout=60)
+    direct = httpx.post(rep.url + "/detokenize", json={"model": rep.served_model_name, "tokens": ids}, timeout=60)
+    assert r.status_code == 200 and r.json() == direct.json(), r.text[:300]
     # The built-in tokenizer (the gateway's default, tiktoken backend where exact) agrees too.
     from gateway.default_tokenizer import default_tokenizer_dir
     from gateway.tokenization import TokenizerService
