@@ -7,8 +7,8 @@
                       lists what makes routing worse without stopping it (gateway.state)
     GET  /debug/index the index and every replica's state (health, load, feed lag, rates)
     POST /debug/route where a request body would go, and why, without sending it: every replica's
-                      inputs, rank, score and score terms. Query: kind=chat|completions (default:
-                      from the body), tenant=ID (whose salt; or send the tenant's own
+                      inputs, rank, score and score terms. Query: kind=chat|completions|responses
+                      (default: from the body), tenant=ID (whose salt; or send the tenant's own
                       `Authorization` header; with authentication on, one of the two is required)
 Every error is JSON in OpenAI's shape (unknown path 404, wrong method 405 with `Allow`).
 """
@@ -23,6 +23,7 @@ from gateway.auth import NO_AUTH_TENANT, Identity
 from gateway.context import RequestContext
 from gateway.errors import ApiError
 from gateway.parse import check_model, parse_body
+from gateway.pipeline import ROUTES
 from gateway.routing import explain
 from gateway.state import degraded
 from gateway.telemetry import StateCollector
@@ -36,9 +37,9 @@ ENDPOINTS = {
     "GET /healthz": "liveness (200 while the process serves)",
     "GET /readyz": "readiness (200 when the gateway can route; else 503 with reasons)",
     "GET /debug/index": "the KV index and every replica's health, load, feed lag and rates",
-    "POST /debug/route?kind=chat|completions&tenant=ID": "explain where a request body would go, without sending it",
+    "POST /debug/route?kind=chat|completions|responses&tenant=ID": "explain where a request body would go, without sending it",
 }
-_ROUTE_OF_KIND = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+_ROUTE_OF_KIND = {kind: path for path, kind in ROUTES.items()}  # chat, completions, responses
 
 
 def build_admin_app(gw) -> web.Application:
@@ -102,9 +103,10 @@ async def _debug_route(gw, request: web.Request) -> web.Response:
     if pipeline is None:
         raise ApiError(503, "the gateway is still starting", code="not_ready")
     payload = parse_body(await request.read())
-    kind = request.query.get("kind") or ("chat" if "messages" in payload else "completions")
+    kind = request.query.get("kind") or ("chat" if "messages" in payload else "responses" if "input" in payload
+                                         else "completions")
     if kind not in _ROUTE_OF_KIND:
-        raise ApiError(400, "kind must be chat or completions", param="kind")
+        raise ApiError(400, "kind must be chat, completions or responses", param="kind")
     check_model(payload, gw.model.served, gw.model.known)
     ident = _debug_identity(gw, request)
     ctx = RequestContext("debug", _ROUTE_OF_KIND[kind], kind, request.headers, 0.0, identity=ident,

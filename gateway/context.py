@@ -15,22 +15,24 @@ from gateway.auth import Identity
 from gateway.load import Flight
 from policies.base import Candidate, Decision, ReplicaView, RequestView
 
-__all__ = ["ParsedRequest", "Prompt", "Routing", "Try", "Outcome", "RequestContext", "CHAT", "COMPLETIONS"]
+__all__ = ["ParsedRequest", "Prompt", "Routing", "Try", "Outcome", "RequestContext", "CHAT", "COMPLETIONS",
+           "RESPONSES"]
 
 CHAT = "chat"
 COMPLETIONS = "completions"
+RESPONSES = "responses"  # OpenAI's Responses API, rendered by the engine as a chat (gateway.responses_api)
 
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
     """A validated OpenAI request: what tokenization and the rewrite need (gateway.parse)."""
 
-    kind: str  # CHAT | COMPLETIONS
+    kind: str  # CHAT | COMPLETIONS | RESPONSES
     model: str  # the model name the client asked for
     stream: bool  # SSE response
     client_wants_usage: bool  # stream_options.include_usage was set by the client
-    max_tokens: int  # max_tokens / max_completion_tokens; 0 when not given
-    messages: list | None = None  # chat: the messages
+    max_tokens: int  # max_tokens / max_completion_tokens / max_output_tokens; 0 when not given
+    messages: list | None = None  # chat: the messages (responses: the chat messages the engine renders)
     add_generation_prompt: bool = True  # chat template option (vLLM default True)
     continue_final_message: bool = False  # chat template option
     chat_template_kwargs: dict | None = None  # extra template variables
@@ -99,7 +101,7 @@ class RequestContext:
 
     request_id: str  # the client's X-Request-Id when sane, else our own
     route: str  # the API path, e.g. "/v1/chat/completions"
-    kind: str  # CHAT | COMPLETIONS; an engine route's path without "/" (gateway.engine_routes)
+    kind: str  # CHAT | COMPLETIONS | RESPONSES; an engine route's path without "/" (gateway.engine_routes)
     headers: Mapping[str, str]  # the client's request headers
     t0: float  # perf_counter at arrival
     identity: Identity | None = None  # who asked (authenticate)

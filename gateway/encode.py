@@ -13,24 +13,26 @@ from __future__ import annotations
 
 import time
 
-from gateway.context import CHAT, ParsedRequest, Prompt
+from gateway.context import CHAT, RESPONSES, ParsedRequest, Prompt
 from gateway.errors import ApiError
 from gateway.parse import chat_chars, check_context_length
 from gateway.tokenization import TokenizationError, TokenizerService
 
 __all__ = ["tokenize"]
 
+_ERROR_PARAM = {CHAT: "messages", RESPONSES: "input"}  # the field a tokenization error names (else "prompt")
+
 
 async def tokenize(tok: TokenizerService, req: ParsedRequest, *, inline_max_chars: int,
                    max_model_len: int | None) -> Prompt:
     t0 = time.perf_counter()
     try:
-        if req.kind == CHAT:
+        if req.messages is not None:  # chat, and the Responses API rendered as one
             prompts = [await _chat(tok, req, inline_max_chars)]
         else:
             prompts = [await _prompt(tok, p, inline_max_chars, batch=len(req.prompts) > 1) for p in req.prompts]
     except TokenizationError as exc:
-        raise ApiError(400, f"invalid input: {exc}", param="messages" if req.kind == CHAT else "prompt",
+        raise ApiError(400, f"invalid input: {exc}", param=_ERROR_PARAM.get(req.kind, "prompt"),
                        code="invalid_prompt") from None
     n_tokens = max(len(p) for p in prompts)
     check_context_length(req.kind, n_tokens, req.max_tokens, max_model_len)

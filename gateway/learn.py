@@ -52,9 +52,11 @@ def usage_numbers(usage: Mapping[str, Any] | None) -> tuple[int | None, int | No
     """(prompt_tokens, completion_tokens, cached_tokens) from a usage object; None when absent."""
     if not isinstance(usage, Mapping):
         return None, None, None
-    details = usage.get("prompt_tokens_details")
+    if "input_tokens" in usage:  # the Responses API's names
+        details, pt, ct = usage.get("input_tokens_details"), usage.get("input_tokens"), usage.get("output_tokens")
+    else:
+        details, pt, ct = usage.get("prompt_tokens_details"), usage.get("prompt_tokens"), usage.get("completion_tokens")
     cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
     return (_int(pt), _int(ct), _int(cached))
 
 

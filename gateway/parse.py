@@ -14,8 +14,9 @@ from typing import Collection
 
 import msgspec
 
-from gateway.context import CHAT, COMPLETIONS, ParsedRequest
+from gateway.context import CHAT, COMPLETIONS, RESPONSES, ParsedRequest
 from gateway.errors import ApiError
+from gateway.responses_api import parse_responses
 
 __all__ = ["parse_body", "check_model", "parse_request", "check_context_length", "chat_chars"]
 
@@ -57,6 +58,8 @@ def check_model(payload: dict, served: Collection[str], known: bool) -> str:
 
 def parse_request(kind: str, payload: dict, model: str) -> ParsedRequest:
     """Validate the fields the gateway reads; see the module rule."""
+    if kind == RESPONSES:
+        return parse_responses(payload, model)
     stream = payload.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream", code="invalid_type")
@@ -121,9 +124,12 @@ def _parse_prompts(payload: dict) -> list:
                    param="prompt", code="invalid_type")
 
 
+_PROMPT_FIELD = {CHAT: "messages", COMPLETIONS: "prompt", RESPONSES: "input"}  # where a kind's prompt is
+
+
 def check_context_length(kind: str, n_tokens: int, max_tokens: int, max_model_len: int | None) -> None:
     """Refuse an empty prompt, and one that (with max_tokens) does not fit the model's context."""
-    where = "messages" if kind == CHAT else "prompt"
+    where = _PROMPT_FIELD[kind]
     if n_tokens == 0:
         raise ApiError(400, "the prompt is empty", param=where, code="invalid_prompt")
     if max_model_len is None:

@@ -63,7 +63,7 @@ __all__ = ["Pipeline", "ROUTES", "outcome_of"]
 log = logging.getLogger("warmroute.gateway")
 access_log = logging.getLogger("warmroute.gateway.access")
 
-ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}  # API path -> request kind
+ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}  # path -> kind
 Answer = Callable[[RequestContext, bytes, FrontResponse], Awaitable[int]]  # serves a request; the client's status
 
 

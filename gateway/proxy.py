@@ -14,7 +14,9 @@ Rules:
   lazily re-armed watchdog per stream, not a timer per chunk), and a failure then ends the
   client's stream with an OpenAI-style error event. The relay notes the first event's time, counts content events for the
   decode rate, and takes `usage` from the chunk that carries it, dropping that chunk when the
-  client did not ask for usage (the gateway asks for it upstream for its own accounting).
+  client did not ask for usage (the gateway asks for it upstream for its own accounting). A
+  Responses API stream (named events, no [DONE]) is told by its first event: its deltas are the
+  content, its last event the end and the usage, and nothing is dropped.
 `SseRelay` is pure (bytes in, bytes out); the I/O lives in `attempt()` and the server's loop.
 """
 from __future__ import annotations
@@ -74,7 +76,7 @@ class SseRelay:
     """Splits upstream bytes into SSE events and decides what the client gets (pure)."""
 
     __slots__ = ("client_wants_usage", "_buf", "usage", "content_events", "t_first_event", "t_last_event",
-                 "done", "clock")
+                 "done", "clock", "_responses", "_held")
 
     def __init__(self, client_wants_usage: bool, clock=time.perf_counter) -> None:
         self.client_wants_usage = client_wants_usage  # False: strip the usage-only chunk
@@ -83,8 +85,10 @@ class SseRelay:
         self.content_events = 0  # data events other than usage-only and [DONE]
         self.t_first_event = 0.0  # clock() at the first content event
         self.t_last_event = 0.0  # clock() at the last content event
-        self.done = False  # saw data: [DONE]
+        self.done = False  # saw data: [DONE] (the Responses API: its last event)
         self.clock = clock
+        self._responses: bool | None = None  # a Responses API stream (named events); None: not seen yet
+        self._held = b""  # a response's events before its first token (module rules)
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to send to the client for this chunk (complete events only; may be b"")."""
@@ -94,6 +98,10 @@ class SseRelay:
             self._buf = buf
             return b""
         complete, self._buf = buf[: end + 2], buf[end + 2:]
+        if self._responses is None:
+            self._responses = complete.startswith(b"event: response.")
+        if self._responses:
+            return self._response_events(complete)
         # Fast path: nothing that needs looking at (no usage object, no [DONE]) -> pass through.
         if b'"prompt_tokens"' not in complete and _DONE not in complete:
             n = complete.count(_SEP)
@@ -135,10 +143,46 @@ class SseRelay:
         self._count(1)
         return ev + _SEP
 
+    def _response_events(self, complete: bytes) -> bytes:
+        """A Responses API stream: `event: <type>` then `data: <json>`; a `*.delta` event is content,
+        the last event (completed, incomplete, failed) carries the usage and ends it. The events
+        before the first content (created, in_progress) are held and go with it, so the first bytes
+        out are the first token's, as for chat (`attempt` and the TTFT count from them)."""
+        for ev in complete.split(_SEP):
+            if not ev.startswith(b"event: "):
+                continue
+            name = ev[7: ev.find(b"\n")]
+            if name.endswith(b".delta"):
+                self._count(1)
+            elif name in _RESPONSE_ENDS:
+                self.done = True
+                self.usage = _response_usage(ev)
+        if self.content_events == 0 and not self.done:
+            self._held += complete
+            return b""
+        if self._held:
+            complete, self._held = self._held + complete, b""
+        return complete
+
     def tail(self) -> bytes:
         """Whatever incomplete bytes remain at EOF (forwarded as is)."""
-        rest, self._buf = self._buf, b""
+        rest, self._buf, self._held = self._held + self._buf, b"", b""
         return rest
+
+
+_RESPONSE_ENDS = (b"response.completed", b"response.incomplete", b"response.failed")
+
+
+def _response_usage(ev: bytes) -> dict | None:
+    """The usage in a Responses API stream's last event (`data: {"response": {..., "usage": ...}}`)."""
+    start = ev.find(b"\ndata:")
+    try:
+        obj = _json_decode(ev[start + 6:]) if start >= 0 else None
+    except msgspec.DecodeError:
+        return None
+    resp = obj.get("response") if isinstance(obj, dict) else None
+    usage = resp.get("usage") if isinstance(resp, dict) else None
+    return usage if isinstance(usage, dict) else None
 
 
 async def attempt(pool: UpstreamPool, base_url: str, path: str, body: bytes, headers: dict[str, str], *,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway.context import ParsedRequest
+from gateway.context import RESPONSES, ParsedRequest
 
 __all__ = ["upstream_body", "refuses_priority", "without_priority", "PRIORITY_RETRY_S", "PriorityRefusals"]
 
@@ -34,7 +34,7 @@ def upstream_body(payload: dict, req: ParsedRequest, *, salt: str, model_name: s
     payload.pop("priority", None)
     if engine_priority is not None:
         payload["priority"] = engine_priority
-    if req.stream and force_include_usage:
+    if req.stream and force_include_usage and req.kind != RESPONSES:  # a response's usage is always in it
         so = payload.get("stream_options")
         payload["stream_options"] = {**(so or {}), "include_usage": True}
     if kv_cache_report_mode:

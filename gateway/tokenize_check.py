@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from gateway.context import CHAT, ParsedRequest
+from gateway.context import ParsedRequest
 
 __all__ = ["DriftCheck", "TokenizeChecker", "Verdict", "compare", "tokenize_body"]
 
@@ -71,8 +71,8 @@ def tokenize_body(req: ParsedRequest, payload: dict, model: str | None) -> dict 
     ast = payload.get("add_special_tokens")
     ast = ast if isinstance(ast, bool) else None
     body: dict = {"model": model} if model else {}
-    if req.kind == CHAT:
-        body.update(messages=payload.get("messages"), add_generation_prompt=req.add_generation_prompt,
+    if req.messages is not None:  # chat, and the Responses API rendered as one
+        body.update(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
                     continue_final_message=req.continue_final_message,
                     add_special_tokens=False if ast is None else ast)
         if req.chat_template_kwargs:

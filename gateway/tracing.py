@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from opentelemetry.trace import SpanKind, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from gateway.context import CHAT, RequestContext, Routing
+from gateway.context import COMPLETIONS, RequestContext, Routing
 from gateway.learn import Lesson
 
 __all__ = ["Tracing", "NoSpan", "NO_SPAN", "RequestSpan"]
@@ -135,7 +135,7 @@ class Tracing:
     def request_span(self, ctx: RequestContext, model: str) -> NoSpan | RequestSpan:
         if self._tracer is None:
             return NO_SPAN
-        op = "chat" if ctx.kind == CHAT else "text_completion"
+        op = "text_completion" if ctx.kind == COMPLETIONS else "chat"  # the Responses API is a chat
         span = self._tracer.start_span(f"{op} {model}", context=self._propagator.extract(ctx.headers),
                                        kind=SpanKind.SERVER, attributes={
                                            "gen_ai.operation.name": op, "gen_ai.request.model": model,

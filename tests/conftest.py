@@ -14,6 +14,8 @@ import pytest
 
 from loadtests.ports import free_port  # noqa: F401  (tests import it from here)
 from loadtests.processes import stop_processes
+from loadtests.sim.server import SimConfig, start_sim_server
+from replica_agent.agent import AgentConfig, start_agent
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
@@ -50,6 +52,25 @@ async def serve_chat(before=None):
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
     return await serve_app(app, shutdown_timeout=0.1)
+
+
+@contextlib.asynccontextmanager
+async def sims_with_agents(n: int, feed, model: str):
+    """`n` simulated replicas `r0`.. publishing KV events over ZMQ, each with its agent writing to
+    `feed` (a replica_agent.feed); all closed on leaving."""
+    sims, agents = [], []
+    try:
+        for i in range(n):
+            port = free_port()
+            sims.append(await start_sim_server(SimConfig(model=model, kv_events_endpoint=f"tcp://*:{port}")))
+            agents.append(await start_agent(AgentConfig(replica_id=f"r{i}", kv_events_endpoint=f"tcp://127.0.0.1:{port}",
+                                                         engine_url=sims[-1].url, load_interval_s=0.2), feed))
+        yield sims
+    finally:
+        for a in agents:
+            await a.close()
+        for s in sims:
+            await s.close()
 
 
 @pytest.fixture(scope="session")

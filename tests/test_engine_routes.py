@@ -145,9 +145,9 @@ async def test_bad_requests_get_openai_errors_and_disturb_nothing(env, case, sta
 
 async def test_unknown_route_names_the_served_ones(env):
     g, s, _ = env
-    st, body, _ = await _call(s, g.url, "/v1/responses", {"model": MODEL, "input": "hi"})
+    st, body, _ = await _call(s, g.url, "/v1/embeddings", {"model": MODEL, "input": "hi"})
     _assert_error(st, body, 404, "unknown_route")
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize"):
         assert path in body["error"]["message"]
 
 

@@ -29,9 +29,8 @@ from gateway.epp.picker import PipelinePicker, endpoint_of
 from gateway.epp.server import EppServer
 from gateway.server import Gateway
 from loadtests.sim.server import SimConfig, start_sim_server
-from replica_agent.agent import AgentConfig, start_agent
 from replica_agent.feed import open_feed
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, sims_with_agents
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 MODEL = "warmroute-sim"
@@ -46,40 +45,30 @@ async def stack(tok, tmp_path_factory):
     (d / "keys.yaml").write_text("".join(f"{t}: [{k}]\n" for t, k in KEYS.items()))
     (d / "salt").write_text("epp-salt-secret\n")
     feed = open_feed(f"memory://epp-{uuid.uuid4().hex[:6]}")
-    sims, agents = [], []
-    for i in range(2):
-        p = free_port()
-        sim = await start_sim_server(SimConfig(model=MODEL, kv_events_endpoint=f"tcp://*:{p}"))
-        sims.append(sim)
-        agents.append(await start_agent(AgentConfig(replica_id=f"r{i}", kv_events_endpoint=f"tcp://127.0.0.1:{p}",
-                                                     engine_url=sim.url, load_interval_s=0.2), feed))
-    cfg = config_from_dict({
-        "server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
-        "membership": {"replicas": [f"r{i}={s.url}" for i, s in enumerate(sims)], "health_interval_s": 0.2},
-        "auth": {"api_keys_file": str(d / "keys.yaml")}, "salt": {"secret_file": str(d / "salt")},
-        "feed": {"url": "memory://unused"},
-    }, env={})
-    gw = Gateway(cfg, feed=feed, tokenizer=tok, api_port=False)
-    await gw.start()
-    epp = EppServer(PipelinePicker(gw), host="127.0.0.1", port=0)
-    picker_port = await epp.start()
-    await epp.set_ready(True)
-    envoy = EnvoyProcess(bootstrap(EnvoyOptions(0, 0, ("127.0.0.1", picker_port),
-                                                [("127.0.0.1", s.port) for s in sims])), 0)
-    await asyncio.to_thread(envoy.start)
-    port = envoy.listen_port
-    for _ in range(100):
-        if all(gw.index.is_live(f"r{i}") for i in range(2)):
-            break
-        await asyncio.sleep(0.05)
-    yield {"gw": gw, "sims": sims, "url": f"http://127.0.0.1:{port}/v1", "epp": epp}
-    await asyncio.to_thread(envoy.stop)
-    await epp.stop(1)
-    await gw.close()
-    for a in agents:
-        await a.close()
-    for s in sims:
-        await s.close()
+    async with sims_with_agents(2, feed, MODEL) as sims:
+        cfg = config_from_dict({
+            "server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
+            "membership": {"replicas": [f"r{i}={s.url}" for i, s in enumerate(sims)], "health_interval_s": 0.2},
+            "auth": {"api_keys_file": str(d / "keys.yaml")}, "salt": {"secret_file": str(d / "salt")},
+            "feed": {"url": "memory://unused"},
+        }, env={})
+        gw = Gateway(cfg, feed=feed, tokenizer=tok, api_port=False)
+        await gw.start()
+        epp = EppServer(PipelinePicker(gw), host="127.0.0.1", port=0)
+        picker_port = await epp.start()
+        await epp.set_ready(True)
+        envoy = EnvoyProcess(bootstrap(EnvoyOptions(0, 0, ("127.0.0.1", picker_port),
+                                                    [("127.0.0.1", s.port) for s in sims])), 0)
+        await asyncio.to_thread(envoy.start)
+        port = envoy.listen_port
+        for _ in range(100):
+            if all(gw.index.is_live(f"r{i}") for i in range(2)):
+                break
+            await asyncio.sleep(0.05)
+        yield {"gw": gw, "sims": sims, "url": f"http://127.0.0.1:{port}/v1", "epp": epp}
+        await asyncio.to_thread(envoy.stop)
+        await epp.stop(1)
+        await gw.close()
 
 
 def _client(stack, key: str) -> openai.AsyncOpenAI:
@@ -259,7 +248,7 @@ async def test_the_engine_tokenizer_routes_pass_through_envoy(stack):
         assert r.status_code == 200 and "count me, ünïcödé" in r.json()["prompt"], r.text
         r = await h.post(base + "/tokenize", json=body)
         assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
-        r = await h.post(base + "/v1/responses", headers=auth, json={"model": MODEL, "input": "hi"})
+        r = await h.post(base + "/v1/embeddings", headers=auth, json={"model": MODEL, "input": "hi"})
         assert r.status_code == 404 and "/tokenize" in r.json()["error"]["message"]
     gw = stack["gw"]
     picker = PipelinePicker(gw)
@@ -273,3 +262,24 @@ async def test_the_engine_tokenizer_routes_pass_through_envoy(stack):
     assert not gw.membership.available(primary)
     gw.membership.get(primary).ejected_until = 0.0  # let the other tests use it again
     gw.membership.report_success(primary)
+
+
+async def test_the_responses_api_streams_through_envoy_warm_where_it_lives(stack):
+    """/v1/responses behind Envoy: the picker renders it as the engine does (a repeat is predicted
+    exactly and served warm) and reads its usage and end from the stream's named events."""
+    gw = stack["gw"]
+    client = _client(stack, KEYS["tenant-a"])
+    body = {"model": MODEL, "instructions": "responses via envoy " + DOC, "input": "Which section?",
+            "max_output_tokens": 3}
+    first = await client.responses.create(**body)
+    await _until_indexed(gw, first.usage.input_tokens // 16)
+    stream = await client.responses.create(**body, stream=True)
+    events = [e async for e in stream]
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    usage = events[-1].response.usage
+    assert usage.input_tokens == first.usage.input_tokens
+    assert usage.input_tokens_details.cached_tokens == (usage.input_tokens - 1) // 16 * 16
+    async with httpx.AsyncClient(timeout=10) as h:
+        text = (await h.get(gw.admin_url + "/metrics")).text
+    assert 'route="/v1/responses",status="200"' in text
+    assert any(ln.startswith("warmroute_gateway_index_accuracy_ratio") and ln.endswith(" 1.0") for ln in text.splitlines())

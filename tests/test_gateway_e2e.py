@@ -19,7 +19,7 @@ from gateway.salt import derive_salt
 from gateway.server import start_gateway
 from loadtests.sim.scheduler import TimeModel
 from loadtests.sim.server import SimConfig, start_sim_server
-from tests.conftest import serve_app, serve_chat
+from tests.conftest import serve_app, serve_chat, sims_with_agents
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -594,19 +594,10 @@ async def test_embedded_agents_feed_drive_cache_aware_routing(tok):
     """Sims publish KV events, agents translate them into the in-process feed, the gateway's index
     follows it: repeats of a document go to the replica holding it, and the engine's cached tokens
     equal the index's prediction (accuracy 1.0)."""
-    from replica_agent.agent import AgentConfig, start_agent
     from replica_agent.feed import open_feed
-    from tests.conftest import free_port
 
     feed = open_feed("memory://e2e-agents")
-    sims_, agents = [], []
-    try:
-        for i in range(2):
-            p = free_port()
-            sim = await start_sim_server(SimConfig(model=MODEL, kv_events_endpoint=f"tcp://*:{p}"))
-            sims_.append(sim)
-            agents.append(await start_agent(AgentConfig(replica_id=f"r{i}", kv_events_endpoint=f"tcp://127.0.0.1:{p}",
-                                                         engine_url=sim.url, load_interval_s=0.2), feed))
+    async with sims_with_agents(2, feed, MODEL) as sims_:
         g = await start_gateway(_cfg([f"r{i}={s.url}" for i, s in enumerate(sims_)]), feed=feed, tokenizer=tok)
         try:
             for _ in range(100):
@@ -632,8 +623,3 @@ async def test_embedded_agents_feed_drive_cache_aware_routing(tok):
             assert f'warmroute_gateway_replica_index_live{{replica="{first}"}} 1.0' in text
         finally:
             await g.close()
-    finally:
-        for a in agents:
-            await a.close()
-        for s_ in sims_:
-            await s_.close()

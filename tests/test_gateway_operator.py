@@ -97,7 +97,7 @@ async def authed(sim, tok, tmp_path_factory):
 async def test_admin_port_answers_json_everywhere(authed):
     async with aiohttp.ClientSession() as s:
         async with s.get(authed.admin_url + "/") as r:
-            assert r.status == 200 and "POST /debug/route?kind=chat|completions&tenant=ID" in (await r.json())["endpoints"]
+            assert r.status == 200 and "POST /debug/route?kind=chat|completions|responses&tenant=ID" in (await r.json())["endpoints"]
         async with s.get(authed.admin_url + "/debug/route") as r:
             doc = await r.json()
             assert r.status == 405 and r.headers["Allow"] == "POST" and doc["error"]["code"] == "method_not_allowed"

@@ -66,6 +66,9 @@ def validate_cache_salt(salt: Any) -> str | None:
     return salt
 
 
+_TEXT_PARTS = ("text", "input_text", "output_text")  # part types vLLM reads as text
+
+
 def chat_messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if msgs is None:
@@ -80,7 +83,7 @@ def chat_messages(body: dict) -> list[dict]:
         if isinstance(content, list):  # OpenAI content parts: text parts joined as vLLM's "string" format does
             texts = []
             for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
                     raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
                 texts.append(part["text"])
             m = {**m, "content": "\n".join(texts)}

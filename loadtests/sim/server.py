@@ -11,7 +11,7 @@ modelled time), then publish the step's KV events and wake the streams whose req
 `lateness_s = t_end - deadline` measures how far the real clock fell behind the model (timer
 slack, a CPU-saturated process); `/sim/stats` and `/metrics` expose it.
 
-Routes: POST /v1/completions, /v1/chat/completions (stream or not), /tokenize, /detokenize,
+Routes: POST /v1/completions, /v1/chat/completions, /v1/responses (stream or not; responses.py), /tokenize, /detokenize,
 /v1/completions/render, /v1/chat/completions/render, /reset_prefix_cache; GET /health,
 /v1/models, /metrics, /kv_event_sources, /version; admin POST /sim/fault, GET /sim/stats, GET
 /sim/trace (per-request and per-step timelines, when started with `trace`). Anything
@@ -46,6 +46,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from loadtests.sim import responses
 from loadtests.sim.config import SimConfig, config_from_args
 from loadtests.sim.kv_events import KVEventPublisher
 from loadtests.sim.metrics import SimMetrics
@@ -322,6 +323,7 @@ class SimServer:
         r = app.router
         r.add_post("/v1/completions", self.h_completions)
         r.add_post("/v1/chat/completions", self.h_chat)
+        r.add_post("/v1/responses", self.h_responses)
         r.add_post("/tokenize", self.h_tokenize)
         r.add_post("/detokenize", self.h_detokenize)
         r.add_post("/v1/completions/render", self.h_render_completions)
@@ -378,13 +380,23 @@ class SimServer:
         n = len(ft)
         return "".join(ft[k % n] for k in range(start, end))
 
+    async def h_responses(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        rid = f"resp_{uuid.uuid4().hex}"
+        p, req, st = await self._admit(request, responses.chat_body(body), True, rid)
+        return await responses.answer(self, request, body, p, req, st)
+
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
-        p = await self.requests.parse(body, chat)
-        loop = asyncio.get_running_loop()
-        self._req_counter += 1
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        st = _Stream(loop.time())
+        p, req, st = await self._admit(request, body, chat, rid)
+        return await self.stream_answer(request, chat, p, req, st)
+
+    async def _admit(self, request: web.Request, body: dict, chat: bool, rid: str) -> tuple[Any, SimRequest, "_Stream"]:
+        """Parse a generation body, and queue its request in the engine."""
+        p = await self.requests.parse(body, chat)
+        self._req_counter += 1
+        st = _Stream(asyncio.get_running_loop().time())
         lora = body.get("model") if body.get("model") in self.cfg.lora_modules else None
         req = SimRequest(rid, p.prompt_ids, p.max_tokens, cache_salt=p.cache_salt, report_full_hits=p.report_full, arrival_s=st.t_arrival,
                          priority=p.priority, user=st, lora=lora)
@@ -398,9 +410,13 @@ class SimServer:
         except ValueError as e:
             raise BadRequest(str(e), "max_tokens") from None
         self._notify()
-        created = int(time.time())
-        model = lora or self.cfg.model
+        return p, req, st
+
+    async def stream_answer(self, request: web.Request, chat: bool, p, req: SimRequest, st: "_Stream") -> web.StreamResponse:
+        """A chat or completions request's answer, whole or streamed, as the engine delivers its tokens."""
+        rid, created, model = req.request_id, int(time.time()), req.lora or self.cfg.model
         resp: web.StreamResponse | None = None
+        engine = self.engine
         try:
             if not p.stream:
                 while not st.done:

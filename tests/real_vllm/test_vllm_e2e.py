@@ -18,6 +18,7 @@ Figures are printed (run with -s) and recorded in README.md ("End-to-end results
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import random
 import time
 
@@ -406,6 +407,65 @@ def test_tenants_never_share_blocks(vllm_replicas, e2e_system):
     assert a3.status == 200 and a3.cached == _cap(a3.prompt_tokens), a3.usage
     print(f"\ntenancy: acme repeat cached {a2.cached}/{a2.prompt_tokens}; globex first 0; globex with acme's "
           f"salt on a prompt warm for acme everywhere: cached {b2.cached}; acme with a bogus client salt: {a3.cached}")
+
+
+def _respond(system, tenant: str, body: dict, *, stream: bool) -> tuple[dict, str, str]:
+    """(usage, request id, replica) of a Responses API request through the gateway."""
+    payload = {"model": system.model, "max_output_tokens": 4, "temperature": 0, "stream": stream, **body}
+    with httpx.stream("POST", system.url + "/v1/responses", json=payload, headers=system.headers(tenant),
+                      timeout=120) as r:
+        text = r.read().decode()
+        assert r.status_code == 200, text[:500]
+        if stream:
+            events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+            assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed", text[-300:]
+            usage = events[-1]["response"]["usage"]
+        else:
+            usage = json.loads(text)["usage"]
+        return usage, r.headers["X-Request-Id"], r.headers["X-Warmroute-Replica"]
+
+
+def test_responses_api_is_tokenized_and_predicted_as_the_engine_does(vllm_replicas, e2e_system):
+    """`/v1/responses` through the gateway (gateway.responses_api): for each shape of input the
+    gateway's token count (its decision span) equals the engine's `input_tokens`, and a repeat,
+    streamed, is predicted exactly where the engine finds it cached."""
+    system, rng = e2e_system, _fresh_rng()
+    tools = [{"type": "function", "name": "lookup", "description": "Look a clause up",
+              "parameters": {"type": "object", "properties": {"clause": {"type": "integer"}}}}]
+    bodies = [
+        ("string input with instructions", {"instructions": _text(300, rng), "input": "Summarise it."}),
+        ("items with text parts and a prior answer", {"input": [
+            {"role": "system", "content": _text(300, rng)},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "first part"},
+                                                            {"type": "input_text", "text": "second part"}]},
+            {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+             "content": [{"type": "output_text", "text": "an earlier answer", "annotations": []}]},
+            {"role": "user", "content": "and now?"}]}),
+        ("a function call, its output and tools", {"tools": tools, "input": [
+            {"role": "user", "content": _text(300, rng)},
+            {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": "{\"clause\": 3}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "clause 3: " + _text(40, rng)}]}),
+        ("a partial answer continued", {"input": [
+            {"role": "user", "content": _text(300, rng)},
+            {"type": "message", "role": "assistant", "id": "msg_2", "status": "incomplete",
+             "content": [{"type": "output_text", "text": "The answer begins", "annotations": []}]}]}),
+    ]
+    for name, body in bodies:
+        usage, request_id, _ = _respond(system, "acme", body, stream=False)
+        server = _server_span(system, request_id, timeout=30)
+        route = next(s for s in system.exporter.get_finished_spans()
+                     if s.name == "warmroute.route" and s.context.trace_id == server.context.trace_id)
+        assert route.attributes["warmroute.prompt_tokens"] == usage["input_tokens"], (name, usage)
+        usage2, request_id2, _ = _respond(system, "acme", body, stream=True)
+        cached = usage2["input_tokens_details"]["cached_tokens"]
+        try:
+            predicted = int(_server_span(system, request_id2, timeout=30).attributes["warmroute.predicted_cached_tokens"])
+        except AssertionError as e:  # say how the gateway ended it (a 499, an unfinished span...)
+            m = httpx.get(system.admin_url + "/metrics").text
+            raise AssertionError(f"{e}; its spans: {[(x.name, dict(x.attributes)) for x in system.exporter.get_finished_spans() if x.attributes.get('warmroute.request_id') == request_id2]}; "
+                                 f"{[ln for ln in m.splitlines() if 'responses' in ln and 'requests_total' in ln]}") from None
+        assert predicted == cached and cached > 0, (name, predicted, usage2)
+        print(f"\nresponses {name}: {usage['input_tokens']} tokens, repeat cached {cached} (predicted {predicted})")
 
 
 # -- 4. routing ----------------------------------------------------------------------------------
