@@ -58,8 +58,13 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
 
 
-def sse_error_event(message: str, type_: str = "upstream_error", code: str | None = "upstream_failed") -> bytes:
-    """The event that ends a stream that failed after its first byte (then `data: [DONE]`)."""
+def sse_error_event(message: str, type_: str = "upstream_error", code: str | None = "upstream_failed", *,
+                    responses: bool = False) -> bytes:
+    """The event that ends a stream that failed after its first byte (then `data: [DONE]`); in a
+    Responses API stream (`responses`), its `error` event (which has no [DONE] after it)."""
+    if responses:
+        return b"event: error\ndata: " + json.dumps({"type": "error", "code": code, "message": message, "param": None,
+                                                      "sequence_number": 0}).encode() + b"\n\n"
     return b"data: " + error_body(message, type_, None, code) + b"\n\ndata: [DONE]\n\n"
 
 

@@ -165,7 +165,7 @@ Handler = Callable[[FrontRequest, FrontResponse], Awaitable[None]]
 
 class _Conn(asyncio.Protocol):
     __slots__ = ("server", "transport", "parser", "lost", "_url", "_headers", "_header_bytes", "_body",
-                 "_body_size", "_reject", "_queue", "_task", "_writable", "_last_active", "_in_message",
+                 "_body_size", "_reject", "_queue", "_task", "_resp", "_writable", "_last_active", "_in_message",
                  "_paused_reading", "_close_after", "_msg_start", "_dropped", "_flow")
 
     def __init__(self, server: "FrontServer") -> None:
@@ -175,6 +175,7 @@ class _Conn(asyncio.Protocol):
         self.lost = False
         self._queue: collections.deque[FrontRequest] = collections.deque()
         self._task: asyncio.Task | None = None
+        self._resp: FrontResponse | None = None  # the response `_task` is writing
         self._writable: asyncio.Future | None = None  # set while the transport is paused
         self._flow = None  # (pause, resume) of a callback-driven relay (FrontResponse.on_flow)
         self._last_active = time.monotonic()
@@ -204,8 +205,10 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.lost = True
         self.server.conns.discard(self)
-        if self._task is not None and not self._task.done():
-            self._task.cancel()  # the handler turns this into cancelling the upstream request
+        if self._task is not None and not self._task.done() and not (self._resp is not None and self._resp.finished):
+            # the handler turns this into cancelling the upstream request; one whose answer went out
+            # whole (it is draining the upstream, then learns from the answer) is left to finish
+            self._task.cancel()
         w = self._writable
         if w is not None and not w.done():
             w.set_exception(ConnectionResetError("client disconnected"))
@@ -335,7 +338,7 @@ class _Conn(asyncio.Protocol):
                 resp = FrontResponse(self, _REJECT_REQ)
                 await send_error(resp, req.error)
             else:
-                resp = FrontResponse(self, req)
+                resp = self._resp = FrontResponse(self, req)
                 try:
                     await server.handler(req, resp)
                 except (asyncio.CancelledError, ConnectionResetError):
@@ -357,7 +360,7 @@ class _Conn(asyncio.Protocol):
             return
         finally:
             server.active -= 1
-            self._flow = None
+            self._flow = self._resp = None
             self._last_active = time.monotonic()
             if self.lost:
                 self._task = None

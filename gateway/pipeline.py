@@ -36,7 +36,7 @@ from typing import Awaitable, Callable, Collection, Mapping
 from gateway.adapters import AdapterLookup
 from gateway.auth import Authenticator, Identity, TenantLimiter
 from gateway.config import GatewayConfig
-from gateway.context import Outcome, RequestContext, Try
+from gateway.context import RESPONSES, Outcome, RequestContext, Try
 from gateway.dispatch import Dispatcher
 from gateway.encode import tokenize
 from gateway.errors import ApiError, sse_error_event
@@ -133,7 +133,7 @@ class Pipeline:
                 raise
             log.exception("internal error", extra={"fields": {"request_id": ctx.request_id}})
             ctx.status = 500
-            await _internal_error(resp, ctx.request_id)
+            await _internal_error(resp, ctx.request_id, responses=ctx.kind == RESPONSES)
 
     async def _answer(self, resp: FrontResponse, ctx: RequestContext, at: Attempt, up_span) -> int:
         """Relay stage for the HTTP front: send the attempt's answer, then learn from it."""
@@ -297,12 +297,13 @@ def outcome_of(tr: Try, *, ttft_s: float | None, usage, decode_step_s: float | N
                    decode_step_s)
 
 
-async def _internal_error(resp: FrontResponse, request_id: str) -> None:
+async def _internal_error(resp: FrontResponse, request_id: str, *, responses: bool = False) -> None:
     if not resp.started:
         await send_error(resp, ApiError(500, "internal error", code="internal_error"), request_id)
     elif not resp.finished:  # mid-stream: say so, don't end the body as if it were whole
         try:
-            await resp.write(sse_error_event("gateway internal error", "internal_server_error", "internal_error"))
+            await resp.write(sse_error_event("gateway internal error", "internal_server_error", "internal_error",
+                                             responses=responses))
             await resp.end()
         except ConnectionResetError:
             pass

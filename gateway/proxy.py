@@ -164,6 +164,11 @@ class SseRelay:
             complete, self._held = self._held + complete, b""
         return complete
 
+    @property
+    def responses(self) -> bool:
+        """The stream is a Responses API one (named events; its errors are `error` events)."""
+        return bool(self._responses)
+
     def tail(self) -> bytes:
         """Whatever incomplete bytes remain at EOF (forwarded as is)."""
         rest, self._buf, self._held = self._held + self._buf, b"", b""

@@ -131,7 +131,8 @@ class _Stream:
             if not self.ended:
                 await client.write(sse_error_event(f"upstream replica sent nothing for {self.idle_s:g}s"
                                                    if err is self.idle_expired
-                                                   else f"upstream replica failed mid-stream ({err.reason})"))
+                                                   else f"upstream replica failed mid-stream ({err.reason})",
+                                                   responses=self.at.relay.responses))
             await client.end()
             return err.reason
         if self.ended:
@@ -140,7 +141,9 @@ class _Stream:
         tail = self.at.relay.tail()
         if tail:
             await client.write(tail)
-        await client.write(sse_error_event("upstream stream ended without [DONE]"))
+        responses = self.at.relay.responses
+        await client.write(sse_error_event(f"upstream stream ended without {'its last event' if responses else '[DONE]'}",
+                                           responses=responses))
         await client.end()
         return "truncated"
 

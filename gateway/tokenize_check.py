@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from gateway.context import ParsedRequest
+from gateway.context import RESPONSES, ParsedRequest
 
 __all__ = ["DriftCheck", "TokenizeChecker", "Verdict", "compare", "tokenize_body"]
 
@@ -72,7 +72,8 @@ def tokenize_body(req: ParsedRequest, payload: dict, model: str | None) -> dict 
     ast = ast if isinstance(ast, bool) else None
     body: dict = {"model": model} if model else {}
     if req.messages is not None:  # chat, and the Responses API rendered as one
-        body.update(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+        messages = req.messages if req.kind != RESPONSES else [_as_chat_parts(m) for m in req.messages]
+        body.update(messages=messages, add_generation_prompt=req.add_generation_prompt,
                     continue_final_message=req.continue_final_message,
                     add_special_tokens=False if ast is None else ast)
         if req.chat_template_kwargs:
@@ -85,6 +86,16 @@ def tokenize_body(req: ParsedRequest, payload: dict, model: str | None) -> dict 
         return None
     body.update(prompt=prompt, add_special_tokens=True if ast is None else ast)
     return body
+
+
+def _as_chat_parts(msg: dict) -> dict:
+    """A Responses message with its `input_text` / `output_text` parts as chat's `text` parts:
+    `/tokenize` takes chat's part types only, and vLLM renders the three alike."""
+    content = msg.get("content")
+    if not isinstance(content, list):
+        return msg
+    return {**msg, "content": [{"type": "text", "text": p["text"]} if isinstance(p, dict) and
+                               p.get("type") in ("input_text", "output_text") else p for p in content]}
 
 
 class DriftCheck:

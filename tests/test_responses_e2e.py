@@ -6,16 +6,18 @@ share, whatever salt a client sends; what the gateway does not route is refused 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import aiohttp
 import pytest
 import pytest_asyncio
+from aiohttp import web
 
 from gateway.config import config_from_dict
 from gateway.server import start_gateway
 from replica_agent.feed import open_feed
-from tests.conftest import sims_with_agents
+from tests.conftest import serve_app, sims_with_agents
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -137,3 +139,89 @@ async def test_what_the_gateway_does_not_route_is_refused_clearly(stack):
     async with s.post(g.url + "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2},
                       headers=auth) as r:  # still serving
         assert r.status == 200 and (await r.json())["status"] == "completed"
+
+
+@contextlib.asynccontextmanager
+async def _gateway_before(tok, route: str, answer):
+    """A gateway (no auth) in front of one fake engine whose `route` is `answer` (an aiohttp handler)."""
+    async def health(request):
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post(route, answer)
+    app.router.add_get("/health", health)
+    runner, url = await serve_app(app, shutdown_timeout=0.1)
+    cfg = config_from_dict({"server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
+                            "membership": {"replicas": [f"u={url}"]}, "auth": {"enabled": False},
+                            "model": {"name": MODEL, "max_model_len": 4096}, "feed": {"url": "memory://fake"}}, env={})
+    g = await start_gateway(cfg, tokenizer=tok)
+    try:
+        yield g
+    finally:
+        await g.close()
+        await runner.cleanup()
+
+
+async def test_a_response_stream_cut_after_its_first_token_ends_with_an_error_event(tok):
+    """The engine's stream stops after a delta (no response.completed): the client's stream ends
+    with the Responses API's own `error` event, not chat's data-only one."""
+    async def responses(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for kind, extra in (("response.created", {"response": {}}), ("response.in_progress", {"response": {}}),
+                            ("response.output_text.delta", {"delta": "partial"})):
+            await resp.write(f"event: {kind}\ndata: {json.dumps({'type': kind, **extra})}\n\n".encode())
+        return resp  # ends the body without the last event
+
+    async with _gateway_before(tok, "/v1/responses", responses) as g:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(g.url + "/v1/responses", json={"model": MODEL, "input": "hi", "stream": True}) as r:
+                assert r.status == 200
+                data = await asyncio.wait_for(r.read(), 10)
+        events = [e for e in data.split(b"\n\n") if e]
+        assert [e.split(b"\n")[0] for e in events] == [b"event: response.created", b"event: response.in_progress",
+                                                       b"event: response.output_text.delta", b"event: error"]
+        err = json.loads(events[-1].split(b"data: ", 1)[1])
+        assert err["type"] == "error" and err["code"] == "upstream_failed" and "its last event" in err["message"]
+
+
+@pytest.mark.parametrize("route", ["/v1/responses", "/v1/chat/completions"])
+async def test_a_client_that_leaves_after_the_whole_answer_is_not_a_disconnect(tok, route):
+    """The answer went out whole (its last event), the client closed, and the engine's body ends a
+    moment later: the gateway counts a 200 and learns from it, not a 499 (vLLM's Responses API ends
+    its body after response.completed, not with it)."""
+    usage = {"prompt_tokens": 7, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}
+    if route == "/v1/responses":
+        events = [("response.created", {"response": {}}), ("response.output_text.delta", {"delta": "x"}),
+                  ("response.completed", {"response": {"usage": {"input_tokens": 7, "output_tokens": 1,
+                                                                 "input_tokens_details": {"cached_tokens": 0}}}})]
+        frames = [f"event: {k}\ndata: {json.dumps({'type': k, **v})}\n\n".encode() for k, v in events]
+    else:
+        frames = [b'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n',
+                  b'data: ' + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n", b"data: [DONE]\n\n"]
+
+    async def answer(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"".join(frames))
+        await asyncio.sleep(0.5)  # the client has everything and leaves meanwhile
+        return resp
+
+    body = {"model": MODEL, "stream": True, **({"input": "hi"} if route == "/v1/responses" else
+                                                {"messages": [{"role": "user", "content": "hi"}]})}
+    async with _gateway_before(tok, route, answer) as g:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(g.url + route, json=body) as r:
+                assert r.status == 200
+                await asyncio.wait_for(r.read(), 10)
+        # the session is closed: the client left before the engine's body ended
+        async with aiohttp.ClientSession() as s:
+            for _ in range(40):
+                async with s.get(g.admin_url + "/metrics") as m:
+                    text = await m.text()
+                if f'route="{route}",status="' in text:
+                    break
+                await asyncio.sleep(0.05)
+        assert f'warmroute_gateway_requests_total{{replica="u",route="{route}",status="200"}} 1.0' in text, \
+            [ln for ln in text.splitlines() if "requests_total" in ln]
+        assert 'warmroute_gateway_prompt_tokens_total{replica="u"} 7.0' in text  # learnt from the usage

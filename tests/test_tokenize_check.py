@@ -13,7 +13,8 @@ import pytest
 
 from gateway.config import config_from_dict
 from gateway.config_rules import ConfigError
-from gateway.context import CHAT, COMPLETIONS, ParsedRequest
+from gateway.context import CHAT, COMPLETIONS, RESPONSES, ParsedRequest
+from gateway.parse import parse_request
 from gateway.server import start_gateway
 from gateway.tokenization import TokenizerService
 from gateway.tokenize_check import DriftCheck, Verdict, compare, tokenize_body
@@ -52,6 +53,22 @@ def test_tokenize_body_chat():
                     "add_special_tokens": True, "chat_template_kwargs": {"x": 1}, "tools": tools}
     # Only what /tokenize takes: no salt, no sampling options, no stream flag.
     assert not {"cache_salt", "stream", "max_tokens"} & body.keys()
+
+
+def test_tokenize_body_responses_is_the_rendered_chat_with_chats_part_types():
+    payload = {"model": MODEL, "instructions": "be brief", "tools": [{"type": "function", "name": "f"}],
+               "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                                        {"type": "input_image", "image_url": "u"}]},
+                         {"role": "assistant", "content": [{"type": "output_text", "text": "b"}], "status": "incomplete"}]}
+    req = parse_request(RESPONSES, payload, MODEL)
+    body = tokenize_body(req, payload, MODEL)
+    assert body["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"type": "message", "role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_image", "image_url": "u"}]},
+        {"role": "assistant", "content": "b"}]  # /tokenize refuses input_text parts; vLLM renders them as text
+    assert (body["add_generation_prompt"], body["continue_final_message"]) == (False, True)
+    assert body["tools"] == [{"type": "function", "function": {"name": "f", "description": None, "parameters": None}}]
+    assert payload["input"][0]["content"][0]["type"] == "input_text"  # the client's body is untouched
 
 
 def test_tokenize_body_completions():

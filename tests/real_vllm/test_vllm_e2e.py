@@ -450,22 +450,52 @@ def test_responses_api_is_tokenized_and_predicted_as_the_engine_does(vllm_replic
             {"type": "message", "role": "assistant", "id": "msg_2", "status": "incomplete",
              "content": [{"type": "output_text", "text": "The answer begins", "annotations": []}]}]}),
     ]
-    for name, body in bodies:
-        usage, request_id, _ = _respond(system, "acme", body, stream=False)
-        server = _server_span(system, request_id, timeout=30)
-        route = next(s for s in system.exporter.get_finished_spans()
-                     if s.name == "warmroute.route" and s.context.trace_id == server.context.trace_id)
-        assert route.attributes["warmroute.prompt_tokens"] == usage["input_tokens"], (name, usage)
-        usage2, request_id2, _ = _respond(system, "acme", body, stream=True)
-        cached = usage2["input_tokens_details"]["cached_tokens"]
-        try:
-            predicted = int(_server_span(system, request_id2, timeout=30).attributes["warmroute.predicted_cached_tokens"])
-        except AssertionError as e:  # say how the gateway ended it (a 499, an unfinished span...)
-            m = httpx.get(system.admin_url + "/metrics").text
-            raise AssertionError(f"{e}; its spans: {[(x.name, dict(x.attributes)) for x in system.exporter.get_finished_spans() if x.attributes.get('warmroute.request_id') == request_id2]}; "
-                                 f"{[ln for ln in m.splitlines() if 'responses' in ln and 'requests_total' in ln]}") from None
-        assert predicted == cached and cached > 0, (name, predicted, usage2)
-        print(f"\nresponses {name}: {usage['input_tokens']} tokens, repeat cached {cached} (predicted {predicted})")
+    gw = system.gateway
+    checks, drift = gw.metrics.tokenize_checks, gw.tokenize_checker.drift
+
+    def checked(result: str) -> float:
+        return sum(checks.labels(r.name, result)._value.get() for r in vllm_replicas)
+
+    deadline = time.monotonic() + 60
+    while drift.describe()["checking"]:  # an earlier test's check still in flight
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    matched, interval, drift.interval_s = checked("match"), drift.interval_s, 1e-6  # check every answer
+    for r in vllm_replicas:
+        drift.forget(r.name)
+    try:
+        for name, body in bodies:
+            _responses_exact(system, name, body)
+            deadline = time.monotonic() + 60
+            while drift.describe()["checking"] or checked("match") + checked("mismatch") + checked("error") == matched:
+                assert time.monotonic() < deadline, f"no tokenize check after {name}"
+                time.sleep(0.05)
+            # the engine's own /tokenize of the rendered chat agrees with what the gateway routed on
+            assert drift.mismatched == {} and checked("error") == 0, (name, drift.mismatched)
+            matched = checked("match")
+    finally:
+        drift.interval_s = interval
+
+
+def _responses_exact(system, name: str, body: dict) -> None:
+    """One body, answered whole then streamed: token count, then prediction, exact."""
+    usage, request_id, _ = _respond(system, "acme", body, stream=False)
+    server = _server_span(system, request_id, timeout=30)
+    route = next(s for s in system.exporter.get_finished_spans()
+                 if s.name == "warmroute.route" and s.context.trace_id == server.context.trace_id)
+    assert route.attributes["warmroute.prompt_tokens"] == usage["input_tokens"], (name, usage)
+    usage2, request_id2, _ = _respond(system, "acme", body, stream=True)
+    cached = usage2["input_tokens_details"]["cached_tokens"]
+    try:
+        predicted = int(_server_span(system, request_id2, timeout=30).attributes["warmroute.predicted_cached_tokens"])
+    except AssertionError as e:  # say how the gateway ended it (a 499, an unfinished span...)
+        m = httpx.get(system.admin_url + "/metrics").text
+        spans = [(x.name, dict(x.attributes)) for x in system.exporter.get_finished_spans()
+                 if x.attributes.get("warmroute.request_id") == request_id2]
+        counts = [ln for ln in m.splitlines() if "responses" in ln and "requests_total" in ln]
+        raise AssertionError(f"{e}; its spans: {spans}; {counts}") from None
+    assert predicted == cached and cached > 0, (name, predicted, usage2)
+    print(f"\nresponses {name}: {usage['input_tokens']} tokens, repeat cached {cached} (predicted {predicted})")
 
 
 # -- 4. routing ----------------------------------------------------------------------------------
