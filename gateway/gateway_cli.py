@@ -10,9 +10,10 @@ from policies.registry import POLICY_NAMES
 
 DESCRIPTION = """\
 Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models) and vLLM's
-/tokenize and /detokenize in front of several vLLM replicas, and an admin port (/metrics /healthz /readyz /debug/route /debug/index). Settings come
-from a YAML config (--config), then WARMROUTE_<SECTION>__<FIELD> environment variables, then these
-flags; the repository's gateway/gateway.yaml is a commented example of every section."""
+/tokenize and /detokenize in front of several vLLM replicas, and an admin port (/metrics /healthz
+/readyz /debug/route /debug/index). Settings come from a YAML config (--config), then
+WARMROUTE_<SECTION>__<FIELD> environment variables, then these flags; the repository's
+gateway/gateway.yaml is a commented example of every section."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

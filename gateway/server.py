@@ -34,6 +34,7 @@ from gateway.background import (discover_model, flush_inflight, keep_alive_check
                                 run_model_discovery, run_share_exchange, trouble)
 from gateway.config import GatewayConfig, check_files
 from gateway.dispatch import Dispatcher
+from gateway.engine_routes import ENGINE_ROUTES, EngineRoutes
 from gateway.errors import ApiError
 from gateway.flow import FlowControl
 from gateway.http_front import FrontRequest, FrontResponse, FrontServer, send_error, start_front
@@ -43,7 +44,6 @@ from gateway.keepalive import KeepAlive, Retainer
 from gateway.load import ROUTED_TAU_S, LoadTracker
 from gateway.membership import Membership, MembershipRunner
 from gateway.model import ModelInfo
-from gateway.engine_routes import ENGINE_ROUTES, EngineRoutes
 from gateway.pipeline import ROUTES, Pipeline
 from gateway.proxy import make_session
 from gateway.routing import RoutingState

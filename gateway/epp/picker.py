@@ -26,9 +26,9 @@ from urllib.parse import urlsplit
 from gateway.adapters import not_loaded
 from gateway.auth import Identity
 from gateway.dispatch import start_try
+from gateway.engine_routes import ENGINE_ROUTES
 from gateway.epp.extproc import Outcome, Pick, Reject
 from gateway.errors import ApiError
-from gateway.engine_routes import ENGINE_ROUTES
 from gateway.pipeline import ROUTES, outcome_of
 from gateway.server import API_PATHS, Gateway
 
