@@ -26,7 +26,6 @@ from gateway.dispatch import Dispatcher, exhausted
 from gateway.errors import ApiError
 from gateway.http_front import FrontRequest, FrontResponse, send_error
 from gateway.membership import ReplicaState
-from gateway.parse import parse_body
 from gateway.proxy import UpstreamFailure, attempt
 from gateway.relay import send_whole
 from gateway.tracing import NO_SPAN
@@ -40,7 +39,7 @@ class EngineRoutes:
     """Serves ENGINE_ROUTES with the pipeline's admission, counting and logging (module rules)."""
 
     def __init__(self, pipeline, dispatcher: Dispatcher) -> None:
-        self.pipeline = pipeline  # gateway.pipeline.Pipeline (its serve wrapper, model check and finish)
+        self.pipeline = pipeline  # gateway.pipeline.Pipeline (its serve wrapper, admission and finish)
         self.dispatcher = dispatcher  # its pool, membership, proxy settings and failure reports
         self._turn = itertools.count()
 
@@ -73,14 +72,7 @@ class EngineRoutes:
         """Who asks (`identity`: already established by a trusted front), for which model, within the
         tenant's limits; the replicas that serve that model (None: all)."""
         p = self.pipeline
-        ctx.identity = identity if identity is not None else p.auth.authenticate(ctx.headers)
-        ctx.payload = parse_body(raw_body)  # the front already bounded its size (413)
-        model = p.model.name if "model" not in ctx.payload else await p.served_model(ctx.payload)
-        if model is None:
-            raise ApiError(503, "the gateway does not know its model yet (no replica answered /v1/models)",
-                           code="not_ready")
-        p.auth.authorize_model(ctx.identity, model)
-        ctx.limited = p.limiter.acquire(ctx.identity.tenant_id)
+        model = await p.authorize(ctx, raw_body, identity=identity, model_optional=True)
         return p.model.replicas_for(p.model.lora_of(model))
 
     def ready(self, serving: Collection[str] | None) -> list[ReplicaState]:

@@ -192,14 +192,27 @@ class Pipeline:
 
     async def admit(self, ctx: RequestContext, raw_body: bytes, *, identity: Identity | None = None) -> None:
         """Who asks, for which model, within the tenant's limits; the trace span starts here."""
-        ctx.identity = identity if identity is not None else self.auth.authenticate(ctx.headers)
-        ctx.payload = parse_body(raw_body)  # the front already bounded its size (413)
-        model = await self.served_model(ctx.payload)
-        self.auth.authorize_model(ctx.identity, model)
-        ctx.limited = self.limiter.acquire(ctx.identity.tenant_id)
+        model = await self.authorize(ctx, raw_body, identity=identity)
         ctx.span = self.tracing.request_span(ctx, model)
 
-    async def served_model(self, payload: dict) -> str:
+    async def authorize(self, ctx: RequestContext, raw_body: bytes, *, identity: Identity | None = None,
+                        model_optional: bool = False) -> str:
+        """Who asks (`identity`: already established by a trusted front), for which model (absent and
+        `model_optional`: the base model, as vLLM's /tokenize takes it), within the tenant's limits."""
+        ctx.identity = identity if identity is not None else self.auth.authenticate(ctx.headers)
+        ctx.payload = parse_body(raw_body)  # the front already bounded its size (413)
+        if model_optional and "model" not in ctx.payload:
+            model = self.model.name
+            if model is None:
+                raise ApiError(503, "the gateway does not know its model yet (no replica answered /v1/models)",
+                               code="not_ready")
+        else:
+            model = await self._served_model(ctx.payload)
+        self.auth.authorize_model(ctx.identity, model)
+        ctx.limited = self.limiter.acquire(ctx.identity.tenant_id)
+        return model
+
+    async def _served_model(self, payload: dict) -> str:
         """The requested model, if served (gateway.parse.check_model; else an adapter looked up)."""
         try:
             return check_model(payload, self.model.served, self.model.known)

@@ -111,16 +111,11 @@ class PipelinePicker:
 
     def observe(self, ctx, outcome: Outcome) -> None:
         gw, tr = self.gw, ctx.attempt
+        served = self._served(ctx, outcome, ctx.replica if tr is None else tr.replica_id)
         if tr is None:  # an engine route: nothing in flight, nothing to learn
-            return self._observe_engine_route(ctx, outcome)
-        served = self._replica_of(outcome.served_endpoint) or tr.replica_id
+            return gw.pipeline.finish(ctx)
         tr.flight.first_token()
         tr.flight.finish()
-        if served != tr.replica_id:  # Envoy retried elsewhere: the primary refused the connection
-            gw.membership.report_failure(tr.replica_id, "connect failed (retried by the proxy)")
-            gw.metrics.child(gw.metrics.retries, "connect").inc()
-        ctx.replica = served
-        ctx.status = outcome.status or 502
         if ctx.status == 404:  # an adapter the replica listed and has unloaded since (gateway.adapters)
             not_loaded(gw.model, served, ctx.lora)
         m = gw.metrics
@@ -134,15 +129,17 @@ class PipelinePicker:
                                               decode_step_s=outcome.decode_s))
         gw.pipeline.finish(ctx)
 
-    def _observe_engine_route(self, ctx, outcome: Outcome) -> None:
-        gw, primary = self.gw, ctx.replica
+    def _served(self, ctx, outcome: Outcome, primary: str) -> str:
+        """The replica that answered, and the request's status; a primary Envoy retried away from
+        refused the connection: reported failed, as the HTTP gateway's dispatch would."""
+        gw = self.gw
         served = self._replica_of(outcome.served_endpoint) or primary
-        if served != primary:  # Envoy retried elsewhere: the primary refused the connection
+        if served != primary:
             gw.membership.report_failure(primary, "connect failed (retried by the proxy)")
             gw.metrics.child(gw.metrics.retries, "connect").inc()
         ctx.replica = served
         ctx.status = outcome.status or 502
-        gw.pipeline.finish(ctx)
+        return served
 
     def _replica_of(self, endpoint: str | None) -> str | None:
         if not endpoint:
