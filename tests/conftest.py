@@ -73,6 +73,21 @@ async def sims_with_agents(n: int, feed, model: str):
             await s.close()
 
 
+def keyed_gateway_config(d: Path, sims, keys: dict[str, str]):
+    """A gateway config in front of `sims` (replicas `r0`..), with API keys (tenant -> key) and a salt
+    secret written under `d`; its feed is the caller's (`memory://unused` here)."""
+    from gateway.config import config_from_dict
+
+    (d / "keys.yaml").write_text("".join(f"{t}: [{k}]\n" for t, k in keys.items()))
+    (d / "salt").write_text(f"salt-secret-{d.name}\n")
+    return config_from_dict({
+        "server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
+        "membership": {"replicas": [f"r{i}={s.url}" for i, s in enumerate(sims)], "health_interval_s": 0.2},
+        "auth": {"api_keys_file": str(d / "keys.yaml")}, "salt": {"secret_file": str(d / "salt")},
+        "feed": {"url": "memory://unused"},
+    }, env={})
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir() -> Path:
     """The built-in Qwen/ChatML tokenizer directory (built offline on first use)."""

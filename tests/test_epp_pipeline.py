@@ -22,7 +22,6 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.config import config_from_dict
 from gateway.epp.envoy import EnvoyOptions, EnvoyProcess, bootstrap, find_envoy
 from gateway.epp.extproc import Outcome
 from gateway.epp.picker import PipelinePicker, endpoint_of
@@ -30,7 +29,7 @@ from gateway.epp.server import EppServer
 from gateway.server import Gateway
 from loadtests.sim.server import SimConfig, start_sim_server
 from replica_agent.feed import open_feed
-from tests.conftest import REPO, free_port, sims_with_agents
+from tests.conftest import REPO, free_port, keyed_gateway_config, sims_with_agents
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 MODEL = "warmroute-sim"
@@ -41,17 +40,9 @@ DOC = " ".join(f"section {i} of the handbook that every tenant reads." for i in 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tok, tmp_path_factory):
     find_envoy()
-    d = tmp_path_factory.mktemp("epp")
-    (d / "keys.yaml").write_text("".join(f"{t}: [{k}]\n" for t, k in KEYS.items()))
-    (d / "salt").write_text("epp-salt-secret\n")
     feed = open_feed(f"memory://epp-{uuid.uuid4().hex[:6]}")
     async with sims_with_agents(2, feed, MODEL) as sims:
-        cfg = config_from_dict({
-            "server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
-            "membership": {"replicas": [f"r{i}={s.url}" for i, s in enumerate(sims)], "health_interval_s": 0.2},
-            "auth": {"api_keys_file": str(d / "keys.yaml")}, "salt": {"secret_file": str(d / "salt")},
-            "feed": {"url": "memory://unused"},
-        }, env={})
+        cfg = keyed_gateway_config(tmp_path_factory.mktemp("epp"), sims, KEYS)
         gw = Gateway(cfg, feed=feed, tokenizer=tok, api_port=False)
         await gw.start()
         epp = EppServer(PipelinePicker(gw), host="127.0.0.1", port=0)

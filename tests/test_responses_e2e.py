@@ -17,7 +17,7 @@ from aiohttp import web
 from gateway.config import config_from_dict
 from gateway.server import start_gateway
 from replica_agent.feed import open_feed
-from tests.conftest import serve_app, sims_with_agents
+from tests.conftest import keyed_gateway_config, serve_app, sims_with_agents
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -28,18 +28,10 @@ DOC = " ".join(f"clause {i} of the contract every answer cites." for i in range(
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tok, tmp_path_factory):
-    d = tmp_path_factory.mktemp("responses")
-    (d / "keys.yaml").write_text("".join(f"{t}: [{k}]\n" for t, k in KEYS.items()))
-    (d / "salt").write_text("responses-salt-secret\n")
     feed = open_feed("memory://responses-e2e")
     async with sims_with_agents(2, feed, MODEL) as sims:
-        cfg = config_from_dict({
-            "server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
-            "membership": {"replicas": [f"r{i}={s.url}" for i, s in enumerate(sims)], "health_interval_s": 0.2},
-            "auth": {"api_keys_file": str(d / "keys.yaml")}, "salt": {"secret_file": str(d / "salt")},
-            "feed": {"url": "memory://unused"},
-        }, env={})
-        g = await start_gateway(cfg, feed=feed, tokenizer=tok)
+        g = await start_gateway(keyed_gateway_config(tmp_path_factory.mktemp("responses"), sims, KEYS),
+                                feed=feed, tokenizer=tok)
         for _ in range(100):
             if all(g.gateway.index.is_live(f"r{i}") for i in range(2)):
                 break

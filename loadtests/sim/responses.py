@@ -62,7 +62,7 @@ def _event(kind: str, seq: int, **fields: Any) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + _json.encode({"type": kind, "sequence_number": seq, **fields}) + b"\n\n"
 
 
-async def answer(server, request: web.Request, body: dict, p, req, st) -> web.StreamResponse:
+async def answer(server, request: web.Request, p, req, st) -> web.StreamResponse:
     """The answer to a queued request (`server._admit`), whole or streamed, as tokens are delivered."""
     rid, model, created = req.request_id, req.lora or server.cfg.model, int(time.time())
     resp: web.StreamResponse | None = None

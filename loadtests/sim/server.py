@@ -384,7 +384,7 @@ class SimServer:
         body = await self._body(request)
         rid = f"resp_{uuid.uuid4().hex}"
         p, req, st = await self._admit(request, responses.chat_body(body), True, rid)
-        return await responses.answer(self, request, body, p, req, st)
+        return await responses.answer(self, request, p, req, st)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
