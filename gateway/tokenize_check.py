@@ -106,6 +106,7 @@ class DriftCheck:
         self._next: dict[str, float] = {}  # replica -> time (monotonic) its next check is due
         self._busy: set[str] = set()  # replicas with a check in flight
         self.mismatched: dict[str, Verdict] = {}  # replica -> its last check's mismatch, until one matches
+        self.failed: dict[str, str] = {}  # replica -> why its last check got no answer, until one does
 
     def due(self, replica_id: str, now: float) -> bool:
         """Is a check of `replica_id` due (none in flight, the interval past)?"""
@@ -121,20 +122,26 @@ class DriftCheck:
 
     def done(self, replica_id: str, verdict: Verdict) -> None:
         self._busy.discard(replica_id)
+        if verdict.result == "error":
+            self.failed[replica_id] = verdict.reason
+            return
+        self.failed.pop(replica_id, None)
         if verdict.result == "mismatch":
             self.mismatched[replica_id] = verdict
-        elif verdict.result == "match":
+        else:
             self.mismatched.pop(replica_id, None)
 
     def forget(self, replica_id: str) -> None:
         """The replica left the pool."""
         self._next.pop(replica_id, None)
         self.mismatched.pop(replica_id, None)
+        self.failed.pop(replica_id, None)
 
     def describe(self) -> dict:
         return {"interval_s": self.interval_s, "checking": sorted(self._busy),
                 "mismatched": {rid: {"engine_tokens": v.theirs, "gateway_tokens": v.ours, "first_diff": v.first_diff}
-                               for rid, v in sorted(self.mismatched.items())}}
+                               for rid, v in sorted(self.mismatched.items())},
+                "failed": dict(sorted(self.failed.items()))}
 
     def degraded(self) -> list[str]:
         return [f"replica {rid}: tokenizes differently from the gateway (its last check: {v.theirs} tokens against "

@@ -98,9 +98,10 @@ def test_drift_check_sampling():
     assert d.take("a", 220.0)
     d.done("a", Verdict("error", 5, reason="HTTP 500"))
     assert "a" in d.mismatched  # an error says nothing either way
+    assert d.failed == {"a": "HTTP 500"} and d.describe()["failed"] == {"a": "HTTP 500"}  # why, for /debug/index
     assert d.take("a", 280.0)
     d.done("a", Verdict("match", 5, 5))
-    assert d.mismatched == {} and d.degraded() == []
+    assert d.mismatched == {} and d.failed == {} and d.degraded() == []
     d.done("b", Verdict("mismatch", 1, 2, 1))
     d.forget("b")
     assert d.degraded() == [] and d.take("b", 100.5)  # a replica that comes back is checked at once
@@ -196,7 +197,7 @@ async def test_a_different_chat_template_is_reported_until_a_check_matches(token
             v = gw.tokenize_checker.drift.mismatched["r"]
             async with s.get(g.admin_url + "/debug/index") as r:
                 view = (await r.json())["tokenize_check"]
-            assert view == {"interval_s": 1e-6, "checking": [],
+            assert view == {"interval_s": 1e-6, "checking": [], "failed": {},
                             "mismatched": {"r": {"engine_tokens": v.theirs, "gateway_tokens": v.ours, "first_diff": 2}}}
             assert line.startswith("replica r: tokenizes differently from the gateway")
             assert v.first_diff == 2  # <|im_start|>, "user", then ":\n" (ours) against the engine's "\n"
@@ -247,6 +248,8 @@ async def test_a_replica_without_tokenize_counts_an_error_and_serves_on(tok):
                 await _settled(gw, _ + 1)
             async with s.get(g.admin_url + "/readyz") as r:
                 assert (await r.json())["degraded"] == []
+            async with s.get(g.admin_url + "/debug/index") as r:
+                assert (await r.json())["tokenize_check"]["failed"] == {"r": "HTTP 404"}
         assert (_checks(gw, "error"), _checks(gw, "match"), _checks(gw, "mismatch")) == (2, 0, 0)
     finally:
         await g.close()
