@@ -207,6 +207,15 @@ class KeepAliveConfig:
 
 
 @dataclass
+class ResponsesConfig:
+    # the engines store Responses (vLLM with VLLM_ENABLE_RESPONSES_API_STORE=1): previous_response_id,
+    # background and GET / cancel by id are served, each on the replica holding the response
+    store: bool = False
+    ttl_s: float = 604800.0  # a stored response's record (its replica, its turn's messages) is kept this long in the feed
+    max_turns: int = 10000  # records kept in each gateway process's memory besides (the least recently used go first)
+
+
+@dataclass
 class GatewayConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -219,6 +228,7 @@ class GatewayConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
     keep_alive: KeepAliveConfig = field(default_factory=KeepAliveConfig)
+    responses: ResponsesConfig = field(default_factory=ResponsesConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -33,7 +33,7 @@ def _err(path: str, msg: str) -> ConfigError:
 def validate(cfg: GatewayConfig) -> None:
     """Checks that types alone do not catch. Raises ConfigError naming the field."""
     for check in (_check_server, _check_model, _check_membership, _check_feed, _check_policy, _check_auth,
-                  _check_proxy_and_telemetry, _check_flow, _check_keep_alive):
+                  _check_proxy_and_telemetry, _check_flow, _check_keep_alive, _check_responses):
         check(cfg)
 
 
@@ -224,6 +224,14 @@ def _check_keep_alive(cfg: GatewayConfig) -> None:
             raise _err(f"keep_alive.{name}", f"must be >= 1, got {getattr(k, name)}")
     if k.max_waiting < 0:
         raise _err("keep_alive.max_waiting", f"must be >= 0, got {k.max_waiting}")
+
+
+def _check_responses(cfg: GatewayConfig) -> None:
+    r = cfg.responses
+    if not (r.ttl_s > 0 and math.isfinite(r.ttl_s)):
+        raise _err("responses.ttl_s", f"must be a finite number > 0, got {r.ttl_s}")
+    if r.max_turns < 1:
+        raise _err("responses.max_turns", f"must be >= 1, got {r.max_turns}")
 
 
 def check_files(cfg: GatewayConfig) -> None:

@@ -38,6 +38,7 @@ class ParsedRequest:
     chat_template_kwargs: dict | None = None  # extra template variables
     tools: list | None = None  # tools rendered by the template (None when tool_choice drops them)
     prompts: list | None = None  # completions: each prompt (str or token-id list); a batch has several
+    previous_response_id: str | None = None  # responses: the stored response it follows (gateway.stored_responses)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,3 +123,4 @@ class RequestContext:
     span: Any = None  # the request's trace span (gateway.tracing; a no-op span when tracing is off)
     limited: bool = False  # a tenant limiter slot is held (released at the end)
     flow: Any = None  # the flow-control ticket (gateway.flow.Ticket; None when flow control is off)
+    response_id: str | None = None  # the id the engine stores the response under (gateway.stored_responses); None: not stored

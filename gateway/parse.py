@@ -56,10 +56,11 @@ def check_model(payload: dict, served: Collection[str], known: bool) -> str:
     return model
 
 
-def parse_request(kind: str, payload: dict, model: str) -> ParsedRequest:
-    """Validate the fields the gateway reads; see the module rule."""
+def parse_request(kind: str, payload: dict, model: str, *, stored_responses: bool = False) -> ParsedRequest:
+    """Validate the fields the gateway reads; see the module rule. `stored_responses`: the engines
+    store Responses (gateway.responses_api)."""
     if kind == RESPONSES:
-        return parse_responses(payload, model)
+        return parse_responses(payload, model, stored=stored_responses)
     stream = payload.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream", code="invalid_type")

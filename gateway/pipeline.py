@@ -3,15 +3,17 @@
     admit      authenticate (gateway.auth), parse the body and check the model (gateway.parse; a
                name not served is looked up among the replicas' adapters first: gateway.adapters),
                tenant limits, start the trace span (gateway.tracing)
-    plan       validate the request (gateway.parse), tokenize (gateway.encode), derive the salt
+    plan       validate the request (gateway.parse; a Responses follow-up gets its stored history and
+               its previous response's replica: gateway.stored_responses), tokenize (gateway.encode), derive the salt
                (gateway.salt), block keys (hashing.keys; a LoRA adapter's carry its name, and only
                the replicas that have it may be picked: gateway.model), decide (gateway.routing)
     flow       go on while a replica has room, else wait in the fair queue and decide again at
                release (gateway.flow); then the policy records the placement (`placed`: once per
                request, whatever ranked it before)
-    rewrite    the engine's body (gateway.rewrite)
+    rewrite    the engine's body (gateway.rewrite; a response the engine stores gets its id)
     dispatch   the ranked retry loop (gateway.dispatch)
-    relay      the answer to the client (gateway.relay)
+    relay      the answer to the client (gateway.relay; a stored response's record is written
+               before its first byte goes out, its answer added once whole)
     learn      rates, policy hook, index accuracy (gateway.learn); now and then the replica's own
                tokenization of the request, checked in the background (gateway.tokenize_check)
     finish     metrics, span end, logs, limiter release
@@ -51,7 +53,9 @@ from gateway.proxy import Attempt
 from gateway.relay import relay, send_whole
 from gateway.rewrite import upstream_body
 from gateway.routing import RoutingState, queued_prefill_tokens
+from gateway.responses_api import kept_messages, turn_messages, with_history
 from gateway.salt import SaltDeriver
+from gateway.stored_responses import StoredResponses, Turn, not_found
 from gateway.telemetry import Metrics
 from gateway.tokenization import TokenizerService
 from gateway.tokenize_check import TokenizeChecker
@@ -74,7 +78,7 @@ class Pipeline:
                  model: ModelInfo, tokenizer: TokenizerService, routing: RoutingState, membership: Membership,
                  policy: Policy, dispatcher: Dispatcher, metrics: Metrics, tracing: Tracing, flow: FlowControl,
                  retainer: Retainer | None = None, tokenize_checker: TokenizeChecker | None = None,
-                 adapter_lookup: AdapterLookup | None = None) -> None:
+                 adapter_lookup: AdapterLookup | None = None, stored: StoredResponses | None = None) -> None:
         self.cfg = cfg
         self.auth = auth
         self.limiter = limiter
@@ -92,6 +96,7 @@ class Pipeline:
         self.retainer = retainer  # keep-alive of the plan's long roots (gateway.keepalive); None: off
         self.tokenize_checker = tokenize_checker  # sampled /tokenize checks (gateway.tokenize_check); None: none
         self.adapter_lookup = adapter_lookup  # names not served looked up (gateway.adapters); None: discovery off
+        self.stored = stored  # stored Responses (gateway.stored_responses); None: the engines store none
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(4).hex()
 
@@ -103,11 +108,12 @@ class Pipeline:
                                                    code="method_not_allowed", headers={"Allow": "POST"}))
         await self.serve(request, resp, self._generate)
 
-    async def serve(self, request: FrontRequest, resp: FrontResponse, answer: Answer) -> None:
+    async def serve(self, request: FrontRequest, resp: FrontResponse, answer: Answer, *, route: str | None = None) -> None:
         """`answer(ctx, body, resp)`, which returns the client's status, over a new context: an
         ApiError answered in OpenAI's shape, a client gone counted 499, a bug answered 500, and
-        `finish` whatever happened (the generation routes and gateway.engine_routes)."""
-        ctx = self.new_context(request.path, request.headers)
+        `finish` whatever happened (the generation routes, gateway.engine_routes and
+        gateway.response_routes). `route`: the path's template, counted in its stead."""
+        ctx = self.new_context(route or request.path, request.headers)
         try:
             await self._serve(ctx, request.body, resp, answer)
         finally:
@@ -143,6 +149,8 @@ class Pipeline:
         up_span.set("warmroute.ttft_s", at.t_first - at.t_sent)
         up_span.set("http.response.status_code", at.status)
         headers = {"X-Request-Id": ctx.request_id, "X-Warmroute-Replica": tr.replica_id}
+        if ctx.response_id is not None and at.status == 200:
+            await self.record_response(ctx, tr.replica_id)
         if at.resp is None:
             r = await send_whole(resp, at, headers)
             ttft_s = None  # a whole answer's time is not a time to first token
@@ -154,6 +162,8 @@ class Pipeline:
                 m.child(m.upstream_errors, tr.replica_id, "stream", r.error).inc()
                 ctx.span.error(r.error)
             ttft_s = at.t_first - at.t_sent
+        if ctx.response_id is not None and r.final is not None:
+            self.stored.answered(ctx.response_id, r.final)
         if r.client_gone:
             return 499  # the client closed the request
         if at.status == 200:
@@ -186,9 +196,11 @@ class Pipeline:
         p = self.cfg.proxy
         prio = (0 if ctx.flow.light else 1) if self.cfg.flow.engine_priority and ctx.flow is not None else None
         ctx.engine_priority = prio
+        if self.stored is not None and ctx.kind == RESPONSES and ctx.payload.get("store", True) is not False:
+            ctx.response_id = self.stored.new_id()
         ctx.body = upstream_body(ctx.payload, ctx.request, salt=ctx.salt, model_name=ctx.lora or self.model.name,
                                  force_include_usage=p.force_include_usage, kv_cache_report_mode=p.kv_cache_report_mode,
-                                 engine_priority=prio)
+                                 engine_priority=prio, response_id=ctx.response_id)
 
     async def admit(self, ctx: RequestContext, raw_body: bytes, *, identity: Identity | None = None) -> None:
         """Who asks, for which model, within the tenant's limits; the trace span starts here."""
@@ -226,7 +238,9 @@ class Pipeline:
     async def plan(self, ctx: RequestContext, *, only: Collection[str] | None = None) -> None:
         """Validate, tokenize, salt, key and decide (`ctx.identity` and `ctx.payload` are set)."""
         ident: Identity = ctx.identity
-        ctx.request = parse_request(ctx.kind, ctx.payload, ctx.payload["model"])
+        ctx.request = parse_request(ctx.kind, ctx.payload, ctx.payload["model"], stored_responses=self.stored is not None)
+        if ctx.request.previous_response_id is not None:
+            only = await self._follow(ctx, only)
         self.routing.freshen()  # the index reads the engines' latest events while we tokenize
         ctx.prompt = await tokenize(self.tokenizer, ctx.request, inline_max_chars=self.cfg.model.inline_tokenize_max_chars,
                                     max_model_len=self.model.max_model_len)
@@ -242,6 +256,22 @@ class Pipeline:
                          tenant_hash=ident.tenant_hash if ident.identified else "", request_id=ctx.request_id,
                          lora=ctx.lora)
         self.decide(ctx, rv, only=only)
+
+    async def _follow(self, ctx: RequestContext, only: Collection[str] | None) -> set[str]:
+        """A Responses follow-up: its stored history put in, and its previous response's replica the
+        only one it may go to (gateway.stored_responses)."""
+        prev = ctx.request.previous_response_id
+        holder, history = await self.stored.history(prev, ctx.identity.tenant_hash)
+        if self.membership.get(holder) is None:
+            raise not_found(prev, "previous_response_id", why="the replica that stored it has left the pool")
+        ctx.request = with_history(ctx.request, ctx.payload, history)
+        return {holder} if only is None or holder in only else set()
+
+    async def record_response(self, ctx: RequestContext, replica_id: str) -> None:
+        """The record of the response `replica_id` stores for `ctx` (gateway.stored_responses)."""
+        said = kept_messages(turn_messages(ctx.payload.get("input")))
+        await self.stored.record(ctx.response_id, Turn(replica_id, ctx.identity.tenant_hash,
+                                                       ctx.request.previous_response_id, said))
 
     def decide(self, ctx: RequestContext, rv: RequestView | None = None, *, only: Collection[str] | None = None) -> None:
         """Rank the replicas for the request (`rv`, else the one decided before: flow control's

@@ -76,7 +76,7 @@ class SseRelay:
     """Splits upstream bytes into SSE events and decides what the client gets (pure)."""
 
     __slots__ = ("client_wants_usage", "_buf", "usage", "content_events", "t_first_event", "t_last_event",
-                 "done", "clock", "_responses", "_held")
+                 "done", "clock", "_responses", "_held", "final")
 
     def __init__(self, client_wants_usage: bool, clock=time.perf_counter) -> None:
         self.client_wants_usage = client_wants_usage  # False: strip the usage-only chunk
@@ -89,6 +89,7 @@ class SseRelay:
         self.clock = clock
         self._responses: bool | None = None  # a Responses API stream (named events); None: not seen yet
         self._held = b""  # a response's events before its first token (module rules)
+        self.final: dict | None = None  # a Responses stream's response object, from its last event
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to send to the client for this chunk (complete events only; may be b"")."""
@@ -156,7 +157,9 @@ class SseRelay:
                 self._count(1)
             elif name in _RESPONSE_ENDS:
                 self.done = True
-                self.usage = _response_usage(ev)
+                self.final = _event_response(ev)
+                usage = self.final.get("usage") if self.final is not None else None
+                self.usage = usage if isinstance(usage, dict) else None
         if self.content_events == 0 and not self.done:
             self._held += complete
             return b""
@@ -178,27 +181,27 @@ class SseRelay:
 _RESPONSE_ENDS = (b"response.completed", b"response.incomplete", b"response.failed")
 
 
-def _response_usage(ev: bytes) -> dict | None:
-    """The usage in a Responses API stream's last event (`data: {"response": {..., "usage": ...}}`)."""
+def _event_response(ev: bytes) -> dict | None:
+    """The response object of a Responses API stream's last event (`data: {"response": {...}}`:
+    its usage, output and status)."""
     start = ev.find(b"\ndata:")
     try:
         obj = _json_decode(ev[start + 6:]) if start >= 0 else None
     except msgspec.DecodeError:
         return None
     resp = obj.get("response") if isinstance(obj, dict) else None
-    usage = resp.get("usage") if isinstance(resp, dict) else None
-    return usage if isinstance(usage, dict) else None
+    return resp if isinstance(resp, dict) else None
 
 
 async def attempt(pool: UpstreamPool, base_url: str, path: str, body: bytes, headers: dict[str, str], *,
-                  stream: bool, client_wants_usage: bool, first_byte_timeout_s: float) -> Attempt:
+                  stream: bool, client_wants_usage: bool, first_byte_timeout_s: float, method: str = "POST") -> Attempt:
     """One upstream try; see the module rules. Raises UpstreamFailure before the first byte."""
     t_sent = time.perf_counter()
     resp: UpstreamResponse | None = None
     try:
         async with asyncio.timeout(first_byte_timeout_s):
             try:
-                resp = await pool.request(base_url, "POST", path, body, headers)
+                resp = await pool.request(base_url, method, path, body, headers)
             except UpstreamError as exc:
                 raise UpstreamFailure("connect" if exc.phase == "connect" else "first_byte", exc.reason) from None
             status = resp.status

@@ -40,6 +40,7 @@ class Relayed:
     error: str | None  # why a stream did not end whole ("truncated", "idle timeout", an I/O reason); None if it did
     usage: Any  # the engine's usage object, when one was seen
     decode_step_s: float | None  # mean interval between content events (None: fewer than 3)
+    final: dict | None = None  # a Responses answer's response object (whole, or a stream's last event's)
 
 
 async def send_whole(client, at: Attempt, headers: dict[str, str]) -> Relayed:
@@ -53,7 +54,9 @@ async def send_whole(client, at: Attempt, headers: dict[str, str]) -> Relayed:
         await client.send(at.status, {**headers, "Content-Type": ctype}, body)
     except ConnectionResetError:
         return Relayed(True, None, None, None)
-    return Relayed(False, None, _usage_from_body(at.body) if at.status == 200 else None, None)
+    obj = _decoded(at.body) if at.status == 200 else None
+    usage = obj.get("usage") if obj is not None else None
+    return Relayed(False, None, usage, None, obj if obj is not None and obj.get("object") == "response" else None)
 
 
 async def relay(client, at: Attempt, headers: dict[str, str], *, idle_timeout_s: float,
@@ -70,13 +73,13 @@ async def relay(client, at: Attempt, headers: dict[str, str], *, idle_timeout_s:
         reason = await s.finish(err)
     except ConnectionResetError:
         at.resp.close()  # the client went away: closing the upstream aborts the engine's request
-        return Relayed(True, None, at.relay.usage, None)
+        return Relayed(True, None, at.relay.usage, None, at.relay.final)
     except asyncio.CancelledError:
         at.resp.close()
         raise
     finally:
         s.stop()
-    return Relayed(False, reason, at.relay.usage, _decode_step_s(at.relay))
+    return Relayed(False, reason, at.relay.usage, _decode_step_s(at.relay), at.relay.final)
 
 
 class _Stream:
@@ -160,11 +163,12 @@ def _decode_step_s(relay) -> float | None:
     return None
 
 
-def _usage_from_body(body: bytes):
+def _decoded(body: bytes) -> dict | None:
+    """A whole answer's JSON object, when it has a usage (a chat, completion or response)."""
     if b'"usage"' not in body:
         return None
     try:
         obj = msgspec.json.decode(body)
     except msgspec.DecodeError:
         return None
-    return obj.get("usage") if isinstance(obj, dict) else None
+    return obj if isinstance(obj, dict) else None

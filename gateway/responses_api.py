@@ -23,36 +23,51 @@ Rules (vLLM's):
   are not shown to the model and are dropped; `tool_choice: "none"` keeps them (vLLM's default).
 - `reasoning.effort` reaches the template as `reasoning_effort`, and as `enable_thinking`
   (effort not "none") unless the request's `chat_template_kwargs` set it.
+- Stored history (`previous_response_id`, served when the engines store responses: gateway.
+  stored_responses): the new turn's instructions as the system message, then the stored history
+  (every earlier turn's messages but the system ones, each followed by that turn's answer: the
+  text of each `message` output part as one assistant message; reasoning and tool calls in an
+  output are not carried), then the new input's messages, rendered on their own.
 Refused here, where the gateway cannot route as the engine renders (400 `unsupported_parameter`):
-`previous_response_id` and `conversation` (history held by one engine), `background`, and prompt
-templates (`prompt`). The response's `usage` (`input_tokens`,
+`conversation` (vLLM keeps none), prompt templates (`prompt`), and, unless the gateway is told
+the engines store responses, `previous_response_id` and `background`. The response's `usage` (`input_tokens`,
 `input_tokens_details.cached_tokens`) is read by gateway.learn; the stream's events by
 gateway.proxy.SseRelay.
 """
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import replace
+from typing import Any, Sequence
 
 from gateway.context import RESPONSES, ParsedRequest
 from gateway.errors import ApiError
 
-__all__ = ["parse_responses", "chat_messages", "template_tools", "continues_final"]
+__all__ = ["parse_responses", "chat_messages", "template_tools", "continues_final", "turn_messages",
+           "output_messages", "kept_messages", "with_history", "previous_id"]
 
 _NOT_ROUTED = {
-    "previous_response_id": "the conversation it names is held by one engine: send the history in `input`",
-    "conversation": "the conversation it names is held by one engine: send the history in `input`",
-    "background": "background responses are held by one engine",
+    "conversation": "vLLM keeps no conversations: send the history in `input`, or `previous_response_id`",
     "prompt": "prompt templates are rendered by the engine",
+}
+_NEEDS_STORE = {  # served only when the engines store responses (`responses.store`)
+    "previous_response_id": "the conversation it names is held by one engine, and this gateway was not told the "
+                            "engines store responses (`responses.store`): send the history in `input`",
+    "background": "a background response is held by one engine, and this gateway was not told the engines store "
+                  "responses (`responses.store`)",
 }
 
 
-def parse_responses(payload: dict, model: str) -> ParsedRequest:
-    """The chat-shaped request vLLM renders for a Responses body (module rules)."""
-    for field, why in _NOT_ROUTED.items():
+def parse_responses(payload: dict, model: str, *, stored: bool = False) -> ParsedRequest:
+    """The chat-shaped request vLLM renders for a Responses body (module rules); `stored`: the
+    engines store responses, so `previous_response_id` and `background` are served. A follow-up's
+    messages here are its own turn's: `with_history` puts the stored history in."""
+    refused = _NOT_ROUTED if stored else {**_NOT_ROUTED, **_NEEDS_STORE}
+    for field, why in refused.items():
         if payload.get(field) not in (None, False):
             raise ApiError(400, f"'{field}' is not supported through this gateway ({why})", param=field,
                            code="unsupported_parameter")
+    prev = previous_id(payload)
     stream = payload.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream", code="invalid_type")
@@ -73,17 +88,33 @@ def parse_responses(payload: dict, model: str) -> ParsedRequest:
     return ParsedRequest(kind=RESPONSES, model=model, stream=bool(stream), client_wants_usage=True,
                          max_tokens=max_tokens or 0, messages=messages, add_generation_prompt=not cont,
                          continue_final_message=cont, chat_template_kwargs=_template_kwargs(payload, ctk),
-                         tools=template_tools(payload.get("tools")))
+                         tools=template_tools(payload.get("tools")), previous_response_id=prev)
 
 
-def chat_messages(instructions: str | None, inp: Any) -> list[dict]:
-    """vLLM's `construct_input_messages` for a request without stored history."""
+def previous_id(payload: dict) -> str | None:
+    """The body's `previous_response_id` (400 unless a non-empty string, or absent)."""
+    prev = payload.get("previous_response_id")
+    if prev is not None and (not isinstance(prev, str) or not prev or len(prev) > 256):
+        raise ApiError(400, "'previous_response_id' must be a response id", param="previous_response_id",
+                       code="invalid_type")
+    return prev
+
+
+def chat_messages(instructions: str | None, inp: Any, history: Sequence[dict] = ()) -> list[dict]:
+    """vLLM's `construct_input_messages`: the instructions, the stored `history` (module rules; its
+    messages copied, never changed), then the input's messages, rendered on their own."""
     messages: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
+    messages += [dict(m) for m in history]
+    return messages + turn_messages(inp)
+
+
+def turn_messages(inp: Any) -> list[dict]:
+    """The messages of one turn's `input` (vLLM's `construct_chat_messages_with_tool_call`)."""
     if isinstance(inp, str):
-        messages.append({"role": "user", "content": inp})
-        return messages
+        return [{"role": "user", "content": inp}]
     if not isinstance(inp, list) or not inp:
         raise ApiError(400, "'input' must be a string or a non-empty list of items", param="input", code="invalid_type")
+    messages: list[dict] = []
     for i, item in enumerate(inp):
         if not isinstance(item, dict):
             raise ApiError(400, f"input[{i}] must be an object", param="input", code="invalid_type")
@@ -91,6 +122,28 @@ def chat_messages(instructions: str | None, inp: Any) -> list[dict]:
         if msg is not None:
             messages.append(msg)
     return messages
+
+
+def with_history(req: ParsedRequest, payload: dict, history: Sequence[dict]) -> ParsedRequest:
+    """A follow-up's request with its stored history put in (module rules)."""
+    return replace(req, messages=chat_messages(payload.get("instructions"), payload.get("input"), history))
+
+
+def kept_messages(messages: Sequence[dict]) -> list[dict]:
+    """What a turn's messages carry into the next turn's history: all but the system ones."""
+    return [m for m in messages if m.get("role") != "system"]
+
+
+def output_messages(output: Any) -> list[dict]:
+    """A stored answer as the next turn's history sees it: each text part of each `message` output
+    item one assistant message (vLLM skips reasoning, tool calls and parts without text)."""
+    out = []
+    for item in output if isinstance(output, list) else ():
+        if isinstance(item, dict) and item.get("type") == "message":
+            for part in item.get("content") or ():
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    out.append({"role": "assistant", "content": part["text"]})
+    return out
 
 
 def _message(item: dict, prev: dict | None) -> dict | None:

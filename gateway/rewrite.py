@@ -8,7 +8,9 @@ strips the usage chunk again when the client did not ask for it), and
 vLLM `priority` is dropped: on engines run with `--scheduling-policy priority` its own value
 would put it ahead of every other tenant's requests in the engine's queue, past flow control's
 fair order (on the default policy a non-zero one is refused); with `flow.engine_priority` the
-gateway sets it (0 for a tenant under its fair share, 1 for the rest). Everything else passes through as
+gateway sets it (0 for a tenant under its fair share, 1 for the rest). A Responses request the
+engine will store carries the id the gateway chose for it as vLLM's `request_id`, in place of
+any the client sent (gateway.stored_responses). Everything else passes through as
 the client sent it. An engine that refuses a priority (`refuses_priority`: vLLM on its default
 policy) is sent the same body without one (`without_priority`): the dispatch and keep-alive's
 refreshes fall back to that instead of failing the request.
@@ -26,10 +28,14 @@ PRIORITY_RETRY_S = 300.0  # a replica that refused a priority gets requests and 
 
 
 def upstream_body(payload: dict, req: ParsedRequest, *, salt: str, model_name: str, force_include_usage: bool,
-                  kv_cache_report_mode: str | None, engine_priority: int | None = None) -> bytes:
+                  kv_cache_report_mode: str | None, engine_priority: int | None = None,
+                  response_id: str | None = None) -> bytes:
     """The upstream JSON body; `payload` (the client's parsed body) is updated in place.
-    `engine_priority`: vLLM's `priority` to set (flow control's, gateway.flow), None: none."""
+    `engine_priority`: vLLM's `priority` to set (flow control's, gateway.flow), None: none;
+    `response_id`: the id a stored response gets (vLLM's `request_id`, gateway.stored_responses)."""
     payload["cache_salt"] = salt
+    if response_id is not None:
+        payload["request_id"] = response_id
     payload["model"] = model_name
     payload.pop("priority", None)
     if engine_priority is not None:

@@ -46,15 +46,17 @@ from gateway.membership import Membership, MembershipRunner
 from gateway.model import ModelInfo
 from gateway.pipeline import ROUTES, Pipeline
 from gateway.proxy import make_session
+from gateway.response_routes import CANCEL_ROUTE, GET_ROUTE, PREFIX, ResponseRoutes
 from gateway.routing import RoutingState
 from gateway.state import describe, readiness, state_for_metrics
+from gateway.stored_responses import StoredResponses, fetcher
 from gateway.telemetry import Metrics, StateCollector, build_tracer_provider
 from gateway.tokenization import TokenizerService
 from gateway.tokenize_check import TokenizeChecker
 from gateway.tracing import Tracing
 from gateway.upstream import UpstreamPool
 from policies.calibration import Calibrator
-from replica_agent.feed import Feed, fair_share_board, open_feed
+from replica_agent.feed import Feed, fair_share_board, open_feed, stored_turn_board
 
 __all__ = ["Gateway", "RunningGateway", "start_gateway"]
 
@@ -115,6 +117,7 @@ class Gateway:
         self.pool: UpstreamPool | None = None  # proxied requests (the hot path)
         self.pipeline: Pipeline | None = None  # the request path, once everything it needs exists
         self.engine_routes: EngineRoutes | None = None  # /tokenize and /detokenize (gateway.engine_routes), likewise
+        self.response_routes: ResponseRoutes | None = None  # a stored response by id (gateway.response_routes), likewise
         self.tokenize_checker: TokenizeChecker | None = None  # sampled /tokenize checks (gateway.tokenize_check)
         self.mrunner: MembershipRunner | None = None
         self._front: FrontServer | None = None  # the API port
@@ -175,8 +178,9 @@ class Gateway:
             cfg, auth=self.auth, limiter=self.limiter, salter=self.salter, model=self.model, tokenizer=self.tokenizer,
             routing=self.routing, membership=self.membership, policy=self.policy, dispatcher=dispatcher,
             metrics=self.metrics, tracing=self.tracing, flow=self.flow, retainer=self.retainer,
-            tokenize_checker=self.tokenize_checker, adapter_lookup=self._adapter_lookup())
+            tokenize_checker=self.tokenize_checker, adapter_lookup=self._adapter_lookup(), stored=self._stored())
         self.engine_routes = EngineRoutes(self.pipeline, dispatcher)
+        self.response_routes = ResponseRoutes(self.pipeline, dispatcher)
         if self.retainer is not None:
             self._spawn(run_keep_alive(self.retainer, cfg.keep_alive, session=self.session, membership=self.membership,
                                        index=self.index, model=self.model, metrics=self.metrics,
@@ -187,6 +191,15 @@ class Gateway:
             self._front, port = await start_front(self.h_api, cfg.server.host, cfg.server.port,
                                                   max_body_bytes=cfg.server.max_body_bytes, reuse_port=self.reuse_port)
             self.url = f"http://{_host_for_url(cfg.server.host)}:{port}"
+
+    def _stored(self) -> StoredResponses | None:
+        """Stored Responses' records (gateway.stored_responses), when the engines store responses."""
+        r = self.cfg.responses
+        if not r.store:
+            return None
+        board = None if self.cfg.feed.load_only else stored_turn_board(self.feed, ttl_s=r.ttl_s)
+        return StoredResponses(board, fetcher(self.session, self.membership, self.cfg.proxy.first_byte_timeout_s),
+                               max_turns=r.max_turns, metrics=self.metrics)
 
     def _adapter_lookup(self) -> AdapterLookup | None:
         """Names not served looked up among the replicas' adapters (gateway.adapters), while discovery is on."""
@@ -249,6 +262,8 @@ class Gateway:
         self._tasks.clear()
         if self.tokenize_checker is not None:
             await self.tokenize_checker.close()
+        if self.pipeline is not None and self.pipeline.stored is not None:
+            await self.pipeline.stored.close()
         if self.feed is not None and not self.cfg.feed.load_only:
             await self._close_feed()
         if self.session is not None:
@@ -308,6 +323,8 @@ class Gateway:
             await self.h_models(request, resp)
         elif request.path in ENGINE_ROUTES:
             await self.engine_routes.handle(request, resp)
+        elif request.path.startswith(PREFIX):
+            await self.response_routes.handle(request, resp)
         else:
             await send_error(resp, ApiError(404, f"unknown route {request.method} {request.path} (served: {API_PATHS})",
                                             code="unknown_route"))
@@ -330,7 +347,7 @@ class Gateway:
         await resp.send(200, {"Content-Type": "application/json"}, _encode({"object": "list", "data": data}))
 
 
-API_PATHS = ", ".join([*ROUTES, "/v1/models", *ENGINE_ROUTES])  # named in an unknown route's 404
+API_PATHS = ", ".join([*ROUTES, GET_ROUTE, CANCEL_ROUTE, "/v1/models", *ENGINE_ROUTES])  # named in an unknown route's 404
 
 
 def _host_for_url(host: str) -> str:

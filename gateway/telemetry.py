@@ -125,6 +125,10 @@ class Metrics(LabelCache):
                                         "Prompt tokens keep-alive refreshes made the engine compute (prompt - cached, "
                                         "engine usage): the refreshes' prefill cost", ["replica"], registry=r)
         self.output_tokens = Counter("warmroute_gateway_output_tokens", "Completion tokens (engine usage)", ["replica"], registry=r)
+        self.stored_responses = Counter("warmroute_gateway_stored_responses",
+                                        "Stored Responses' records (gateway.stored_responses), by event: recorded, "
+                                        "followed, answer_fetched, not_found, history_lost, write_failed, feed_unreachable",
+                                        ["event"], registry=r)
         self._acc: dict[str, float] = {}
 
     def request_done(self, route: str, status: int, replica: str) -> None:

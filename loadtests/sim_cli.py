@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 DESCRIPTION = """\
 One simulated vLLM replica: vLLM's OpenAI routes (SSE streaming, usage with cached tokens),
@@ -37,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=1, help="adapters one batch may run, as vLLM's --max-loras (default 1)")
     p.add_argument("--no-lora-metrics", action="store_true",
                    help="leave vllm:lora_requests_info out of /metrics (an engine whose LoRA slots a router cannot see)")
+    p.add_argument("--responses-store", action="store_true",
+                   default=os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "") not in ("", "0"),
+                   help="keep answered Responses for previous_response_id and GET /v1/responses/{id}, as vLLM with "
+                        "VLLM_ENABLE_RESPONSES_API_STORE=1 (default: that variable's value, else off)")
     t = p.add_argument_group("time model (step = overhead + prefill tokens x per-token + decoding seqs x per-seq, x time scale)")
     t.add_argument("--time-profile", default="gpu", choices=["gpu", "wallclock"],
                    help="gpu: Llama-3-8B on an A100 (8 ms + 0.05 ms/token + 0.25 ms/seq); wallclock: 12 ms + 1 ms/token + 0.1 ms/seq")

@@ -55,14 +55,14 @@ async def serve_chat(before=None):
 
 
 @contextlib.asynccontextmanager
-async def sims_with_agents(n: int, feed, model: str):
+async def sims_with_agents(n: int, feed, model: str, **sim):
     """`n` simulated replicas `r0`.. publishing KV events over ZMQ, each with its agent writing to
-    `feed` (a replica_agent.feed); all closed on leaving."""
+    `feed` (a replica_agent.feed); all closed on leaving. `sim`: more SimConfig fields."""
     sims, agents = [], []
     try:
         for i in range(n):
             port = free_port()
-            sims.append(await start_sim_server(SimConfig(model=model, kv_events_endpoint=f"tcp://*:{port}")))
+            sims.append(await start_sim_server(SimConfig(model=model, kv_events_endpoint=f"tcp://*:{port}", **sim)))
             agents.append(await start_agent(AgentConfig(replica_id=f"r{i}", kv_events_endpoint=f"tcp://127.0.0.1:{port}",
                                                          engine_url=sims[-1].url, load_interval_s=0.2), feed))
         yield sims

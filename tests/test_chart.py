@@ -237,6 +237,24 @@ def test_engines_schedule_by_priority_exactly_when_the_gateway_sends_priorities(
     assert "--scheduling-policy priority" in notes
 
 
+def test_engines_store_responses_exactly_when_the_gateway_serves_them():
+    """config.responses.store: the deployed engines get VLLM_ENABLE_RESPONSES_API_STORE=1 (vLLM
+    stores nothing without it), attach mode's notes ask for it, and nothing changes otherwise."""
+    def engine_env(over: dict) -> dict:
+        r = render(deep_merge(ci_values("default"), over))
+        pod = r.get("StatefulSet", f"{FULL_NAME}-vllm")["spec"]["template"]["spec"]
+        cfg = config_from_dict(yaml.safe_load(r.configmap_data(FULL_NAME)["gateway.yaml"]), env={})
+        return {e["name"]: e.get("value") for e in next(c for c in pod["containers"] if c["name"] == "vllm")["env"]}, cfg
+
+    env, cfg = engine_env({})
+    assert "VLLM_ENABLE_RESPONSES_API_STORE" not in env and not cfg.responses.store
+    env, cfg = engine_env({"config": {"responses": {"store": True}}})
+    assert env["VLLM_ENABLE_RESPONSES_API_STORE"] == "1" and cfg.responses.store
+    attach = ci_values("attach")
+    assert "VLLM_ENABLE_RESPONSES_API_STORE" not in render(attach).notes
+    assert "VLLM_ENABLE_RESPONSES_API_STORE=1" in render(deep_merge(attach, {"config": {"responses": {"store": True}}})).notes
+
+
 def test_attach_mode_adds_one_agent_per_listed_replica():
     values = ci_values("attach")
     r = render(values)

@@ -4,7 +4,8 @@ streams through Envoy; a repeated document is served warm (engine-reported cache
 replica that holds it; two tenants never share blocks; a client-sent salt never reaches the
 engine; the client's API key is not forwarded; the usage chunk the picker asked for is stripped
 when the client did not ask; a refused primary is retried by Envoy and reported failed; bad
-requests get OpenAI-shaped errors; and `warmroute epp` runs as a process that stops on SIGTERM."""
+requests get OpenAI-shaped errors; a stored response's follow-up goes to its replica, rendered
+with its history; and `warmroute epp` runs as a process that stops on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
@@ -41,8 +42,9 @@ DOC = " ".join(f"section {i} of the handbook that every tenant reads." for i in 
 async def stack(tok, tmp_path_factory):
     find_envoy()
     feed = open_feed(f"memory://epp-{uuid.uuid4().hex[:6]}")
-    async with sims_with_agents(2, feed, MODEL) as sims:
+    async with sims_with_agents(2, feed, MODEL, responses_store=True) as sims:
         cfg = keyed_gateway_config(tmp_path_factory.mktemp("epp"), sims, KEYS)
+        cfg.responses.store = True
         gw = Gateway(cfg, feed=feed, tokenizer=tok, api_port=False)
         await gw.start()
         epp = EppServer(PipelinePicker(gw), host="127.0.0.1", port=0)
@@ -274,3 +276,39 @@ async def test_the_responses_api_streams_through_envoy_warm_where_it_lives(stack
         text = (await h.get(gw.admin_url + "/metrics")).text
     assert 'route="/v1/responses",status="200"' in text
     assert any(ln.startswith("warmroute_gateway_index_accuracy_ratio") and ln.endswith(" 1.0") for ln in text.splitlines())
+
+
+async def test_a_follow_up_goes_to_its_stored_responses_replica_rendered_with_its_history(stack):
+    """`previous_response_id` behind Envoy: the picker recorded the first response on its replica,
+    picks that replica only for the follow-up, and renders the stored history (the answer, which
+    the picker does not read, asked of that replica), so the follow-up is predicted exactly."""
+    gw = stack["gw"]
+    client = _client(stack, KEYS["tenant-a"])
+    instructions = "stored via envoy " + DOC
+    first = await client.responses.create(model=MODEL, instructions=instructions, input="Which section first?",
+                                          max_output_tokens=3)
+    await _until_indexed(gw, first.usage.input_tokens // 16)
+    m = gw.metrics
+
+    def counted() -> tuple[float, float, float, float]:
+        return (m.stored_responses.labels("answer_fetched")._value.get(),
+                sum(m.predicted_cached.labels(f"r{i}")._value.get() for i in range(2)),
+                sum(m.engine_cached.labels(f"r{i}")._value.get() for i in range(2)),
+                sum(m.requests.labels("/v1/responses", "200", f"r{i}")._value.get() for i in range(2)))
+
+    before = counted()
+    for _ in range(2):
+        follow = await client.responses.create(model=MODEL, instructions=instructions, previous_response_id=first.id,
+                                               input="And then?", max_output_tokens=3)
+        assert follow.usage.input_tokens > first.usage.input_tokens
+        assert follow.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 16 * 16
+    for _ in range(100):  # the picker learns once Envoy reports the answer's end
+        fetched, predicted, engine, done = (b - a for a, b in zip(before, counted()))
+        if done == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert fetched == 1  # asked of its replica once, then kept
+    assert predicted == engine > 0  # the follow-ups predicted exactly: their history rendered as the engine did
+    other = _client(stack, KEYS["tenant-b"])
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.create(model=MODEL, previous_response_id=first.id, input="Mine now?", max_output_tokens=2)

@@ -14,6 +14,7 @@ from gateway.errors import ApiError
 from gateway.learn import usage_numbers
 from gateway.parse import parse_request
 from gateway.proxy import SseRelay
+from gateway.responses_api import kept_messages, output_messages, with_history
 from gateway.rewrite import upstream_body
 from tests.conftest import REPO
 
@@ -44,25 +45,54 @@ def test_every_body_renders_as_vllm_renders_it(case):
     assert body == case["body"]  # the client's body is untouched (it goes upstream as sent)
 
 
+@pytest.mark.parametrize("case", FIXTURE["followups"], ids=_ids(FIXTURE["followups"]))
+def test_every_follow_up_renders_its_stored_history_as_vllm_does(case):
+    """What the gateway records of a stored response (its messages bar the system ones, its
+    answer's text parts) put before the new turn: vLLM's messages for the follow-up."""
+    body, prev = copy.deepcopy(case["body"]), case["previous"]
+    req = parse_request(RESPONSES, body, body["model"], stored_responses=True)
+    assert req.previous_response_id == body["previous_response_id"]
+    history = kept_messages(prev["messages"]) + output_messages(prev["output"])
+    assert with_history(req, body, history).messages == case["messages"]
+    assert body == case["body"]
+
+
 def test_the_fixture_covers_what_the_rules_name():
     bodies = json.dumps([c["body"] for c in FIXTURE["cases"]])
     for needle in ('"instructions"', '"function_call"', '"function_call_output"', '"reasoning"', '"namespace"',
                    '"in_progress"', '"incomplete"', '"encrypted_content"', '"web_search"', '"strict"', '"effort"'):
         assert needle in bodies, needle
     assert sum("error" in c for c in FIXTURE["cases"]) >= 3 and FIXTURE["vllm"] == "0.32.0"
+    followups = json.dumps(FIXTURE["followups"])
+    for needle in ('"reasoning"', '"function_call"', '"instructions"', '"incomplete"', '"developer"', '"output": []'):
+        assert needle in followups, needle
+    assert not any("error" in c for c in FIXTURE["followups"])
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"input": "hi", "conversation": "conv_1"}, "conversation"),
-    ({"input": "hi", "background": True}, "background"),
-    ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
+@pytest.mark.parametrize("body,param,stored", [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", False),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation", False),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation", True),
+    ({"input": "hi", "background": True}, "background", False),
+    ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt", False),
+    ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt", True),
 ])
-def test_what_one_engine_holds_is_refused_clearly(body, param):
+def test_what_one_engine_holds_is_refused_clearly(body, param, stored):
     with pytest.raises(ApiError) as e:
-        parse_request(RESPONSES, {"model": "m", **body}, "m")
+        parse_request(RESPONSES, {"model": "m", **body}, "m", stored_responses=stored)
     assert (e.value.status, e.value.code, e.value.param) == (400, "unsupported_parameter", param)
     assert "not supported through this gateway" in e.value.message
+    assert ("responses.store" in e.value.message) == (param in ("previous_response_id", "background"))
+
+
+def test_with_the_store_a_follow_up_and_a_background_response_are_read():
+    req = parse_request(RESPONSES, {"model": "m", "input": "hi", "previous_response_id": "resp_1", "background": True},
+                        "m", stored_responses=True)
+    assert req.previous_response_id == "resp_1" and req.messages == [{"role": "user", "content": "hi"}]
+    for bad in (3, "", "x" * 257, ["resp_1"]):
+        with pytest.raises(ApiError) as e:
+            parse_request(RESPONSES, {"model": "m", "input": "hi", "previous_response_id": bad}, "m", stored_responses=True)
+        assert e.value.status == 400 and e.value.param == "previous_response_id"
 
 
 @pytest.mark.parametrize("body,param", [

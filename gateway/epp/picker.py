@@ -8,7 +8,11 @@ work is counted on the primary from then on. An error the pipeline answers (401,
 503 ...) becomes an ImmediateResponse in OpenAI's error shape. The client's credentials are
 removed from what Envoy forwards to the engine.
 The engine's tokenizer routes (`/tokenize`, `/detokenize`: gateway.engine_routes) are admitted the
-same way and sent untouched to the replicas that serve the model, in turn.
+same way and sent untouched to the replicas that serve the model, in turn. A Responses request
+the engines store (`responses.store`) is recorded on its primary before Envoy sends it on
+(gateway.stored_responses; its answer, which the picker does not read, is asked of that replica
+when a follow-up needs it), and a follow-up goes to its previous response's replica only; the
+routes naming a stored response by id (`GET /v1/responses/{id}`, cancel) are not picked here.
 `observe()` gets what the response path saw: the replica that answered (when Envoy retried,
 the primary is reported failed, as the HTTP gateway's dispatch would), its status, usage, time
 to first event and decode interval, and whether the stream ended early; it ends the in-flight
@@ -85,6 +89,8 @@ class PipelinePicker:
             raise
         ranked = ctx.routing.decision.ranked[: self.gw.cfg.proxy.max_attempts]
         start_try(self.gw.routing, ctx, 0, ranked[0])
+        if ctx.response_id is not None:  # a response the engine stores: recorded before Envoy sends it on
+            await pipeline.record_response(ctx, ranked[0].replica_id)
         return Pick(body=ctx.body, endpoints=[endpoints[c.replica_id] for c in ranked if c.replica_id in endpoints],
                     ctx=ctx, remove_headers=_CLIENT_CREDENTIALS, strip_usage=not ctx.request.client_wants_usage)
 
@@ -114,6 +120,8 @@ class PipelinePicker:
         served = self._served(ctx, outcome, ctx.replica if tr is None else tr.replica_id)
         if tr is None:  # an engine route: nothing in flight, nothing to learn
             return gw.pipeline.finish(ctx)
+        if ctx.response_id is not None and served != tr.replica_id:  # Envoy retried: stored there instead
+            gw.pipeline.stored.moved(ctx.response_id, served)
         tr.flight.first_token()
         tr.flight.finish()
         if ctx.status == 404:  # an adapter the replica listed and has unloaded since (gateway.adapters)

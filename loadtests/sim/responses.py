@@ -7,6 +7,15 @@ output item and content part when the first token comes, one `response.output_te
 delivery, then the `.done` events and `response.completed` with the usage (`input_tokens`,
 `input_tokens_details.cached_tokens`, `output_tokens`); no `[DONE]`. Tools are accepted and not
 rendered (the simulator's chat template path has none).
+
+Stored responses (`SimConfig.responses_store`, vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1), as vLLM
+keeps them: each answered response (unless `store` is false) under its `request_id` (the body's,
+else a fresh one), with the whole list of messages it was rendered from; a `previous_response_id`
+renders that list bar its system messages, then the stored answer's text parts as assistant
+messages, between the new instructions and the new input; `GET /v1/responses/{id}` returns a
+stored response, `POST /v1/responses/{id}/cancel` refuses it as synchronous (400); an id not
+stored is 404. Without the store a `previous_response_id` is 404 and `background` 400, as vLLM
+answers them. Background responses themselves are not simulated (400).
 """
 from __future__ import annotations
 
@@ -17,23 +26,58 @@ import msgspec
 from aiohttp import web
 
 from gateway.errors import ApiError
-from gateway.responses_api import chat_messages
+from gateway.responses_api import chat_messages, turn_messages
 from loadtests.sim.openai_requests import BadRequest
 
-__all__ = ["chat_body", "answer"]
+__all__ = ["chat_body", "answer", "ResponseStore", "not_found"]
 
 _json = msgspec.json.Encoder()
 # the Responses fields that mean the same on a chat request
 _CARRIED = ("model", "stream", "cache_salt", "priority", "vllm_xargs", "chat_template_kwargs", "temperature", "top_p")
 
 
-def chat_body(body: dict) -> dict:
-    """The chat request the engine runs for a Responses body."""
-    if body.get("previous_response_id") is not None:
-        raise BadRequest(f"Response with id '{body['previous_response_id']}' not found.", "previous_response_id", 404,
-                         "NotFoundError")  # vLLM without VLLM_ENABLE_RESPONSES_API_STORE keeps none
+class ResponseStore:
+    """The engine's stored responses and the messages each was rendered from (module header)."""
+
+    def __init__(self) -> None:
+        self.messages: dict[str, list] = {}
+        self.responses: dict[str, dict] = {}
+
+    def get(self, response_id: str) -> dict:
+        if response_id not in self.responses:
+            raise not_found(response_id, "response_id")
+        return self.responses[response_id]
+
+    def history(self, response_id: str) -> list[dict]:
+        """vLLM's `construct_input_messages` with the stored `prev_msg` and `prev_response_output`."""
+        if response_id not in self.responses:
+            raise not_found(response_id, "previous_response_id")
+        out = [m for m in self.messages[response_id] if m.get("role") != "system"]
+        for item in self.responses[response_id]["output"]:
+            if item.get("type") == "message":
+                out += [{"role": "assistant", "content": c["text"]} for c in item["content"]]
+        return out
+
+
+def not_found(response_id: str, param: str) -> BadRequest:
+    return BadRequest(f"Response with id '{response_id}' not found.", param, 404, "NotFoundError")
+
+
+def chat_body(body: dict, store: ResponseStore | None = None) -> dict:
+    """The chat request the engine runs for a Responses body (`store`: the engine's stored responses)."""
+    if body.get("background"):
+        raise BadRequest("background responses are not simulated" if store is not None else
+                         "This vLLM engine does not support `store=True` and therefore does not support the "
+                         "background mode.", "background")
+    prev = body.get("previous_response_id")
+    if prev is not None and store is None:
+        raise not_found(prev, "previous_response_id")  # vLLM without VLLM_ENABLE_RESPONSES_API_STORE keeps none
     try:
-        messages = chat_messages(body.get("instructions"), body.get("input"))
+        if prev is None:
+            messages = chat_messages(body.get("instructions"), body.get("input"))
+        else:
+            messages = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+            messages += store.history(prev) + turn_messages(body.get("input"))
     except ApiError as e:
         raise BadRequest(e.message, e.param) from None
     out = {k: body[k] for k in _CARRIED if k in body}
@@ -62,8 +106,9 @@ def _event(kind: str, seq: int, **fields: Any) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + _json.encode({"type": kind, "sequence_number": seq, **fields}) + b"\n\n"
 
 
-async def answer(server, request: web.Request, p, req, st) -> web.StreamResponse:
-    """The answer to a queued request (`server._admit`), whole or streamed, as tokens are delivered."""
+async def answer(server, request: web.Request, p, req, st, keep: list | None = None) -> web.StreamResponse:
+    """The answer to a queued request (`server._admit`), whole or streamed, as tokens are delivered;
+    `keep`: the messages it was rendered from, stored with it once whole (None: not stored)."""
     rid, model, created = req.request_id, req.lora or server.cfg.model, int(time.time())
     resp: web.StreamResponse | None = None
     seq = 0
@@ -100,6 +145,8 @@ async def answer(server, request: web.Request, p, req, st) -> web.StreamResponse
             await resp.write(b"".join(parts))
         text = server._text(0, st.n_delivered)
         done = _response(rid, model, created, "completed", text, _usage(req))
+        if keep is not None:
+            server.stored.messages[rid], server.stored.responses[rid] = keep, done
         if resp is None:
             return web.Response(body=_json.encode(done), content_type="application/json")
         await resp.write(_event("response.output_text.done", seq, item_id=f"msg_{rid[5:]}", output_index=0,

@@ -92,6 +92,7 @@ class SimServer:
 
     def __init__(self, cfg: SimConfig, tokenizer: SimTokenizer | None = None) -> None:
         self.cfg = cfg
+        self.stored = responses.ResponseStore() if cfg.responses_store else None  # the engine's stored Responses
         if tokenizer is None:
             tok_dir = cfg.tokenizer
             if tok_dir is None:
@@ -324,6 +325,8 @@ class SimServer:
         r.add_post("/v1/completions", self.h_completions)
         r.add_post("/v1/chat/completions", self.h_chat)
         r.add_post("/v1/responses", self.h_responses)
+        r.add_get("/v1/responses/{rid}", self.h_stored_response)
+        r.add_post("/v1/responses/{rid}/cancel", self.h_stored_response)
         r.add_post("/tokenize", self.h_tokenize)
         r.add_post("/detokenize", self.h_detokenize)
         r.add_post("/v1/completions/render", self.h_render_completions)
@@ -382,9 +385,19 @@ class SimServer:
 
     async def h_responses(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        rid = f"resp_{uuid.uuid4().hex}"
-        p, req, st = await self._admit(request, responses.chat_body(body), True, rid)
-        return await responses.answer(self, request, p, req, st)
+        rid = body.get("request_id") if isinstance(body.get("request_id"), str) else f"resp_{uuid.uuid4().hex}"
+        chat = responses.chat_body(body, self.stored)
+        p, req, st = await self._admit(request, chat, True, rid)
+        keep = chat["messages"] if self.stored is not None and body.get("store", True) is not False else None
+        return await responses.answer(self, request, p, req, st, keep)
+
+    async def h_stored_response(self, request: web.Request) -> web.Response:
+        if self.stored is None:
+            raise responses.not_found(request.match_info["rid"], "response_id")
+        stored = self.stored.get(request.match_info["rid"])
+        if request.path.endswith("/cancel"):
+            raise BadRequest("Cannot cancel a synchronous response.", "response_id")
+        return web.json_response(stored)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)

@@ -51,7 +51,8 @@ def vllm_replicas(vllm_python_path, tiny_model_dir, tmp_path_factory) -> list[Re
     reps, error = [], ""
     try:
         reps = start_replicas(N_REPLICAS, tiny_model_dir, served_model_name=SERVED_MODEL, log_dir=log_dir,
-                              extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)])
+                              extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)],
+                              extra_env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})  # stored Responses (e2e)
     except ReplicaStartError as exc:
         error = str(exc)
     if error:
@@ -170,6 +171,7 @@ class WarmSystem:
         # connect took over the default 2 s and a request failed on both replicas (CI, 2026-12-01)
         cfg.proxy.connect_timeout_s = 10.0
         cfg.feed.url = self.redis_url  # the gateway opens its own Redis connection, as in production
+        cfg.responses.store = True  # the replicas store Responses (vllm_replicas)
         cfg.policy.name = "cache_aware"
         cfg.policy.seed = 7
         cfg.policy.params = {"max_num_seqs": MAX_NUM_SEQS}  # the engines' --max-num-seqs (vllm_replicas)

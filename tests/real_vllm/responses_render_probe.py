@@ -5,7 +5,10 @@ to regenerate the fixture gateway/responses_api.py is tested against (tests/test
     ~/.cache/warmroute/vllm-venv/bin/python tests/real_vllm/responses_render_probe.py \\
         tests/fixtures/vllm-0.32-responses-render.json
 
-It reads the bodies from that file's `cases` and writes the file again with vLLM's answers."""
+It reads the bodies from that file's `cases` and writes the file again with vLLM's answers; its
+`followups` likewise: each a body with `previous_response_id`, and the previous response as vLLM
+stored it (the messages it was rendered from, its output items), rendered as vLLM renders a
+follow-up (`construct_input_messages` with `prev_msg` and `prev_response_output`)."""
 from __future__ import annotations
 
 import json
@@ -27,6 +30,22 @@ def plain(x):
     return x
 
 
+def followup(case: dict) -> dict:
+    """vLLM's messages for a follow-up to the stored response `case["previous"]`."""
+    from openai.types.responses import ResponseOutputItem
+    from pydantic import TypeAdapter
+
+    body, prev = case["body"], case["previous"]
+    try:
+        req = ResponsesRequest(**body)
+        outputs = [TypeAdapter(ResponseOutputItem).validate_python(o) for o in prev["output"]]
+        msgs = construct_input_messages(request_instructions=req.instructions, request_input=req.input,
+                                        prev_msg=list(prev["messages"]), prev_response_output=outputs)
+    except Exception as e:
+        return {"body": body, "previous": prev, "error": type(e).__name__}
+    return {"body": body, "previous": prev, "messages": plain(msgs)}
+
+
 def conv(body: dict) -> dict:
     """vLLM's rendering inputs for one body, or the name of the error it raises."""
     try:
@@ -43,8 +62,9 @@ def conv(body: dict) -> dict:
 if __name__ == "__main__":
     path = sys.argv[1]
     with open(path) as f:
-        bodies = [c["body"] for c in json.load(f)["cases"]]
-    out = {"vllm": __import__("vllm").__version__, "cases": [conv(b) for b in bodies]}
+        old = json.load(f)
+    out = {"vllm": __import__("vllm").__version__, "cases": [conv(c["body"]) for c in old["cases"]],
+           "followups": [followup({"body": c["body"], "previous": c["previous"]}) for c in old.get("followups", [])]}
     with open(path, "w") as f:
         json.dump(out, f, indent=1, ensure_ascii=False)
         f.write("\n")

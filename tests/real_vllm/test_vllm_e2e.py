@@ -411,6 +411,12 @@ def test_tenants_never_share_blocks(vllm_replicas, e2e_system):
 
 def _respond(system, tenant: str, body: dict, *, stream: bool) -> tuple[dict, str, str]:
     """(usage, request id, replica) of a Responses API request through the gateway."""
+    response, request_id, replica = _response(system, tenant, body, stream=stream)
+    return response["usage"], request_id, replica
+
+
+def _response(system, tenant: str, body: dict, *, stream: bool) -> tuple[dict, str, str]:
+    """(the response object, request id, replica) of a Responses API request through the gateway."""
     payload = {"model": system.model, "max_output_tokens": 4, "temperature": 0, "stream": stream, **body}
     with httpx.stream("POST", system.url + "/v1/responses", json=payload, headers=system.headers(tenant),
                       timeout=120) as r:
@@ -419,10 +425,10 @@ def _respond(system, tenant: str, body: dict, *, stream: bool) -> tuple[dict, st
         if stream:
             events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
             assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed", text[-300:]
-            usage = events[-1]["response"]["usage"]
+            response = events[-1]["response"]
         else:
-            usage = json.loads(text)["usage"]
-        return usage, r.headers["X-Request-Id"], r.headers["X-Warmroute-Replica"]
+            response = json.loads(text)
+        return response, r.headers["X-Request-Id"], r.headers["X-Warmroute-Replica"]
 
 
 def test_responses_api_is_tokenized_and_predicted_as_the_engine_does(vllm_replicas, e2e_system):
@@ -499,6 +505,70 @@ def _responses_exact(system, name: str, body: dict) -> None:
         raise AssertionError(f"{e}; its spans: {spans}; {counts}") from None
     assert predicted == cached and cached > 0, (name, predicted, usage2)
     print(f"\nresponses {name}: {usage['input_tokens']} tokens, repeat cached {cached} (predicted {predicted})")
+
+
+def _routed_once_indexed(system, tenant: str, body: dict, blocks: int) -> dict:
+    """The gateway's decision for `body` (POST /debug/route), once its candidate's index holds
+    `blocks` of its prefix (the engine's KV events of the turn before)."""
+    deadline = time.monotonic() + 30
+    while True:
+        r = httpx.post(system.admin_url + "/debug/route", params={"tenant": tenant, "kind": "responses"},
+                       json={"model": system.model, **body}, timeout=30)
+        assert r.status_code == 200, r.text
+        d = r.json()
+        if d["replicas"][0]["matched_blocks_gpu"] >= blocks or time.monotonic() > deadline:
+            return d
+        time.sleep(0.1)
+
+
+def _follow_exactly(system, home: str, prev: dict, body: dict, *, stream: bool, label: str) -> dict:
+    """A follow-up to `prev` through the gateway: on `home`, its tokens the engine's, its cached
+    tokens predicted exactly (the stored history rendered as the engine renders it)."""
+    body = {**body, "previous_response_id": prev["id"]}
+    routed = _routed_once_indexed(system, "acme", body, prev["usage"]["input_tokens"] // system.gateway.model.block_size)
+    assert [v["replica_id"] for v in routed["replicas"]] == [home]  # only its replica holds the history
+    resp, request_id, replica = _response(system, "acme", body, stream=stream)
+    usage = resp["usage"]
+    assert replica == home and usage["input_tokens"] == routed["request"]["prompt_tokens"], (label, usage)
+    predicted = int(_server_span(system, request_id, timeout=30).attributes["warmroute.predicted_cached_tokens"])
+    cached = usage["input_tokens_details"]["cached_tokens"]
+    assert predicted == cached > 0, (label, predicted, usage)
+    print(f"\nstored responses {label}: {usage['input_tokens']} tokens, cached {cached} (predicted {predicted})")
+    return resp
+
+
+def test_stored_responses_follow_their_replica_and_are_predicted_as_the_engine_renders_them(vllm_replicas, e2e_system):
+    """The engines store Responses (VLLM_ENABLE_RESPONSES_API_STORE=1): a conversation carried on
+    with `previous_response_id` stays on its replica, and each turn, its stored history rendered by
+    the gateway as vLLM renders it, is tokenized and predicted exactly; a background response is
+    polled by id on its replica and followed likewise; another tenant is told it does not exist."""
+    system, rng = e2e_system, _fresh_rng()
+    instructions = "You answer questions on this report. " + _text(200, rng)
+    first, _, home = _response(system, "acme", {"instructions": instructions, "input": "What is it about?"}, stream=False)
+    prev = first
+    for n, stream in enumerate((True, False, True)):
+        prev = _follow_exactly(system, home, prev, {"instructions": instructions, "input": f"And part {n}? " + _text(20, rng)},
+                               stream=stream, label=f"turn {n + 1}")
+    r = httpx.get(system.url + f"/v1/responses/{prev['id']}", headers=system.headers("acme"), timeout=30)
+    assert r.status_code == 200 and r.headers["X-Warmroute-Replica"] == home and r.json()["output"] == prev["output"]
+    r = httpx.get(system.url + f"/v1/responses/{prev['id']}", headers=system.headers("globex"), timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+
+    queued, _, bg_home = _response(system, "acme", {"instructions": instructions, "background": True,
+                                                    "input": "In the background: " + _text(30, rng)}, stream=False)
+    assert queued["status"] in ("queued", "in_progress"), queued["status"]
+    deadline = time.monotonic() + 120
+    while True:  # polled by id, on its replica
+        r = httpx.get(system.url + f"/v1/responses/{queued['id']}", headers=system.headers("acme"), timeout=30)
+        assert r.status_code == 200 and r.headers["X-Warmroute-Replica"] == bg_home, r.text[:300]
+        done = r.json()
+        if done["status"] not in ("queued", "in_progress"):  # completed, or incomplete at max_output_tokens
+            assert done["status"] in ("completed", "incomplete") and done["output"], done
+            break
+        assert time.monotonic() < deadline, done["status"]
+        time.sleep(0.2)
+    _follow_exactly(system, bg_home, done, {"instructions": instructions, "input": "And after that?"}, stream=True,
+                    label="after a background response")
 
 
 # -- 4. routing ----------------------------------------------------------------------------------

@@ -1,0 +1,100 @@
+"""The routes that name a stored response, answered by the replica that holds it
+(gateway.stored_responses): `GET /v1/responses/{id}` (the response; `?stream=true`, with
+`starting_after`, replays a background response's events as vLLM does) and
+`POST /v1/responses/{id}/cancel` (a background response).
+
+Rules:
+- Authenticated and limited as the generation routes are (401; 429 over the tenant's limits).
+  The response must be one the tenant stored through a gateway of this pool: anything else, a
+  replica that has left the pool, or a gateway not told the engines store responses
+  (`responses.store`) is 404 `response_not_found`, as vLLM answers an id it does not hold.
+- The request goes to the holder only, its query string and body as the client sent them; the
+  holder unavailable: 503; a failure before its answer ejects it as a generation request's
+  failure does (502, 504). The answer goes to the client as the engine gave it (an error
+  re-shaped to OpenAI's), streamed when it is a stream; a whole response read on its way is
+  the record's answer when the record has none yet.
+- Counted and logged as the other routes are, under the route templates `/v1/responses/{id}`
+  and `/v1/responses/{id}/cancel` (never the id itself); nothing is keyed, predicted or learnt,
+  and flow control does not hold them: a stored response takes no new engine step.
+"""
+from __future__ import annotations
+
+from gateway.dispatch import Dispatcher, exhausted
+from gateway.errors import ApiError
+from gateway.http_front import FrontRequest, FrontResponse, send_error
+from gateway.proxy import UpstreamFailure, attempt
+from gateway.relay import relay, send_whole
+from gateway.stored_responses import not_found
+from gateway.tracing import NO_SPAN
+
+__all__ = ["PREFIX", "GET_ROUTE", "CANCEL_ROUTE", "ResponseRoutes", "route_of"]
+
+PREFIX = "/v1/responses/"
+GET_ROUTE = "/v1/responses/{id}"
+CANCEL_ROUTE = "/v1/responses/{id}/cancel"
+
+
+def route_of(path: str) -> tuple[str, str] | None:
+    """(route template, response id) of a path under PREFIX; None: not one of these routes."""
+    rest = path[len(PREFIX):] if path.startswith(PREFIX) else ""
+    rid, _, tail = rest.partition("/")
+    if not rid or tail not in ("", "cancel") or (tail and not rest.endswith("/cancel")):
+        return None
+    return (CANCEL_ROUTE if tail else GET_ROUTE), rid
+
+
+class ResponseRoutes:
+    """Serves GET_ROUTE and CANCEL_ROUTE (module rules)."""
+
+    def __init__(self, pipeline, dispatcher: Dispatcher) -> None:
+        self.pipeline = pipeline  # gateway.pipeline.Pipeline (authentication, limits, the records, finish)
+        self.dispatcher = dispatcher  # its pool, membership, proxy settings and failure reports
+
+    async def handle(self, request: FrontRequest, resp: FrontResponse) -> None:
+        found = route_of(request.path)
+        if found is None:
+            return await send_error(resp, ApiError(404, f"unknown route {request.method} {request.path}",
+                                                   code="unknown_route"))
+        route, rid = found
+        method = "POST" if route == CANCEL_ROUTE else "GET"
+        if request.method != method:
+            return await send_error(resp, ApiError(405, f"method {request.method} not allowed on {route} (use {method})",
+                                                   code="method_not_allowed", headers={"Allow": method}))
+
+        async def answer(ctx, body: bytes, client: FrontResponse) -> int:
+            return await self._answer(ctx, rid, request, client)
+        await self.pipeline.serve(request, resp, answer, route=route)
+
+    async def _answer(self, ctx, rid: str, request: FrontRequest, client: FrontResponse) -> int:
+        p, d = self.pipeline, self.dispatcher
+        ctx.identity = p.auth.authenticate(ctx.headers)
+        ctx.limited = p.limiter.acquire(ctx.identity.tenant_id)
+        if p.stored is None:
+            raise not_found(rid, "response_id", why="this gateway was not told the engines store responses")
+        turn = await p.stored.holder(rid, ctx.identity.tenant_hash, param="response_id")
+        st = d.membership.get(turn.replica_id)
+        if st is None:
+            raise not_found(rid, "response_id", why="the replica that stored it has left the pool")
+        ctx.replica = st.replica_id
+        if not st.available(d.membership.clock()):
+            raise ApiError(503, "the replica holding this response is unavailable", code="no_replica_available",
+                           headers={"Retry-After": "1"})
+        path = request.path + (f"?{request.query_string}" if request.query_string else "")
+        headers = {"X-Request-Id": ctx.request_id, "Accept-Encoding": "identity"}
+        if request.method == "POST":
+            headers["Content-Type"] = "application/json"
+        try:
+            at = await attempt(d.pool, st.url, path, request.body, headers, stream=True, client_wants_usage=True,
+                               first_byte_timeout_s=d.proxy.first_byte_timeout_s, method=request.method)
+        except UpstreamFailure as f:
+            d.failed(ctx, f, NO_SPAN, retrying=False)
+            raise exhausted(f) from None
+        d.membership.report_success(st.replica_id)
+        out = {"X-Request-Id": ctx.request_id, "X-Warmroute-Replica": st.replica_id}
+        if at.resp is None:
+            r = await send_whole(client, at, out)
+        else:
+            r = await relay(client, at, out, idle_timeout_s=p.cfg.proxy.idle_timeout_s, request_id=ctx.request_id)
+        if r.final is not None and r.final.get("id") == rid:
+            p.stored.answered(rid, r.final)
+        return 499 if r.client_gone else at.status
