@@ -9,8 +9,9 @@ Rules:
   replica that has left the pool, or a gateway not told the engines store responses
   (`responses.store`) is 404 `response_not_found`, as vLLM answers an id it does not hold.
 - The request goes to the holder only, its query string and body as the client sent them; the
-  holder unavailable: 503; a failure before its answer ejects it as a generation request's
-  failure does (502, 504). The answer goes to the client as the engine gave it (an error
+  holder unavailable: 503; refused, or answering 5xx, it is ejected as after a generation
+  request's failure (502); no answer within `proxy.first_byte_timeout_s`: 504, and not ejected
+  (vLLM's replay of a background response asked for events past its last one waits for more). The answer goes to the client as the engine gave it (an error
   re-shaped to OpenAI's), streamed when it is a stream; a whole response read on its way is
   the record's answer when the record has none yet.
 - Counted and logged as the other routes are, under the route templates `/v1/responses/{id}`
@@ -19,15 +20,17 @@ Rules:
 """
 from __future__ import annotations
 
+from gateway.auth import Identity
 from gateway.dispatch import Dispatcher, exhausted
 from gateway.errors import ApiError
 from gateway.http_front import FrontRequest, FrontResponse, send_error
+from gateway.membership import ReplicaState
 from gateway.proxy import UpstreamFailure, attempt
 from gateway.relay import relay, send_whole
 from gateway.stored_responses import not_found
 from gateway.tracing import NO_SPAN
 
-__all__ = ["PREFIX", "GET_ROUTE", "CANCEL_ROUTE", "ResponseRoutes", "route_of"]
+__all__ = ["PREFIX", "GET_ROUTE", "CANCEL_ROUTE", "ResponseRoutes", "route_of", "method_of"]
 
 PREFIX = "/v1/responses/"
 GET_ROUTE = "/v1/responses/{id}"
@@ -43,6 +46,10 @@ def route_of(path: str) -> tuple[str, str] | None:
     return (CANCEL_ROUTE if tail else GET_ROUTE), rid
 
 
+def method_of(route: str) -> str:
+    return "POST" if route == CANCEL_ROUTE else "GET"
+
+
 class ResponseRoutes:
     """Serves GET_ROUTE and CANCEL_ROUTE (module rules)."""
 
@@ -56,18 +63,20 @@ class ResponseRoutes:
             return await send_error(resp, ApiError(404, f"unknown route {request.method} {request.path}",
                                                    code="unknown_route"))
         route, rid = found
-        method = "POST" if route == CANCEL_ROUTE else "GET"
-        if request.method != method:
-            return await send_error(resp, ApiError(405, f"method {request.method} not allowed on {route} (use {method})",
-                                                   code="method_not_allowed", headers={"Allow": method}))
+        want = method_of(route)
+        if request.method != want:
+            return await send_error(resp, ApiError(405, f"method {request.method} not allowed on {route} (use {want})",
+                                                   code="method_not_allowed", headers={"Allow": want}))
 
         async def answer(ctx, body: bytes, client: FrontResponse) -> int:
             return await self._answer(ctx, rid, request, client)
         await self.pipeline.serve(request, resp, answer, route=route)
 
-    async def _answer(self, ctx, rid: str, request: FrontRequest, client: FrontResponse) -> int:
+    async def holder(self, ctx, rid: str, *, identity: Identity | None = None) -> ReplicaState:
+        """Who asks (`identity`: already established by a trusted front), within the tenant's
+        limits, and the available replica that holds their response `rid` (module rules)."""
         p, d = self.pipeline, self.dispatcher
-        ctx.identity = p.auth.authenticate(ctx.headers)
+        ctx.identity = identity if identity is not None else p.auth.authenticate(ctx.headers)
         ctx.limited = p.limiter.acquire(ctx.identity.tenant_id)
         if p.stored is None:
             raise not_found(rid, "response_id", why="this gateway was not told the engines store responses")
@@ -79,6 +88,11 @@ class ResponseRoutes:
         if not st.available(d.membership.clock()):
             raise ApiError(503, "the replica holding this response is unavailable", code="no_replica_available",
                            headers={"Retry-After": "1"})
+        return st
+
+    async def _answer(self, ctx, rid: str, request: FrontRequest, client: FrontResponse) -> int:
+        p, d = self.pipeline, self.dispatcher
+        st = await self.holder(ctx, rid)
         path = request.path + (f"?{request.query_string}" if request.query_string else "")
         headers = {"X-Request-Id": ctx.request_id, "Accept-Encoding": "identity"}
         if request.method == "POST":
@@ -87,7 +101,10 @@ class ResponseRoutes:
             at = await attempt(d.pool, st.url, path, request.body, headers, stream=True, client_wants_usage=True,
                                first_byte_timeout_s=d.proxy.first_byte_timeout_s, method=request.method)
         except UpstreamFailure as f:
-            d.failed(ctx, f, NO_SPAN, retrying=False)
+            if f.phase == "connect" or f.status is not None:  # the replica's failure: ejected
+                d.failed(ctx, f, NO_SPAN, retrying=False)
+            else:  # nothing yet: vLLM's replay of a background response waits for events past the last one
+                d.metrics.child(d.metrics.upstream_errors, st.replica_id, f.phase, f.reason).inc()
             raise exhausted(f) from None
         d.membership.report_success(st.replica_id)
         out = {"X-Request-Id": ctx.request_id, "X-Warmroute-Replica": st.replica_id}

@@ -39,7 +39,7 @@ import msgspec
 
 from gateway.errors import ApiError
 from gateway.responses_api import output_messages
-from replica_agent.feed import FeedUnavailable, StoredTurnBoard
+from replica_agent.feed import StoredTurnBoard
 
 __all__ = ["Turn", "StoredResponses", "MAX_DEPTH", "final_output", "fetcher", "not_found"]
 
@@ -145,7 +145,7 @@ class StoredResponses:
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S):
                 await self.board.put(response_id, turn.previous, _encode(turn))
-        except (FeedUnavailable, TimeoutError) as exc:
+        except Exception as exc:  # noqa: BLE001 - unreachable, or refused (a full Redis): never the answer's failure
             self._count("write_failed")
             log.warning("a stored response's record was not shared (feed unreachable: %s); a follow-up to it "
                         "through another gateway will be answered 404", type(exc).__name__)
@@ -205,7 +205,7 @@ class StoredResponses:
         try:
             async with asyncio.timeout(READ_TIMEOUT_S):
                 raw = await self.board.chain(response_id, depth)
-        except (FeedUnavailable, TimeoutError) as exc:
+        except Exception as exc:  # noqa: BLE001 - unreachable (FeedUnavailable, a timeout), or a refusal
             self._count("feed_unreachable")
             raise ApiError(503, f"the stored responses' records are unreachable (the feed: {type(exc).__name__})",
                            code="feed_unavailable", headers={"Retry-After": "1"}) from None

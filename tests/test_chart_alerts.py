@@ -102,6 +102,11 @@ CASES = {
     "WarmrouteTokenizerMismatch": ([_s("warmroute_gateway_tokenizer_mismatch", "0 1x5", pod="g0", replica="r0")],
                                    [_s("warmroute_gateway_tokenizer_mismatch", "0x5", pod="g0", replica="r0")],
                                    "3m", {"replica": "r0"}, None),
+    "WarmrouteStoredResponsesNotShared": (  # one write refused a minute
+        [_s("warmroute_gateway_stored_responses_total", "0+1x20", pod="g0", event="write_failed")],
+        [_s("warmroute_gateway_stored_responses_total", "0+1x20", pod="g0", event="recorded"),
+         _s("warmroute_gateway_stored_responses_total", "0x20", pod="g0", event="write_failed")],
+        "15m", {}, "3m"),
     "WarmrouteAgentUnhealthy": ([_s("warmroute_agent_healthy", "0x10", pod="a0", replica="r0")],
                                 [_s("warmroute_agent_healthy", "1x10", pod="a0", replica="r0")],
                                 "8m", {"pod": "a0", "replica": "r0"}, "3m"),

@@ -281,7 +281,8 @@ async def test_the_responses_api_streams_through_envoy_warm_where_it_lives(stack
 async def test_a_follow_up_goes_to_its_stored_responses_replica_rendered_with_its_history(stack):
     """`previous_response_id` behind Envoy: the picker recorded the first response on its replica,
     picks that replica only for the follow-up, and renders the stored history (the answer, which
-    the picker does not read, asked of that replica), so the follow-up is predicted exactly."""
+    the picker does not read, asked of that replica), so the follow-up is predicted exactly; the
+    response fetched and cancelled by id there; another tenant told it does not exist."""
     gw = stack["gw"]
     client = _client(stack, KEYS["tenant-a"])
     instructions = "stored via envoy " + DOC
@@ -312,3 +313,12 @@ async def test_a_follow_up_goes_to_its_stored_responses_replica_rendered_with_it
     other = _client(stack, KEYS["tenant-b"])
     with pytest.raises(openai.NotFoundError):
         await other.responses.create(model=MODEL, previous_response_id=first.id, input="Mine now?", max_output_tokens=2)
+    # by id, through Envoy, to the replica that holds it (the other one would answer 404)
+    assert (await client.responses.retrieve(first.id)).output_text == first.output_text
+    with pytest.raises(openai.BadRequestError, match="synchronous"):  # the engine's own answer: not a background one
+        await client.responses.cancel(first.id)
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.retrieve(first.id)
+    async with httpx.AsyncClient(timeout=10) as h:
+        r = await h.delete(stack["url"] + f"/responses/{first.id}", headers={"Authorization": f"Bearer {KEYS['tenant-a']}"})
+    assert r.status_code == 405 and r.headers["allow"] == "GET"

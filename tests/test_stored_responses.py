@@ -91,6 +91,17 @@ async def test_an_answer_not_known_is_fetched_from_its_replica_once_final():
     assert e.value.status == 404 and e.value.code == "response_not_found" and "no longer holds" in e.value.message
 
 
+async def test_a_response_answered_elsewhere_than_recorded_moves_there():
+    """The Endpoint Picker records a response on its primary; Envoy may retry it on a fallback."""
+    feed = open_feed("memory://stored-unit-moved")
+    store = StoredResponses(stored_turn_board(feed, ttl_s=60), Fetches({}), max_turns=10)
+    [rid] = await _conversation(store, 1)
+    store.moved(rid, "r9")
+    await asyncio.gather(*store._writes)  # noqa: SLF001
+    other = StoredResponses(stored_turn_board(feed, ttl_s=60), Fetches({}), max_turns=10)
+    assert (await other.history(rid, "ta"))[0] == "r9" and (await store.history(rid, "ta"))[0] == "r9"
+
+
 async def test_every_failed_lookup_is_answered_as_it_should():
     store = StoredResponses(None, Fetches({}), max_turns=3)
     ids = await _conversation(store, 5)  # the first two fell out of memory, and no board keeps them

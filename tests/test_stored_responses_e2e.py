@@ -13,11 +13,12 @@ import json
 import aiohttp
 import pytest
 import pytest_asyncio
+from aiohttp import web
 
 from gateway.config import config_from_dict
 from gateway.server import start_gateway
 from replica_agent.feed import open_feed
-from tests.conftest import keyed_gateway_config, sims_with_agents
+from tests.conftest import keyed_gateway_config, serve_app, sims_with_agents
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -193,3 +194,43 @@ async def test_a_gateway_not_told_of_the_store_refuses_clearly(stack, tok, tmp_p
             assert r.status == 404 and "store" in (await r.json())["error"]["message"]
     finally:
         await g.close()
+
+
+async def test_a_replay_that_waits_past_its_last_event_is_504_and_no_ejection(tok):
+    """vLLM's replay of a background response (`GET ...?stream=true&starting_after=N`) past its last
+    event waits for more, forever: the client gets 504 after `proxy.first_byte_timeout_s`, and the
+    replica, which is fine, stays in the pool."""
+    async def create(request):
+        body = await request.json()
+        return web.json_response({"id": body["request_id"], "object": "response", "status": "completed", "output": [],
+                                  "usage": {"input_tokens": 3, "output_tokens": 1,
+                                            "input_tokens_details": {"cached_tokens": 0}}})
+
+    async def replay(request):
+        await asyncio.sleep(30)
+        return web.Response()
+
+    async def health(request):
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses/{rid}", replay)
+    app.router.add_get("/health", health)
+    runner, url = await serve_app(app, shutdown_timeout=0.1)
+    cfg = config_from_dict({"server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
+                            "membership": {"replicas": [f"u={url}"]}, "auth": {"enabled": False},
+                            "model": {"name": MODEL, "max_model_len": 4096}, "feed": {"url": "memory://stored-replay"},
+                            "proxy": {"first_byte_timeout_s": 0.5}, "responses": {"store": True}}, env={})
+    g = await start_gateway(cfg, tokenizer=tok)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(g.url + "/v1/responses", json={"model": MODEL, "input": "hi"}) as r:
+                assert r.status == 200
+                rid = (await r.json())["id"]
+            async with s.get(g.url + f"/v1/responses/{rid}", params={"stream": "true", "starting_after": "9"}) as r:
+                assert r.status == 504 and (await r.json())["error"]["code"] == "upstream_unavailable"
+        assert g.gateway.membership.available("u")
+    finally:
+        await g.close()
+        await runner.cleanup()

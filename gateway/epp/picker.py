@@ -11,8 +11,9 @@ The engine's tokenizer routes (`/tokenize`, `/detokenize`: gateway.engine_routes
 same way and sent untouched to the replicas that serve the model, in turn. A Responses request
 the engines store (`responses.store`) is recorded on its primary before Envoy sends it on
 (gateway.stored_responses; its answer, which the picker does not read, is asked of that replica
-when a follow-up needs it), and a follow-up goes to its previous response's replica only; the
-routes naming a stored response by id (`GET /v1/responses/{id}`, cancel) are not picked here.
+when a follow-up needs it), and a follow-up goes to its previous response's replica only, as do
+the routes naming a stored response (`GET /v1/responses/{id}`, cancel: gateway.response_routes,
+admitted the same way and sent untouched).
 `observe()` gets what the response path saw: the replica that answered (when Envoy retried,
 the primary is reported failed, as the HTTP gateway's dispatch would), its status, usage, time
 to first event and decode interval, and whether the stream ended early; it ends the in-flight
@@ -34,6 +35,7 @@ from gateway.engine_routes import ENGINE_ROUTES
 from gateway.epp.extproc import Outcome, Pick, Reject
 from gateway.errors import ApiError
 from gateway.pipeline import ROUTES, outcome_of
+from gateway.response_routes import method_of, route_of
 from gateway.server import API_PATHS, Gateway
 
 __all__ = ["PipelinePicker", "endpoint_of"]
@@ -67,15 +69,20 @@ class PipelinePicker:
         if pipeline is None:
             return Reject.from_api_error(ApiError(503, "the picker is still starting", code="not_ready"))
         path = headers.get(":path", "").partition("?")[0]
-        if path not in ROUTES and path not in ENGINE_ROUTES:
+        stored = route_of(path)  # (route template, response id) of a stored response's route
+        if path not in ROUTES and path not in ENGINE_ROUTES and stored is None:
             return Reject.from_api_error(ApiError(404, f"unknown route {path} (served: {API_PATHS})", code="unknown_route"))
-        if headers.get(":method", "POST") != "POST":
-            return Reject.from_api_error(ApiError(405, f"method {headers.get(':method')} not allowed on {path} (use POST)",
-                                                  code="method_not_allowed", headers={"Allow": "POST"}))
+        route, want = (path, "POST") if stored is None else (stored[0], method_of(stored[0]))
+        if headers.get(":method", "POST") != want:
+            return Reject.from_api_error(ApiError(405, f"method {headers.get(':method')} not allowed on {route} (use {want})",
+                                                  code="method_not_allowed", headers={"Allow": want}))
         endpoints = self._endpoints()
         only = None if subset is None else {rid for rid, ep in endpoints.items() if ep in set(subset)}
-        ctx = pipeline.new_context(path, headers)
+        ctx = pipeline.new_context(route, headers)
         try:
+            if stored is not None:  # to the replica that holds it (gateway.response_routes)
+                st = await self.gw.response_routes.holder(ctx, stored[1], identity=self._trusted_identity(headers))
+                return Pick(body=body, endpoints=[endpoints[st.replica_id]], ctx=ctx, remove_headers=_CLIENT_CREDENTIALS)
             if path in ENGINE_ROUTES:
                 return await self._pick_for_engine_route(ctx, body, only, endpoints)
             await pipeline.prepare(ctx, body, identity=self._trusted_identity(headers), only=only)
