@@ -55,7 +55,7 @@ from gateway.rewrite import upstream_body
 from gateway.routing import RoutingState, queued_prefill_tokens
 from gateway.responses_api import kept_messages, turn_messages, with_history
 from gateway.salt import SaltDeriver
-from gateway.stored_responses import StoredResponses, Turn, not_found
+from gateway.stored_responses import StoredResponses, Turn, lost_response, not_found
 from gateway.telemetry import Metrics
 from gateway.tokenization import TokenizerService
 from gateway.tokenize_check import TokenizeChecker
@@ -151,6 +151,8 @@ class Pipeline:
         headers = {"X-Request-Id": ctx.request_id, "X-Warmroute-Replica": tr.replica_id}
         if ctx.response_id is not None and at.status == 200:
             await self.record_response(ctx, tr.replica_id)
+        elif at.status == 404 and ctx.request.previous_response_id is not None and lost_response(at.body):
+            self.stored.engine_lost(tr.replica_id, time.monotonic())
         if at.resp is None:
             r = await send_whole(resp, at, headers)
             ttft_s = None  # a whole answer's time is not a time to first token

@@ -20,6 +20,8 @@ Rules:
 """
 from __future__ import annotations
 
+import time
+
 from gateway.auth import Identity
 from gateway.dispatch import Dispatcher, exhausted
 from gateway.errors import ApiError
@@ -27,7 +29,7 @@ from gateway.http_front import FrontRequest, FrontResponse, send_error
 from gateway.membership import ReplicaState
 from gateway.proxy import UpstreamFailure, attempt
 from gateway.relay import relay, send_whole
-from gateway.stored_responses import not_found
+from gateway.stored_responses import lost_response, not_found
 from gateway.tracing import NO_SPAN
 
 __all__ = ["PREFIX", "GET_ROUTE", "CANCEL_ROUTE", "ResponseRoutes", "route_of", "method_of"]
@@ -107,6 +109,8 @@ class ResponseRoutes:
                 d.metrics.child(d.metrics.upstream_errors, st.replica_id, f.phase, f.reason).inc()
             raise exhausted(f) from None
         d.membership.report_success(st.replica_id)
+        if at.status == 404 and lost_response(at.body):
+            p.stored.engine_lost(st.replica_id, time.monotonic())
         out = {"X-Request-Id": ctx.request_id, "X-Warmroute-Replica": st.replica_id}
         if at.resp is None:
             r = await send_whole(client, at, out)

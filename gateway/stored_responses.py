@@ -19,6 +19,9 @@ before its own input (gateway.responses_api). Rules:
   recorded, expired (`responses.ttl_s`), whose history is no longer whole, or owned by another
   tenant is 404 `response_not_found`, as vLLM says of a response it does not hold; its replica
   gone from the pool, the same (the engine's store went with it).
+- A replica that answers 404 for a response it was recorded to hold has lost it (restarted), or
+  does not store responses (run without VLLM_ENABLE_RESPONSES_API_STORE=1): counted
+  (`engine_lost`), and a warning saying so, at most once a minute per replica.
 - Records live in this process (the `responses.max_turns` most recently used) and in the feed
   (replica_agent.feed.stored_turns: Redis, so every gateway process and pod finds them); the feed
   unreachable when a record is not here: 503, and the write of a new record is skipped (counted,
@@ -41,11 +44,12 @@ from gateway.errors import ApiError
 from gateway.responses_api import output_messages
 from replica_agent.feed import StoredTurnBoard
 
-__all__ = ["Turn", "StoredResponses", "MAX_DEPTH", "final_output", "fetcher", "not_found"]
+__all__ = ["Turn", "StoredResponses", "MAX_DEPTH", "final_output", "fetcher", "not_found", "lost_response"]
 
 log = logging.getLogger("warmroute.gateway.stored_responses")
 
 MAX_DEPTH = 10_000  # turns of one conversation followed at most
+LOST_WARNING_EVERY_S = 60.0  # a replica's "lost a stored response" warning at most this often
 READ_TIMEOUT_S = 1.0  # a feed read slower than this counts as the feed unreachable
 # a record's write, which the answer's first byte waits for, given up after this (the feed unreachable)
 WRITE_TIMEOUT_S = 0.25
@@ -97,6 +101,7 @@ class StoredResponses:
         self.metrics = metrics  # gateway.telemetry.Metrics (stored_responses counter); None: not counted
         self._turns: OrderedDict[str, Turn] = OrderedDict()
         self._writes: set[asyncio.Task] = set()
+        self._warned: dict[str, float] = {}  # replica -> when its last "lost" warning was logged (monotonic)
 
     @staticmethod
     def new_id() -> str:
@@ -126,6 +131,15 @@ class StoredResponses:
             return
         turn.answer = answer
         self._write_later(response_id, turn)
+
+    def engine_lost(self, replica_id: str, now: float) -> None:
+        """`replica_id` answered 404 for a response recorded on it (module rules)."""
+        self._count("engine_lost")
+        if now - self._warned.get(replica_id, -LOST_WARNING_EVERY_S) >= LOST_WARNING_EVERY_S:
+            self._warned[replica_id] = now
+            log.warning("replica %s does not hold a response it stored: it restarted since, or runs without "
+                        "VLLM_ENABLE_RESPONSES_API_STORE=1 (responses.store says the engines store responses)",
+                        replica_id, extra={"fields": {"replica": replica_id}})
 
     def moved(self, response_id: str, replica_id: str) -> None:
         """A recorded response was answered by another replica than recorded (a proxy's retry)."""
@@ -262,6 +276,11 @@ def fetcher(session: aiohttp.ClientSession, membership, timeout_s: float) -> Fet
         return body if isinstance(body, dict) else None
 
     return fetch
+
+
+def lost_response(body: bytes) -> bool:
+    """An engine's 404 body says it does not hold the response (vLLM: "Response with id '...' not found.")."""
+    return b"Response with id" in body
 
 
 def not_found(response_id: str, param: str, *, why: str = "") -> ApiError:

@@ -127,7 +127,8 @@ class Metrics(LabelCache):
         self.output_tokens = Counter("warmroute_gateway_output_tokens", "Completion tokens (engine usage)", ["replica"], registry=r)
         self.stored_responses = Counter("warmroute_gateway_stored_responses",
                                         "Stored Responses' records (gateway.stored_responses), by event: recorded, "
-                                        "followed, answer_fetched, not_found, history_lost, write_failed, feed_unreachable",
+                                        "followed, answer_fetched, not_found, history_lost, write_failed, feed_unreachable, "
+                                        "engine_lost (a replica's 404 for one it stored)",
                                         ["event"], registry=r)
         self._acc: dict[str, float] = {}
 

@@ -234,3 +234,26 @@ async def test_a_replay_that_waits_past_its_last_event_is_504_and_no_ejection(to
     finally:
         await g.close()
         await runner.cleanup()
+
+
+async def test_engines_that_store_nothing_are_named_in_a_warning(tok, tmp_path, caplog):
+    """A gateway told the engines store responses in front of one that does not (run without
+    VLLM_ENABLE_RESPONSES_API_STORE=1): the engine's own 404 reaches the client, each is counted,
+    and one warning names the replica and the variable."""
+    feed = open_feed("memory://stored-e2e-engine-lost")
+    async with sims_with_agents(1, feed, MODEL) as sims:
+        g = await start_gateway(_config(tmp_path, sims), feed=feed, tokenizer=tok)
+        try:
+            async with aiohttp.ClientSession() as s:
+                first, home = await _respond(s, g, {"input": "remember me"})
+                with caplog.at_level("WARNING", logger="warmroute.gateway.stored_responses"):
+                    async with s.post(g.url + "/v1/responses", headers=_auth(),
+                                      json={"model": MODEL, "input": "go on", "previous_response_id": first["id"]}) as r:
+                        assert r.status == 404 and "not found" in (await r.json())["error"]["message"]
+                    async with s.get(g.url + f"/v1/responses/{first['id']}", headers=_auth()) as r:
+                        assert r.status == 404 and r.headers["X-Warmroute-Replica"] == home
+            assert g.gateway.metrics.stored_responses.labels("engine_lost")._value.get() == 2
+            [rec] = [r for r in caplog.records if r.name == "warmroute.gateway.stored_responses"]
+            assert home in rec.getMessage() and "VLLM_ENABLE_RESPONSES_API_STORE=1" in rec.getMessage()
+        finally:
+            await g.close()
