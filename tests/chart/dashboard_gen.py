@@ -85,6 +85,8 @@ ROWS = [
         ("Agent event lag", "s", [(f"max by (replica) (warmroute_agent_lag_seconds{{{NS}}})", "{{replica}}")]),
         ("Agent healthy", "short", [(f"min by (replica) (warmroute_agent_healthy{{{NS}}})", "{{replica}}")]),
         ("Index entries", "short", [(f"sum(warmroute_gateway_index_entries{{{NS}}})", "entries")]),
+        ("Stored responses' records, by event", "ops",
+         [(f"sum by (event) (rate(warmroute_gateway_stored_responses_total{{{NS}}}[{RATE}]))", "{{event}}")]),
     ]),
     ("Gateway", [
         ("Routing decision and tokenization, p99", "s",
