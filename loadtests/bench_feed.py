@@ -22,10 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 import msgspec
@@ -36,8 +33,7 @@ from redis.utils import HIREDIS_AVAILABLE
 from replica_agent.feed import FeedEvent, TenantShare, fair_share_board, open_feed
 from replica_agent.feed.fair_share import _decode, _encode
 from replica_agent.feed.records import KINDS, Hello, LoadReport, decode_event, encode_event
-from loadtests.ports import free_port
-from loadtests.processes import stop_processes
+from loadtests.processes import private_redis
 
 _generic = msgspec.msgpack.Decoder()
 
@@ -194,18 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keys", type=int, default=32, help="keys per stored record")
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args(argv)
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server not found")
-    port, tmp = free_port(), tempfile.mkdtemp(prefix="wr-bench-feed-")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", tmp], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        time.sleep(0.5)
-        rows = asyncio.run(_run(f"redis://127.0.0.1:{port}/0", args))
-    finally:
-        stop_processes([proc])
-        shutil.rmtree(tmp, ignore_errors=True)
+    with private_redis("wr-bench-feed-") as url:
+        rows = asyncio.run(_run(url, args))
     print("| measurement | old CPU-us | new CPU-us | old / new |\n|---|---|---|---|")
     for label, old, new in rows:
         print(f"| {label} | {old:.1f} | {new:.1f} | {old / new:.2f} |")

@@ -4,16 +4,39 @@ then SIGKILL for any still running (every process we start stops by its PID, nev
 `group=True` signals each one's process group (started with `start_new_session=True`), so the
 children it spawned (a gateway's workers, an engine's helpers) stop with it: what is left of a
 group once its leader has exited gets the rest of the wait, then SIGKILL.
+`private_redis()`: a benchmark's own redis-server, stopped that way and its directory removed.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
-from typing import Iterable
+from typing import Iterable, Iterator
 
-__all__ = ["stop_processes"]
+from loadtests.ports import free_port
+
+__all__ = ["stop_processes", "private_redis"]
+
+
+@contextlib.contextmanager
+def private_redis(prefix: str = "wr-bench-redis-") -> Iterator[str]:
+    """A redis-server on a free loopback port, no persistence, for the `with` block; yields its URL."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("redis-server not found (apt-get install redis-server)")
+    port, tmp = free_port(), tempfile.mkdtemp(prefix=prefix)
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", tmp], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        stop_processes([proc])
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _signal(p: subprocess.Popen, sig: int, group: bool) -> None:

@@ -173,3 +173,14 @@ def test_only_a_final_response_gives_its_answer():
     assert final_output(_answer("done")) == [{"role": "assistant", "content": "done"}]
     assert final_output(_answer("so far", status="in_progress")) is None
     assert final_output(_answer("x", status="queued")) is None and final_output(None) is None
+
+
+def test_the_benchmarks_short_form_plans_a_follow_up_as_the_whole_conversation(capsys):
+    """loadtests/bench_stored_responses.py in short (its full run is a documented command): a
+    follow-up planned from records in memory and from Redis has the token count of the same
+    conversation sent whole (the benchmark asserts it), and each variant gets its row."""
+    from loadtests.bench_stored_responses import main
+
+    assert main(["--turns", "3", "--conversations", "2", "--repeat", "1"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 3 |")]
+    assert [r[2] for r in rows] == ["whole", "in memory", "from Redis", "writes"] and len({r[1] for r in rows}) == 1
