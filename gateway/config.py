@@ -211,7 +211,7 @@ class ResponsesConfig:
     # the engines store Responses (vLLM with VLLM_ENABLE_RESPONSES_API_STORE=1): previous_response_id,
     # background and GET / cancel by id are served, each on the replica holding the response
     store: bool = False
-    ttl_s: float = 604800.0  # a stored response's record (its replica, its turn's messages) is kept this long in the feed
+    ttl_s: float = 604800.0  # a stored response's record (its replica, its turn's messages) stays in the feed this long after its conversation's last turn
     max_turns: int = 10000  # records kept in each gateway process's memory besides (the least recently used go first)
 
 

@@ -121,7 +121,7 @@ class StoredResponses:
         """A stored response's record, written before its answer goes out (module rules)."""
         self._keep(response_id, turn)
         self._count("recorded")
-        await self._write(response_id, turn)
+        await self._write(response_id, turn, refresh=True)
 
     def answered(self, response_id: str, response: object) -> None:
         """The answer of a recorded response (its response object), when whole; written in the background."""
@@ -153,12 +153,13 @@ class StoredResponses:
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def _write(self, response_id: str, turn: Turn) -> None:
+    async def _write(self, response_id: str, turn: Turn, *, refresh: bool = False) -> None:
+        """The record to the feed; `refresh`: its chain's expiry renewed too (a new turn's)."""
         if self.board is None:
             return
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S):
-                await self.board.put(response_id, turn.previous, _encode(turn))
+                await self.board.put(response_id, turn.previous, _encode(turn), refresh=refresh)
         except Exception as exc:  # noqa: BLE001 - unreachable, or refused (a full Redis): never the answer's failure
             self._count("write_failed")
             log.warning("a stored response's record was not shared (feed unreachable: %s); a follow-up to it "

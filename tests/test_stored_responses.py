@@ -144,7 +144,7 @@ async def test_an_unreachable_feed_is_503_and_a_lost_write_is_counted(redis_serv
 async def test_the_board_follows_a_chain_and_forgets_it(backend, request):
     url = request.getfixturevalue("redis_server").url if backend == "redis" else "memory://stored-unit-board"
     feed = open_feed(url)
-    board = stored_turn_board(feed, ttl_s=0.3)
+    board = stored_turn_board(feed, ttl_s=1.0)
     try:
         await board.put("a", None, b"first\x00with a nul")
         await board.put("b", "a", b"second")
@@ -154,8 +154,13 @@ async def test_the_board_follows_a_chain_and_forgets_it(backend, request):
         assert await board.chain("nope", 10) == []
         await board.put("d", "gone", b"fourth")  # its previous never written: the chain stops there
         assert await board.chain("d", 10) == [("d", "gone", b"fourth")]
-        await asyncio.sleep(0.4)
-        assert await board.chain("c", 10) == []  # expired
+        await asyncio.sleep(0.6)
+        await board.put("e", "c", b"fifth")  # the conversation goes on: its chain lives on
+        await asyncio.sleep(0.6)  # past the first three's own expiry
+        assert [rid for rid, _, _ in await board.chain("e", 10)] == ["e", "c", "b", "a"]
+        assert await board.chain("d", 10) == []  # not followed: expired
+        await asyncio.sleep(0.6)
+        assert await board.chain("e", 10) == []  # expired
     finally:
         await feed.close()
 
