@@ -13,7 +13,7 @@ before its own input (gateway.responses_api). Rules:
   input's messages bar the system ones; the answer's text parts are added when the answer is
   whole (from the relayed body or the stream's last event). A record the answer never reached
   (a background response, an answer relayed by Envoy) gets it from the holder
-  (`GET /v1/responses/{id}`) when a follow-up needs it.
+  (`GET /v1/responses/{id}`) when a follow-up needs it, and shares it once final.
 - A follow-up is routed to its previous response's replica only (unavailable: 503), rendered with
   the whole chain's history, so its tokens, keys and prediction are the engine's. A response not
   recorded, expired (`responses.ttl_s`), whose history is no longer whole, or owned by another
@@ -244,6 +244,7 @@ class StoredResponses:
         answer = final_output(response)
         if answer is not None:
             turn.answer = answer
+            self._write_later(response_id, turn)  # the other gateways need not ask again
             return answer
         return output_messages(response.get("output"))  # still running: vLLM renders what it has so far
 

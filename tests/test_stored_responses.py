@@ -71,7 +71,8 @@ async def test_a_chain_is_read_back_as_its_history_here_and_through_the_board():
 
 async def test_an_answer_not_known_is_fetched_from_its_replica_once_final():
     fetch = Fetches({})
-    store = StoredResponses(None, fetch, max_turns=100)
+    board = stored_turn_board(open_feed("memory://stored-unit-fetch"), ttl_s=60)
+    store = StoredResponses(board, fetch, max_turns=100)
     first, second = store.new_id(), store.new_id()
     await store.record(first, Turn("r2", "ta", None, [{"role": "user", "content": "q0"}]))
     await store.record(second, Turn("r2", "ta", first, [{"role": "user", "content": "q1"}]))
@@ -84,6 +85,9 @@ async def test_an_answer_not_known_is_fetched_from_its_replica_once_final():
     assert fetch.asked == [("r2", first), ("r2", second), ("r2", first)]  # the final answer is kept, not asked again
     await store.history(second, "ta")
     assert len(fetch.asked) == 3
+    await asyncio.gather(*store._writes)  # noqa: SLF001
+    other = StoredResponses(board, fetch, max_turns=100)  # another gateway: the answers, once final, were shared
+    assert (await other.history(second, "ta"))[1][1] == {"role": "assistant", "content": "a0"} and len(fetch.asked) == 3
     del fetch.stored[first]
     store._turns[first].answer = None  # noqa: SLF001 - as if never known here
     with pytest.raises(ApiError) as e:  # the replica no longer holds it
