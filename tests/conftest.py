@@ -73,6 +73,36 @@ async def sims_with_agents(n: int, feed, model: str, **sim):
             await s.close()
 
 
+@contextlib.asynccontextmanager
+async def gateway_before_engine(tok, routes: dict, model: str, **config):
+    """A gateway (no auth) in front of one fake engine `u` serving `routes` ("METHOD /path" ->
+    aiohttp handler; `/health` is added), with `config` sections merged into its config."""
+    from aiohttp import web
+
+    from gateway.config import config_from_dict
+    from gateway.server import start_gateway
+
+    async def health(request):
+        return web.Response()
+
+    app = web.Application()
+    for route, handler in routes.items():
+        method, path = route.split(" ", 1)
+        app.router.add_route(method, path, handler)
+    app.router.add_get("/health", health)
+    runner, url = await serve_app(app, shutdown_timeout=0.1)
+    cfg = config_from_dict({"server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
+                            "membership": {"replicas": [f"u={url}"]}, "auth": {"enabled": False},
+                            "model": {"name": model, "max_model_len": 4096}, "feed": {"url": "memory://fake"},
+                            **config}, env={})
+    g = await start_gateway(cfg, tokenizer=tok)
+    try:
+        yield g
+    finally:
+        await g.close()
+        await runner.cleanup()
+
+
 def keyed_gateway_config(d: Path, sims, keys: dict[str, str]):
     """A gateway config in front of `sims` (replicas `r0`..), with API keys (tenant -> key) and a salt
     secret written under `d`; its feed is the caller's (`memory://unused` here)."""

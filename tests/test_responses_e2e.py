@@ -6,7 +6,6 @@ share, whatever salt a client sends; what the gateway does not route is refused 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 import aiohttp
@@ -14,10 +13,9 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from gateway.config import config_from_dict
 from gateway.server import start_gateway
 from replica_agent.feed import open_feed
-from tests.conftest import keyed_gateway_config, serve_app, sims_with_agents
+from tests.conftest import gateway_before_engine, keyed_gateway_config, sims_with_agents
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -133,27 +131,6 @@ async def test_what_the_gateway_does_not_route_is_refused_clearly(stack):
         assert r.status == 200 and (await r.json())["status"] == "completed"
 
 
-@contextlib.asynccontextmanager
-async def _gateway_before(tok, route: str, answer):
-    """A gateway (no auth) in front of one fake engine whose `route` is `answer` (an aiohttp handler)."""
-    async def health(request):
-        return web.Response()
-
-    app = web.Application()
-    app.router.add_post(route, answer)
-    app.router.add_get("/health", health)
-    runner, url = await serve_app(app, shutdown_timeout=0.1)
-    cfg = config_from_dict({"server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
-                            "membership": {"replicas": [f"u={url}"]}, "auth": {"enabled": False},
-                            "model": {"name": MODEL, "max_model_len": 4096}, "feed": {"url": "memory://fake"}}, env={})
-    g = await start_gateway(cfg, tokenizer=tok)
-    try:
-        yield g
-    finally:
-        await g.close()
-        await runner.cleanup()
-
-
 async def test_a_response_stream_cut_after_its_first_token_ends_with_an_error_event(tok):
     """The engine's stream stops after a delta (no response.completed): the client's stream ends
     with the Responses API's own `error` event, not chat's data-only one."""
@@ -165,7 +142,7 @@ async def test_a_response_stream_cut_after_its_first_token_ends_with_an_error_ev
             await resp.write(f"event: {kind}\ndata: {json.dumps({'type': kind, **extra})}\n\n".encode())
         return resp  # ends the body without the last event
 
-    async with _gateway_before(tok, "/v1/responses", responses) as g:
+    async with gateway_before_engine(tok, {"POST /v1/responses": responses}, MODEL) as g:
         async with aiohttp.ClientSession() as s:
             async with s.post(g.url + "/v1/responses", json={"model": MODEL, "input": "hi", "stream": True}) as r:
                 assert r.status == 200
@@ -201,7 +178,7 @@ async def test_a_client_that_leaves_after_the_whole_answer_is_not_a_disconnect(t
 
     body = {"model": MODEL, "stream": True, **({"input": "hi"} if route == "/v1/responses" else
                                                 {"messages": [{"role": "user", "content": "hi"}]})}
-    async with _gateway_before(tok, route, answer) as g:
+    async with gateway_before_engine(tok, {f"POST {route}": answer}, MODEL) as g:
         async with aiohttp.ClientSession() as s:
             async with s.post(g.url + route, json=body) as r:
                 assert r.status == 200

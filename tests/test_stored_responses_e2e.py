@@ -18,7 +18,7 @@ from aiohttp import web
 from gateway.config import config_from_dict
 from gateway.server import start_gateway
 from replica_agent.feed import open_feed
-from tests.conftest import keyed_gateway_config, serve_app, sims_with_agents
+from tests.conftest import gateway_before_engine, keyed_gateway_config, sims_with_agents
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -210,20 +210,9 @@ async def test_a_replay_that_waits_past_its_last_event_is_504_and_no_ejection(to
         await asyncio.sleep(30)
         return web.Response()
 
-    async def health(request):
-        return web.Response()
-
-    app = web.Application()
-    app.router.add_post("/v1/responses", create)
-    app.router.add_get("/v1/responses/{rid}", replay)
-    app.router.add_get("/health", health)
-    runner, url = await serve_app(app, shutdown_timeout=0.1)
-    cfg = config_from_dict({"server": {"host": "127.0.0.1", "port": 0, "admin_port": 0},
-                            "membership": {"replicas": [f"u={url}"]}, "auth": {"enabled": False},
-                            "model": {"name": MODEL, "max_model_len": 4096}, "feed": {"url": "memory://stored-replay"},
-                            "proxy": {"first_byte_timeout_s": 0.5}, "responses": {"store": True}}, env={})
-    g = await start_gateway(cfg, tokenizer=tok)
-    try:
+    routes = {"POST /v1/responses": create, "GET /v1/responses/{rid}": replay}
+    async with gateway_before_engine(tok, routes, MODEL, feed={"url": "memory://stored-replay"},
+                                     proxy={"first_byte_timeout_s": 0.5}, responses={"store": True}) as g:
         async with aiohttp.ClientSession() as s:
             async with s.post(g.url + "/v1/responses", json={"model": MODEL, "input": "hi"}) as r:
                 assert r.status == 200
@@ -231,9 +220,6 @@ async def test_a_replay_that_waits_past_its_last_event_is_504_and_no_ejection(to
             async with s.get(g.url + f"/v1/responses/{rid}", params={"stream": "true", "starting_after": "9"}) as r:
                 assert r.status == 504 and (await r.json())["error"]["code"] == "upstream_unavailable"
         assert g.gateway.membership.available("u")
-    finally:
-        await g.close()
-        await runner.cleanup()
 
 
 async def test_engines_that_store_nothing_are_named_in_a_warning(tok, tmp_path, caplog):

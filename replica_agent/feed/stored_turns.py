@@ -130,7 +130,7 @@ class _MemoryBoard:
                 records[previous] = (until, hit[1], hit[2])
                 previous = hit[1]
             if len(records) % 1024 == 0:  # now and then, not per write: drop the expired
-                for rid in [r for r, (until, _, _) in records.items() if until <= now]:
+                for rid in [r for r, (t, _, _) in records.items() if t <= now]:
                     del records[rid]
 
     async def chain(self, response_id: str, max_depth: int) -> list[tuple[str, str | None, bytes]]:
