@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="leave vllm:lora_requests_info out of /metrics (an engine whose LoRA slots a router cannot see)")
     p.add_argument("--responses-store", action="store_true",
                    default=os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "") not in ("", "0"),
-                   help="keep answered Responses for previous_response_id and GET /v1/responses/{id}, as vLLM with "
+                   help="keep answered Responses for previous_response_id, background responses and GET / cancel by id, as vLLM with "
                         "VLLM_ENABLE_RESPONSES_API_STORE=1 (default: that variable's value, else off)")
     t = p.add_argument_group("time model (step = overhead + prefill tokens x per-token + decoding seqs x per-seq, x time scale)")
     t.add_argument("--time-profile", default="gpu", choices=["gpu", "wallclock"],

@@ -284,3 +284,68 @@ async def test_trace_keeps_each_requests_timeline_and_the_steps(tokenizer_dir) -
     assert second["t_sched"] >= first["t_done"] - 1e-6  # max_num_seqs 1: it waited for the slot
     assert second["cached"] > 0 and first["cached"] == 0  # the same prompt, warm the second time
     assert len(tr["steps"]) >= 4 and all(a <= b for a, b, *_ in tr["steps"])
+
+
+async def _sse_events(r: aiohttp.ClientResponse) -> list[dict]:
+    return [json.loads(line[6:]) for line in (await r.text()).splitlines() if line.startswith("data: ")]
+
+
+async def test_background_responses_run_on_are_replayed_and_cancelled_as_vllm_does(tokenizer_dir) -> None:
+    """vLLM 0.32's background Responses (VLLM_ENABLE_RESPONSES_API_STORE=1): stored as `queued` at
+    once and completed whoever listens; a streamed one's events replayed from `starting_after`; a
+    running one cancelled (its engine request aborted, the stored status stays `cancelled`); what vLLM
+    refuses, refused the same way."""
+    sim = await start_sim_server(SimConfig(model="sim-model", tokenizer=str(tokenizer_dir), num_blocks=2048, time=FAST,
+                                           max_model_len=8192, responses_store=True))
+    url = sim.url + "/v1/responses"
+    doc = " ".join(LONG_DOC.split()[:400])
+
+    async def poll(s, rid: str, until: str) -> dict:
+        for _ in range(200):
+            async with s.get(f"{url}/{rid}") as r:
+                got = await r.json()
+            if got["status"] == until:
+                return got
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"{rid} never {until}: {got['status']}")
+
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url, json={"input": doc, "max_output_tokens": 4, "background": True}) as r:
+                queued = await r.json()
+            assert r.status == 200 and queued["status"] == "queued" and queued["output"] == []
+            done = await poll(s, queued["id"], "completed")
+            assert done["usage"]["output_tokens"] == 4 and done["output"][0]["content"][0]["text"]
+            async with s.post(f"{url}/{queued['id']}/cancel") as r:
+                assert r.status == 400 and "synchronous" in (await r.json())["error"]["message"]
+            async with s.get(f"{url}/{queued['id']}", params={"stream": "true"}) as r:
+                assert r.status == 400  # not a streamed background response: nothing to replay
+
+            body = {"input": doc, "max_output_tokens": 3, "background": True, "stream": True}
+            async with s.post(url, json=body) as r:
+                events = await _sse_events(r)
+            rid = events[0]["response"]["id"]
+            assert [e["sequence_number"] for e in events] == list(range(len(events)))
+            assert events[-1]["type"] == "response.completed" and events[-1]["response"]["status"] == "completed"
+            async with s.get(f"{url}/{rid}", params={"stream": "true", "starting_after": "2"}) as r:
+                assert await _sse_events(r) == events[3:]
+
+            async with s.post(url, json={"input": "a long answer, please", "max_output_tokens": 4000, "background": True}) as r:
+                long = await r.json()
+            await poll(s, long["id"], "queued")
+            for _ in range(200):
+                if sim.engine.num_running:
+                    break
+                await asyncio.sleep(0.01)
+            aborted = sim.server.num_aborted_total
+            async with s.post(f"{url}/{long['id']}/cancel") as r:
+                assert r.status == 200 and (await r.json())["status"] == "cancelled"
+            assert sim.server.num_aborted_total == aborted + 1 and sim.engine.num_running == 0
+            await asyncio.sleep(0.05)
+            assert (await poll(s, long["id"], "cancelled"))["output"] == []
+
+            async with s.post(url, json={"input": "hi", "background": True, "store": False}) as r:
+                err = (await r.json())["error"]
+                assert r.status == 400 and err["param"] == "background" and "store" in err["message"]
+    finally:
+        await sim.close()

@@ -124,6 +124,54 @@ async def test_a_conversation_stays_on_its_replica_and_is_predicted_as_the_engin
     assert followed >= 4
 
 
+async def test_background_responses_are_polled_followed_replayed_and_cancelled_on_their_replica(stack):
+    """A background response (the engine answers `queued` and runs on): polled and replayed through
+    either gateway from its replica; a follow-up, whose gateway never saw the answer, asks the
+    replica for it and renders the history as the engine does; a running one cancelled by id."""
+    (ga, gb), s, sims = stack
+    queued, home = await _respond(s, ga, {"input": "Summarise in the background. " + DOC, "background": True})
+    assert queued["status"] == "queued" and queued["output"] == []
+    for _ in range(200):  # asked of the engine itself: no gateway sees the answer
+        async with s.get(sims[int(home[1:])].url + f"/v1/responses/{queued['id']}") as r:
+            done = await r.json()
+        if done["status"] == "completed":
+            break
+        await asyncio.sleep(0.02)
+    assert done["status"] == "completed" and done["output"][0]["content"][0]["text"]
+    body = {"previous_response_id": queued["id"], "input": "And in one line?"}
+    fetched = _counter(await _metrics(s, gb), 'warmroute_gateway_stored_responses_total{event="answer_fetched"}')
+    routed = (await _until_known(s, gb, body, done["usage"]["input_tokens"] // 16))["request"]["prompt_tokens"]
+    before = await _metrics(s, gb)
+    resp, where = await _respond(s, gb, body)
+    after = await _metrics(s, gb)
+    assert where == home and resp["usage"]["input_tokens"] == routed  # the answer fetched, rendered as the engine did
+    assert _counter(after, 'warmroute_gateway_stored_responses_total{event="answer_fetched"}') > fetched
+    predicted = _counter(after, "warmroute_gateway_predicted_cached_tokens_total") - \
+        _counter(before, "warmroute_gateway_predicted_cached_tokens_total")
+    assert predicted == resp["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    async with s.get(ga.url + f"/v1/responses/{queued['id']}", headers=_auth()) as r:
+        assert r.status == 200 and r.headers["X-Warmroute-Replica"] == home and await r.json() == done
+
+    async with s.post(ga.url + "/v1/responses", headers=_auth(), json={"model": MODEL, "input": "Stream it. " + DOC,
+                                                                       "max_output_tokens": 3, "background": True, "stream": True}) as r:
+        events = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: ")]
+        home = r.headers["X-Warmroute-Replica"]
+    rid = events[-1]["response"]["id"]
+    async with s.get(gb.url + f"/v1/responses/{rid}", params={"stream": "true", "starting_after": "1"}, headers=_auth()) as r:
+        assert r.status == 200 and r.headers["X-Warmroute-Replica"] == home
+        assert [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: ")] == events[2:]
+
+    long, home = await _respond(s, ga, {"input": "Take your time.", "max_output_tokens": 2000, "background": True})
+    sim = sims[int(home[1:])]  # replicas r0, r1
+    for _ in range(200):
+        if sim.engine.num_running:
+            break
+        await asyncio.sleep(0.01)
+    async with s.post(gb.url + f"/v1/responses/{long['id']}/cancel", headers=_auth()) as r:
+        assert r.status == 200 and (await r.json())["status"] == "cancelled" and r.headers["X-Warmroute-Replica"] == home
+    assert sim.engine.num_running == 0
+
+
 async def test_a_stored_response_is_fetched_and_cancelled_on_its_replica(stack):
     (ga, gb), s, _ = stack
     resp, home = await _respond(s, ga, {"input": "Fetch me later. " + DOC})

@@ -384,20 +384,10 @@ class SimServer:
         return "".join(ft[k % n] for k in range(start, end))
 
     async def h_responses(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        rid = body.get("request_id") if isinstance(body.get("request_id"), str) else f"resp_{uuid.uuid4().hex}"
-        chat = responses.chat_body(body, self.stored)
-        p, req, st = await self._admit(request, chat, True, rid)
-        keep = chat["messages"] if self.stored is not None and body.get("store", True) is not False else None
-        return await responses.answer(self, request, p, req, st, keep)
+        return await responses.create(self, request, await self._body(request))
 
-    async def h_stored_response(self, request: web.Request) -> web.Response:
-        if self.stored is None:
-            raise responses.not_found(request.match_info["rid"], "response_id")
-        stored = self.stored.get(request.match_info["rid"])
-        if request.path.endswith("/cancel"):
-            raise BadRequest("Cannot cancel a synchronous response.", "response_id")
-        return web.json_response(stored)
+    async def h_stored_response(self, request: web.Request) -> web.StreamResponse:
+        return await responses.by_id(self, request)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
