@@ -325,8 +325,9 @@ class TenantLimiter:
         self.concurrency_share = 1.0  # share of max_concurrent_reqs this process admits alone
         self.arrivals: dict[str, int] = {}  # tenant -> requests asked (limited tenants), for the rate shares
 
-    def acquire(self, tenant_id: str, now: float | None = None) -> bool:
-        """True when a slot was taken (call release), False when the tenant has no limits."""
+    def acquire(self, tenant_id: str, now: float | None = None, *, slot: bool = True) -> bool:
+        """True when a slot was taken (call release), False when the tenant has no limits; `slot`
+        False: the request rate only (a request that puts no work on an engine)."""
         pol = self.policies.get(tenant_id)
         if pol is None or (pol.max_concurrent_reqs is None and pol.max_rps is None):
             return False
@@ -343,6 +344,8 @@ class TenantLimiter:
                 raise ApiError(429, "tenant request rate limit reached", code="rate_limit_exceeded",
                                headers={"Retry-After": str(max(1, int(wait_s + 0.999)))})
             self._buckets[tenant_id] = (tokens - 1.0, now)
+        if not slot:
+            return False
         if pol.max_concurrent_reqs is not None:
             n = self._active.get(tenant_id, 0)
             cap = max(1, math.ceil(pol.max_concurrent_reqs * self.concurrency_share))

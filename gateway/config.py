@@ -213,6 +213,10 @@ class ResponsesConfig:
     store: bool = False
     ttl_s: float = 604800.0  # a stored response's record (its replica, its turn's messages) stays in the feed this long after its conversation's last turn
     max_turns: int = 10000  # records kept in each gateway process's memory besides (the least recently used go first)
+    # a background response holds its tenant's slot, flow control's grant and its replica's in-flight
+    # count until its engine says it ended, asked this often (gateway.background_holds)...
+    background_poll_s: float = 1.0
+    background_max_s: float = 3600.0  # ...and at most this long
 
 
 @dataclass

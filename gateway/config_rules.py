@@ -232,6 +232,10 @@ def _check_responses(cfg: GatewayConfig) -> None:
         raise _err("responses.ttl_s", f"must be a finite number > 0, got {r.ttl_s}")
     if r.max_turns < 1:
         raise _err("responses.max_turns", f"must be >= 1, got {r.max_turns}")
+    for name in ("background_poll_s", "background_max_s"):
+        v = getattr(r, name)
+        if not (v > 0 and math.isfinite(v)):
+            raise _err(f"responses.{name}", f"must be a finite number > 0, got {v}")
 
 
 def check_files(cfg: GatewayConfig) -> None:

@@ -39,6 +39,7 @@ class ParsedRequest:
     tools: list | None = None  # tools rendered by the template (None when tool_choice drops them)
     prompts: list | None = None  # completions: each prompt (str or token-id list); a batch has several
     previous_response_id: str | None = None  # responses: the stored response it follows (gateway.stored_responses)
+    background: bool = False  # responses: run on in the engine after its answer (gateway.background_holds)
 
 
 @dataclass(frozen=True, slots=True)

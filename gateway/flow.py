@@ -236,7 +236,10 @@ class FlowControl:
 
     def finished(self, ctx: RequestContext) -> None:
         """A request ended (any way): its slot is free."""
-        t = ctx.flow
+        self.release(ctx.flow)
+
+    def release(self, t: "Ticket | None") -> None:
+        """A grant's slot is free (its request ended, or a background response it held: gateway.background_holds)."""
         if t is None or t.replica is None:
             return
         self.finishes.add(t.replica, self.wall(), -1)

@@ -106,6 +106,13 @@ class Flight:
             self.done = True
             self.tracker._finish(self)
 
+    def handed_over(self) -> "Flight":
+        """The same count under a new owner, whose `finish()` ends it; this one's no longer does."""
+        f = Flight(self.tracker, self.replica_id, self.tokens, self.lora)
+        f.pending, f.done = self.pending, self.done
+        self.done = True
+        return f
+
 
 def _count(counts: dict[str, int], key: str, n: int) -> None:
     """Add `n` to `counts[key]`, dropping the key at 0 (a key never counted is left alone)."""

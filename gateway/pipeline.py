@@ -37,6 +37,7 @@ from typing import Awaitable, Callable, Collection, Mapping
 
 from gateway.adapters import AdapterLookup
 from gateway.auth import Authenticator, Identity, TenantLimiter
+from gateway.background_holds import BackgroundHolds
 from gateway.config import GatewayConfig
 from gateway.context import RESPONSES, Outcome, RequestContext, Try
 from gateway.dispatch import Dispatcher
@@ -55,7 +56,7 @@ from gateway.rewrite import upstream_body
 from gateway.routing import RoutingState, queued_prefill_tokens
 from gateway.responses_api import kept_messages, turn_messages, with_history
 from gateway.salt import SaltDeriver
-from gateway.stored_responses import StoredResponses, Turn, lost_response, not_found
+from gateway.stored_responses import StoredResponses, Turn, final_output, lost_response, not_found
 from gateway.telemetry import Metrics
 from gateway.tokenization import TokenizerService
 from gateway.tokenize_check import TokenizeChecker
@@ -97,6 +98,9 @@ class Pipeline:
         self.tokenize_checker = tokenize_checker  # sampled /tokenize checks (gateway.tokenize_check); None: none
         self.adapter_lookup = adapter_lookup  # names not served looked up (gateway.adapters); None: discovery off
         self.stored = stored  # stored Responses (gateway.stored_responses); None: the engines store none
+        rc = cfg.responses
+        self.holds = None if stored is None else BackgroundHolds(  # background responses still running
+            stored.fetch, poll_s=rc.background_poll_s, max_s=rc.background_max_s, answered=stored.answered, count=stored.count)
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(4).hex()
 
@@ -153,17 +157,23 @@ class Pipeline:
             await self.record_response(ctx, tr.replica_id)
         elif at.status == 404 and ctx.request.previous_response_id is not None and lost_response(at.body):
             self.stored.engine_lost(tr.replica_id, time.monotonic())
-        if at.resp is None:
-            r = await send_whole(resp, at, headers)
-            ttft_s = None  # a whole answer's time is not a time to first token
-        else:
-            m = self.metrics
-            m.child(m.ttft, tr.replica_id).observe(at.t_first - ctx.t0)
-            r = await relay(resp, at, headers, idle_timeout_s=self.cfg.proxy.idle_timeout_s, request_id=ctx.request_id)
-            if r.error is not None:
-                m.child(m.upstream_errors, tr.replica_id, "stream", r.error).inc()
-                ctx.span.error(r.error)
-            ttft_s = at.t_first - at.t_sent
+        r = None
+        try:
+            if at.resp is None:
+                r = await send_whole(resp, at, headers)
+                ttft_s = None  # a whole answer's time is not a time to first token
+            else:
+                m = self.metrics
+                m.child(m.ttft, tr.replica_id).observe(at.t_first - ctx.t0)
+                r = await relay(resp, at, headers, idle_timeout_s=self.cfg.proxy.idle_timeout_s, request_id=ctx.request_id)
+                if r.error is not None:
+                    m.child(m.upstream_errors, tr.replica_id, "stream", r.error).inc()
+                    ctx.span.error(r.error)
+                ttft_s = at.t_first - at.t_sent
+        finally:  # the client may have left mid-stream: a background response runs on all the same
+            if ctx.request.background and ctx.response_id is not None and at.status == 200 and \
+                    final_output(None if r is None else r.final) is None:
+                self.hold_background(ctx)
         if ctx.response_id is not None and r.final is not None:
             self.stored.answered(ctx.response_id, r.final)
         if r.client_gone:
@@ -312,6 +322,21 @@ class Pipeline:
         ids, salt, lora, n = ctx.prompt.first_ids, ctx.salt, ctx.lora, root * self.model.block_size
         if 0 < n < len(ids):
             self.retainer.used(replica_id, ctx.keys, root, time.monotonic(), lambda: (tuple(ids[: n + 1]), salt, lora))
+
+    def hold_background(self, ctx: RequestContext, holder: str | None = None) -> None:
+        """A background response not yet final: its tenant's slot, flow control's grant and its
+        replica's in-flight count stay held until its engine (`holder`, else the replica it was sent
+        to) says it ended (gateway.background_holds)."""
+        tr = ctx.attempt
+        flight, ticket, tenant = tr.flight.handed_over(), ctx.flow, ctx.identity.tenant_id if ctx.limited else None
+        ctx.flow, ctx.limited = None, False  # the request's own end releases none of them now
+
+        def release() -> None:
+            flight.finish()
+            self.flow.release(ticket)
+            if tenant is not None:
+                self.limiter.release(tenant)
+        self.holds.watch(holder or tr.replica_id, ctx.response_id, release)
 
     def finish(self, ctx: RequestContext) -> None:
         """Release the tenant's slot; count, trace and log the request (whatever happened)."""

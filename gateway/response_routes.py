@@ -4,7 +4,9 @@
 `POST /v1/responses/{id}/cancel` (a background response).
 
 Rules:
-- Authenticated and limited as the generation routes are (401; 429 over the tenant's limits).
+- Authenticated (401) and held to the tenant's request rate (429), not to its concurrent
+  requests: asking after or cancelling a response adds no work to an engine, and a tenant whose
+  background responses hold all its slots (gateway.background_holds) can still do both.
   The response must be one the tenant stored through a gateway of this pool: anything else, a
   replica that has left the pool, or a gateway not told the engines store responses
   (`responses.store`) is 404 `response_not_found`, as vLLM answers an id it does not hold.
@@ -79,7 +81,9 @@ class ResponseRoutes:
         limits, and the available replica that holds their response `rid` (module rules)."""
         p, d = self.pipeline, self.dispatcher
         ctx.identity = identity if identity is not None else p.auth.authenticate(ctx.headers)
-        ctx.limited = p.limiter.acquire(ctx.identity.tenant_id)
+        # polling or cancelling adds no work: a tenant whose background responses hold all its slots
+        # (gateway.background_holds) can still ask after them, at its request rate
+        ctx.limited = p.limiter.acquire(ctx.identity.tenant_id, slot=False)
         if p.stored is None:
             raise not_found(rid, "response_id", why="this gateway was not told the engines store responses")
         turn = await p.stored.holder(rid, ctx.identity.tenant_hash, param="response_id")

@@ -88,7 +88,8 @@ def parse_responses(payload: dict, model: str, *, stored: bool = False) -> Parse
     return ParsedRequest(kind=RESPONSES, model=model, stream=bool(stream), client_wants_usage=True,
                          max_tokens=max_tokens or 0, messages=messages, add_generation_prompt=not cont,
                          continue_final_message=cont, chat_template_kwargs=_template_kwargs(payload, ctk),
-                         tools=template_tools(payload.get("tools")), previous_response_id=prev)
+                         tools=template_tools(payload.get("tools")), previous_response_id=prev,
+                         background=bool(payload.get("background")))
 
 
 def previous_id(payload: dict) -> str | None:

@@ -263,6 +263,7 @@ class Gateway:
         if self.tokenize_checker is not None:
             await self.tokenize_checker.close()
         if self.pipeline is not None and self.pipeline.stored is not None:
+            await self.pipeline.holds.close()
             await self.pipeline.stored.close()
         if self.feed is not None and not self.cfg.feed.load_only:
             await self._close_feed()

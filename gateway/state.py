@@ -66,6 +66,7 @@ def state_for_metrics(gw) -> dict:
     rates = {rid: (cal.prefill_s_per_token(rid), cal.decode_step_s(rid)) for rid in gw.membership.ids()}
     return {"index_entries": st.entries, "index_bytes": st.bytes_estimate, "index_evictions": st.evictions,
             "index_speculative": st.speculative_entries, "feed_lag": st.feed_lag_s_by_replica,
+            "background_held": len(gw.pipeline.holds) if gw.pipeline is not None and gw.pipeline.holds is not None else 0,
             "entries_by_replica": st.entries_by_replica, "rates": rates, "replicas": reps,
             "ready": readiness(gw)[0], "feed_up": gw.cfg.feed.load_only or gw.feed_ok,
             "feed_errors": gw.board_health.total_failures + (gw.index_sync.stats["feed_errors"] if gw.index_sync else 0),

@@ -107,7 +107,7 @@ class StoredResponses:
     def new_id() -> str:
         return f"resp_{uuid.uuid4().hex}"
 
-    def _count(self, event: str) -> None:
+    def count(self, event: str) -> None:
         if self.metrics is not None:
             self.metrics.stored_responses.labels(event).inc()
 
@@ -120,7 +120,7 @@ class StoredResponses:
     async def record(self, response_id: str, turn: Turn) -> None:
         """A stored response's record, written before its answer goes out (module rules)."""
         self._keep(response_id, turn)
-        self._count("recorded")
+        self.count("recorded")
         await self._write(response_id, turn, refresh=True)
 
     def answered(self, response_id: str, response: object) -> None:
@@ -134,7 +134,7 @@ class StoredResponses:
 
     def engine_lost(self, replica_id: str, now: float) -> None:
         """`replica_id` answered 404 for a response recorded on it (module rules)."""
-        self._count("engine_lost")
+        self.count("engine_lost")
         if now - self._warned.get(replica_id, -LOST_WARNING_EVERY_S) >= LOST_WARNING_EVERY_S:
             self._warned[replica_id] = now
             log.warning("replica %s does not hold a response it stored: it restarted since, or runs without "
@@ -161,7 +161,7 @@ class StoredResponses:
             async with asyncio.timeout(WRITE_TIMEOUT_S):
                 await self.board.put(response_id, turn.previous, _encode(turn), refresh=refresh)
         except Exception as exc:  # noqa: BLE001 - unreachable, or refused (a full Redis): never the answer's failure
-            self._count("write_failed")
+            self.count("write_failed")
             log.warning("a stored response's record was not shared (feed unreachable: %s); a follow-up to it "
                         "through another gateway will be answered 404", type(exc).__name__)
 
@@ -172,7 +172,7 @@ class StoredResponses:
             chain = await self._read_chain(response_id, 1)
             turn = chain[0][1] if chain else None
         if turn is None or turn.owner != owner:
-            self._count("not_found")
+            self.count("not_found")
             raise not_found(response_id, param)
         if response_id in self._turns:
             self._turns.move_to_end(response_id)
@@ -182,10 +182,10 @@ class StoredResponses:
         """The replica holding `response_id` and the history a follow-up to it renders (module rules)."""
         turns = await self._chain(response_id)
         if not turns or turns[0][1].owner != owner:
-            self._count("not_found")
+            self.count("not_found")
             raise not_found(response_id, "previous_response_id")
         if turns[-1][1].previous is not None:
-            self._count("history_lost")
+            self.count("history_lost")
             raise not_found(response_id, "previous_response_id", why="its earlier turns are no longer recorded")
         history: list[dict] = []
         for rid, turn in reversed(turns):
@@ -193,7 +193,7 @@ class StoredResponses:
             history += turn.answer if turn.answer is not None else await self._fetched_answer(rid, turn)
         if response_id in self._turns:
             self._turns.move_to_end(response_id)
-        self._count("followed")
+        self.count("followed")
         return turns[0][1].replica_id, history
 
     async def _chain(self, response_id: str) -> list[tuple[str, Turn]]:
@@ -221,7 +221,7 @@ class StoredResponses:
             async with asyncio.timeout(READ_TIMEOUT_S):
                 raw = await self.board.chain(response_id, depth)
         except Exception as exc:  # noqa: BLE001 - unreachable (FeedUnavailable, a timeout), or a refusal
-            self._count("feed_unreachable")
+            self.count("feed_unreachable")
             raise ApiError(503, f"the stored responses' records are unreachable (the feed: {type(exc).__name__})",
                            code="feed_unavailable", headers={"Retry-After": "1"}) from None
         out = []
@@ -238,9 +238,9 @@ class StoredResponses:
         """A recorded response's answer from its replica (module rules); kept once final."""
         response = await self.fetch(turn.replica_id, response_id)
         if response is None:
-            self._count("history_lost")
+            self.count("history_lost")
             raise not_found(response_id, "previous_response_id", why="its replica no longer holds it")
-        self._count("answer_fetched")
+        self.count("answer_fetched")
         answer = final_output(response)
         if answer is not None:
             turn.answer = answer

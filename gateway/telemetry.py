@@ -188,6 +188,8 @@ class StateCollector:
         (CounterMetricFamily, "warmroute_gateway_index_evictions", "Index entries evicted by the budget", "index_evictions"),
         (GaugeMetricFamily, "warmroute_gateway_index_speculative_entries", "Speculative (key, replica) entries",
          "index_speculative"),
+        (GaugeMetricFamily, "warmroute_gateway_background_responses_held",
+         "Background responses answered and still running, their holds kept (gateway.background_holds)", "background_held"),
     )
 
     def collect(self):

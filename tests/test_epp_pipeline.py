@@ -45,6 +45,7 @@ async def stack(tok, tmp_path_factory):
     async with sims_with_agents(2, feed, MODEL, responses_store=True) as sims:
         cfg = keyed_gateway_config(tmp_path_factory.mktemp("epp"), sims, KEYS)
         cfg.responses.store = True
+        cfg.responses.background_poll_s = 0.05
         gw = Gateway(cfg, feed=feed, tokenizer=tok, api_port=False)
         await gw.start()
         epp = EppServer(PipelinePicker(gw), host="127.0.0.1", port=0)
@@ -322,3 +323,31 @@ async def test_a_follow_up_goes_to_its_stored_responses_replica_rendered_with_it
     async with httpx.AsyncClient(timeout=10) as h:
         r = await h.delete(stack["url"] + f"/responses/{first.id}", headers={"Authorization": f"Bearer {KEYS['tenant-a']}"})
     assert r.status_code == 405 and r.headers["allow"] == "GET"
+
+
+async def test_a_background_response_behind_envoy_is_held_until_its_engine_ends_it(stack):
+    """A background response through Envoy is answered `queued` at once and runs on: the picker
+    (which reads no answer) keeps its replica's in-flight count until the engine says it is done,
+    then records its answer, so a follow-up needs not ask the replica for it."""
+    gw = stack["gw"]
+    client = _client(stack, KEYS["tenant-a"])
+    m = gw.metrics
+    fetched = m.stored_responses.labels("answer_fetched")._value.get()
+    queued = await client.responses.create(model=MODEL, input="In the background: " + DOC, max_output_tokens=40,
+                                           background=True)
+    assert queued.status == "queued"
+    for _ in range(100):  # Envoy reports the (queued) answer's end to the picker
+        if len(gw.pipeline.holds) == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert len(gw.pipeline.holds) == 1 and sum(gw.routing.load.get(f"r{i}").active_reqs for i in range(2)) == 1
+    for _ in range(300):
+        if not len(gw.pipeline.holds):
+            break
+        await asyncio.sleep(0.02)
+    assert len(gw.pipeline.holds) == 0 and sum(gw.routing.load.get(f"r{i}").active_reqs for i in range(2)) == 0
+    done = await client.responses.retrieve(queued.id)
+    assert done.status == "completed" and done.usage.output_tokens == 40
+    follow = await client.responses.create(model=MODEL, previous_response_id=queued.id, input="Shorter?", max_output_tokens=2)
+    assert follow.usage.input_tokens > done.usage.input_tokens + 40
+    assert m.stored_responses.labels("answer_fetched")._value.get() == fetched  # the watch recorded the answer

@@ -82,6 +82,12 @@ def test_tenant_limiter():
         lim.acquire("t", now=0.1)
     assert e.value.code == "rate_limit_exceeded" and "Retry-After" in e.value.headers
     assert lim.acquire("t", now=1.0)
+    assert lim.acquire("t", now=2.0)  # both slots held
+    # asking after a stored response takes no slot (nothing to release), within the request rate
+    assert lim.acquire("t", now=5.0, slot=False) is False and lim.acquire("t", now=5.0, slot=False) is False
+    with pytest.raises(ApiError) as e:
+        lim.acquire("t", now=5.0, slot=False)
+    assert e.value.code == "rate_limit_exceeded"
 
 
 def test_membership_backoff_and_changes():

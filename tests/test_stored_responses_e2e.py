@@ -172,6 +172,49 @@ async def test_background_responses_are_polled_followed_replayed_and_cancelled_o
     assert sim.engine.num_running == 0
 
 
+async def test_a_background_response_holds_its_tenants_slot_until_it_ends(stack, tok, tmp_path):
+    """A tenant allowed 2 requests at once: two background responses still running (one whose
+    streamed client left at its first event) keep both slots and their replica's in-flight count
+    after their clients have their answers, so a third request is 429; a cancellation, seen at the
+    next poll, frees one (were the holds to end with the answers, the tenant could start any number)."""
+    (_, _), s, sims = stack
+    raw = _config(tmp_path, sims).to_dict()
+    raw["auth"]["tenants"] = {"tenant-a": {"max_concurrent_reqs": 2}}
+    raw["responses"]["background_poll_s"] = 0.05
+    raw["feed"] = {"url": "memory://stored-e2e-holds"}
+    g = await start_gateway(config_from_dict(raw, env={}), tokenizer=tok)
+    gw = g.gateway
+    long = {"model": MODEL, "input": "Take your time.", "max_output_tokens": 4000, "background": True}
+    try:
+        a, home = await _respond(s, g, long)
+        async with s.post(g.url + "/v1/responses", headers=_auth(), json={**long, "stream": True}) as r:
+            assert r.status == 200 and (await r.content.readline()).startswith(b"event: response.created")
+            b_home = r.headers["X-Warmroute-Replica"]
+        await asyncio.sleep(0.2)  # several polls: both still running
+        assert len(gw.pipeline.holds) == 2
+        assert sum(gw.routing.load.get(f"r{i}").active_reqs for i in range(2)) == 2
+        assert "warmroute_gateway_background_responses_held 2.0" in await _metrics(s, g)
+        async with s.post(g.url + "/v1/responses", headers=_auth(), json={"model": MODEL, "input": "hi"}) as r:
+            assert r.status == 429 and (await r.json())["error"]["code"] == "concurrency_limit_exceeded"
+        async with s.post(g.url + f"/v1/responses/{a['id']}/cancel", headers=_auth()) as r:
+            assert r.status == 200 and (await r.json())["status"] == "cancelled"
+        for _ in range(100):
+            if len(gw.pipeline.holds) == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert len(gw.pipeline.holds) == 1 and gw.routing.load.get(home).active_reqs == (1 if home == b_home else 0)
+        resp, _ = await _respond(s, g, {"input": "hi"})  # a slot again
+        assert resp["status"] == "completed"
+        assert _counter(await _metrics(s, g), 'warmroute_gateway_stored_responses_total{event="background_held"}') == 2
+    finally:
+        await g.close()  # releases the streamed one's hold
+    assert len(gw.pipeline.holds) == 0
+    for sim in sims:  # leave the engines idle for the next test
+        for rid in list(sim.server.stored.background):
+            async with s.post(sim.url + f"/v1/responses/{rid}/cancel") as r:
+                pass
+
+
 async def test_a_stored_response_is_fetched_and_cancelled_on_its_replica(stack):
     (ga, gb), s, _ = stack
     resp, home = await _respond(s, ga, {"input": "Fetch me later. " + DOC})

@@ -130,6 +130,8 @@ class PipelinePicker:
         if ctx.response_id is not None and served != tr.replica_id:  # Envoy retried: stored there instead
             gw.pipeline.stored.moved(ctx.response_id, served)
         tr.flight.first_token()
+        if ctx.request.background and ctx.response_id is not None and ctx.status == 200:
+            gw.pipeline.hold_background(ctx, served)  # the picker reads no answer: the watch asks whether it is final
         tr.flight.finish()
         if ctx.status == 404:  # an adapter the replica listed and has unloaded since (gateway.adapters)
             not_loaded(gw.model, served, ctx.lora)
