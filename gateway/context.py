@@ -32,6 +32,7 @@ class ParsedRequest:
     stream: bool  # SSE response
     client_wants_usage: bool  # stream_options.include_usage was set by the client
     max_tokens: int  # max_tokens / max_completion_tokens / max_output_tokens; 0 when not given
+    n: int = 1  # choices per prompt (chat, completions): vLLM runs n sequences on the one prompt
     messages: list | None = None  # chat: the messages (responses: the chat messages the engine renders)
     add_generation_prompt: bool = True  # chat template option (vLLM default True)
     continue_final_message: bool = False  # chat template option
@@ -74,7 +75,7 @@ class Try:
     number: int  # 0 for the first-ranked replica
     candidate: Candidate  # its rank entry (score terms)
     view: ReplicaView | None  # its view at decision time
-    predicted_cached_tokens: int  # what the index says the engine will find cached
+    predicted_cached_tokens: int  # what the index says the engine will report cached (routing.reported_cached_tokens)
     uncached_tokens: int  # prompt tokens it must prefill (all prompts, minus the predicted hit)
     flight: Flight  # its in-flight accounting; finished by dispatch on every path
 

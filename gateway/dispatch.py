@@ -33,7 +33,7 @@ from gateway.membership import Membership
 from gateway.model import ModelInfo
 from gateway.proxy import Attempt, UpstreamFailure, attempt
 from gateway.rewrite import PRIORITY_RETRY_S, PriorityRefusals, refuses_priority, without_priority
-from gateway.routing import RoutingState, predicted_matched_tokens
+from gateway.routing import RoutingState, predicted_matched_tokens, reported_cached_tokens
 from gateway.telemetry import Metrics
 from gateway.upstream import UpstreamPool
 from policies.base import Candidate
@@ -130,10 +130,12 @@ class Dispatcher:
 def start_try(routing: RoutingState, ctx: RequestContext, n: int, cand: Candidate) -> Try:
     """Attempt `n` goes to `cand`: count its work there (until `ctx.attempt.flight.finish()`)."""
     view = ctx.routing.view_of(cand.replica_id)
-    predicted = predicted_matched_tokens(ctx.routing.request, view)
+    rv, req = ctx.routing.request, ctx.request
+    predicted = predicted_matched_tokens(rv, view)
     uncached = max(0, ctx.prompt.total_tokens - predicted)
-    flight = routing.dispatched(cand.replica_id, ctx.keys, uncached, ctx.request.max_tokens, view, ctx.lora)
-    ctx.attempt = Try(n, cand, view, predicted, uncached, flight)
+    flight = routing.dispatched(cand.replica_id, ctx.keys, uncached, req.max_tokens, view, ctx.lora)
+    reported = reported_cached_tokens(rv, predicted, choices=req.n, stream=req.stream)
+    ctx.attempt = Try(n, cand, view, reported, uncached, flight)
     ctx.replica = cand.replica_id
     return ctx.attempt
 

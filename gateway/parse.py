@@ -4,7 +4,7 @@ Rule: everything the gateway can refuse before it tokenizes is refused here, wit
 shape and the offending field in `param`: a body that is not a JSON object (400 invalid_json /
 invalid_encoding), a missing or non-string `model` (400), a model the gateway does not serve
 (404 model_not_found; 503 while it does not know its model yet), wrong types of `stream`,
-`stream_options`, `max_tokens`, `messages`, `prompt` and the chat-template options (400), and,
+`stream_options`, `max_tokens`, `n`, `messages`, `prompt` and the chat-template options (400), and,
 after tokenization, a prompt over the model's context (400 context_length_exceeded, vLLM's text).
 Fields the gateway does not read pass through to the engine untouched (it is the judge of them).
 """
@@ -67,7 +67,7 @@ def parse_request(kind: str, payload: dict, model: str, *, stored_responses: boo
     so = payload.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise ApiError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
-    common = {"kind": kind, "model": model, "stream": bool(stream),
+    common = {"kind": kind, "model": model, "stream": bool(stream), "n": _choices(payload),
               "client_wants_usage": bool(so and so.get("include_usage")), "max_tokens": _max_tokens(kind, payload)}
     if kind == CHAT:
         return _parse_chat(payload, common)
@@ -76,17 +76,24 @@ def parse_request(kind: str, payload: dict, model: str, *, stored_responses: boo
     raise ValueError(f"unknown request kind {kind!r}")
 
 
+def _choices(payload: dict) -> int:
+    n = payload.get("n")
+    return 1 if n is None else _positive_int(n, "n")
+
+
 def _max_tokens(kind: str, payload: dict) -> int:
     max_tokens = payload.get("max_completion_tokens") if kind == CHAT else None
     if max_tokens is None:
         max_tokens = payload.get("max_tokens")
-    if max_tokens is None:
-        return 0
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise ApiError(400, "'max_tokens' must be an integer", param="max_tokens", code="invalid_type")
-    if max_tokens < 1:
-        raise ApiError(400, "'max_tokens' must be at least 1", param="max_tokens", code="invalid_value")
-    return max_tokens
+    return 0 if max_tokens is None else _positive_int(max_tokens, "max_tokens")
+
+
+def _positive_int(v: object, param: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"'{param}' must be an integer", param=param, code="invalid_type")
+    if v < 1:
+        raise ApiError(400, f"'{param}' must be at least 1", param=param, code="invalid_value")
+    return v
 
 
 def _parse_chat(payload: dict, common: dict) -> ParsedRequest:

@@ -179,7 +179,7 @@ class Pipeline:
         if r.client_gone:
             return 499  # the client closed the request
         if at.status == 200:
-            self.learn(ctx, outcome_of(tr, ttft_s=ttft_s, usage=r.usage, decode_step_s=r.decode_step_s))
+            self.learn(ctx, outcome_of(tr, ttft_s=ttft_s, usage=r.usage, decode_step_s=r.decode_step_s, choices=ctx.request.n))
         return at.status
 
     # ------------------------------------------------------------------ the stages
@@ -360,11 +360,12 @@ class Pipeline:
             log.info("request refused", extra={"fields": {**fields, "error": ctx.error}})
 
 
-def outcome_of(tr: Try, *, ttft_s: float | None, usage, decode_step_s: float | None) -> Outcome:
-    """What the learner needs of an answered attempt (its prediction and the queue it saw)."""
+def outcome_of(tr: Try, *, ttft_s: float | None, usage, decode_step_s: float | None, choices: int = 1) -> Outcome:
+    """What the learner needs of an answered attempt (its prediction and the queue it saw); with
+    `choices` (n) > 1 a stream carries n events a decode step, so its intervals are no step time."""
     return Outcome(tr.replica_id, ttft_s, tr.predicted_cached_tokens, tr.uncached_tokens,
                    queued_prefill_tokens(tr.view), tr.view.running_reqs if tr.view is not None else 0, usage,
-                   decode_step_s)
+                   decode_step_s if choices == 1 else None)
 
 
 async def _internal_error(resp: FrontResponse, request_id: str, *, responses: bool = False) -> None:

@@ -23,7 +23,7 @@ from gateway.parse import check_context_length, check_model, parse_body, parse_r
 from gateway.proxy import Attempt, SseRelay, UpstreamFailure
 from gateway.relay import relay, send_whole
 from gateway.rewrite import upstream_body
-from gateway.routing import SHARE_MIN_NEW_BLOCKS, RoutingState
+from gateway.routing import SHARE_MIN_NEW_BLOCKS, RoutingState, reported_cached_tokens
 from gateway.telemetry import Metrics
 from gateway.tracing import NO_SPAN
 from gateway.upstream import UpstreamError
@@ -58,7 +58,9 @@ def test_parse_refuses_with_the_field_named():
            ({"messages": [{"role": "user"}], "max_tokens": 0}, "max_tokens"),
            ({"messages": [{"role": "user"}], "max_completion_tokens": True}, "max_tokens"),
            ({"messages": [{"role": "user"}], "chat_template_kwargs": [1]}, "chat_template_kwargs"),
-           ({"messages": [{"role": "user"}], "stream_options": 1}, "stream_options")]
+           ({"messages": [{"role": "user"}], "stream_options": 1}, "stream_options"),
+           ({"messages": [{"role": "user"}], "n": 0}, "n"), ({"messages": [{"role": "user"}], "n": "2"}, "n"),
+           ({"messages": [{"role": "user"}], "n": True}, "n")]
     for payload, param in bad:
         with pytest.raises(ApiError) as e:
             parse_request("chat", payload, "m")
@@ -77,6 +79,18 @@ def test_parse_reads_what_the_gateway_needs():
     r = parse_request("completions", {"prompt": ["a", [1, 2]], "max_tokens": 3}, "m")
     assert r.prompts == ["a", [1, 2]] and r.max_tokens == 3 and not r.stream
     assert parse_request("completions", {"prompt": [1, 2, 3]}, "m").prompts == [[1, 2, 3]]
+    assert parse_request("completions", {"prompt": "a", "n": 4}, "m").n == 4 and r.n == 1
+
+
+def test_the_cached_tokens_the_engine_will_report_with_n_choices():
+    """vLLM's n > 1: a whole answer reports its last child's cached tokens (every full block of the
+    prompt, whatever the index held), a stream its first child's (the index's prediction)."""
+    rv = RequestView(prompt_tokens=1211, block_size=16)
+    assert reported_cached_tokens(rv, 0) == 0 and reported_cached_tokens(rv, 320, choices=1) == 320
+    assert reported_cached_tokens(rv, 0, choices=4) == 1200 and reported_cached_tokens(rv, 320, choices=2) == 1200
+    assert reported_cached_tokens(rv, 0, choices=4, stream=True) == 0
+    aligned = RequestView(prompt_tokens=64, block_size=16)  # the engine computes one token at least
+    assert reported_cached_tokens(aligned, 0, choices=8) == 48
 
 
 def test_context_length_uses_vllm_wording():

@@ -143,7 +143,7 @@ class PipelinePicker:
             ctx.span.error("ended early")
         elif ctx.status == 200 and served == tr.replica_id:
             gw.pipeline.learn(ctx, outcome_of(tr, ttft_s=outcome.ttft_s, usage=outcome.usage,
-                                              decode_step_s=outcome.decode_s))
+                                              decode_step_s=outcome.decode_s, choices=ctx.request.n))
         gw.pipeline.finish(ctx)
 
     def _served(self, ctx, outcome: Outcome, primary: str) -> str:

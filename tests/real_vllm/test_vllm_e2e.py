@@ -378,6 +378,29 @@ def test_prediction_and_key_parity(vllm_replicas, e2e_system):
 
 
 # -- 3. tenancy ----------------------------------------------------------------------------------
+def test_n_choices_are_predicted_as_the_engine_reports_them(vllm_replicas, e2e_system):
+    """`n` > 1: vLLM runs n child requests on one prompt; a whole answer's usage reports the last
+    child's cached tokens (the first child's full blocks: the whole prompt, cold), a stream's the
+    first child's. The gateway predicts each as reported, so n > 1 is no index disagreement (cold
+    n = 4 answered whole reported ~all its prompt cached where the index held nothing)."""
+    system, rng = e2e_system, _fresh_rng()
+    for route, stream in (("completions", False), ("chat", False), ("completions", True)):
+        text = f"{route} with four choices, {'streamed' if stream else 'whole'}: " + _text(120, rng)
+        body = {"prompt": text} if route == "completions" else {"messages": [{"role": "user", "content": text}]}
+        body.update(n=4, max_tokens=3, temperature=1.0, stream=stream, stream_options={"include_usage": True} if stream else None)
+        path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
+        with httpx.stream("POST", system.url + path, json={"model": system.model, **{k: v for k, v in body.items() if v is not None}},
+                          headers=system.headers("acme"), timeout=120) as r:
+            text_out = r.read().decode()
+            assert r.status_code == 200, text_out[:300]
+            request_id = r.headers["X-Request-Id"]
+        usage = json.loads([ln for ln in text_out.splitlines() if ln.startswith("data: {")][-1][6:] if stream else text_out)["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        predicted = int(_server_span(system, request_id, timeout=30).attributes["warmroute.predicted_cached_tokens"])
+        assert predicted == cached, (route, stream, predicted, usage)
+        assert (cached == 0) if stream else cached > usage["prompt_tokens"] // 2, (route, stream, usage)
+
+
 def test_tenants_never_share_blocks(vllm_replicas, e2e_system):
     system = e2e_system
     rng = _fresh_rng()
