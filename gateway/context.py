@@ -33,6 +33,7 @@ class ParsedRequest:
     client_wants_usage: bool  # stream_options.include_usage was set by the client
     max_tokens: int  # max_tokens / max_completion_tokens / max_output_tokens; 0 when not given
     n: int = 1  # choices per prompt (chat, completions): vLLM runs n sequences on the one prompt
+    reads_cache: bool = True  # False: the engine skips its prefix cache (prompt logprobs asked: gateway.parse)
     messages: list | None = None  # chat: the messages (responses: the chat messages the engine renders)
     add_generation_prompt: bool = True  # chat template option (vLLM default True)
     continue_final_message: bool = False  # chat template option
@@ -50,6 +51,8 @@ class Prompt:
     first_ids: list  # token ids of the (first) prompt: the one routed on
     total_tokens: int  # every prompt's tokens (a completions batch counts them all)
     tokenize_s: float  # seconds spent tokenizing
+    last_ids: list | None = None  # a completions batch's last prompt (its usage reports that one's cached tokens)
+    last_shared: int = 0  # leading tokens the last prompt shares with an earlier one of its batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,7 @@ class RequestContext:
     lora: str | None = None  # the LoRA adapter the request runs, None: the base model (plan; gateway.model)
     only: Collection[str] | None = None  # the replicas it may go to (a subset hint, its adapter's); None: any (plan)
     keys: list = field(default_factory=list)  # block keys of the first prompt (key)
+    last_keys: list | None = None  # a completions batch's last prompt's block keys (its usage reports that one)
     routing: Routing | None = None  # the decision (decide)
     body: bytes = b""  # the upstream request body (rewrite)
     engine_priority: int | None = None  # the vLLM priority the body carries (flow.engine_priority; rewrite)

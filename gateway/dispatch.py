@@ -130,11 +130,15 @@ class Dispatcher:
 def start_try(routing: RoutingState, ctx: RequestContext, n: int, cand: Candidate) -> Try:
     """Attempt `n` goes to `cand`: count its work there (until `ctx.attempt.flight.finish()`)."""
     view = ctx.routing.view_of(cand.replica_id)
-    rv, req = ctx.routing.request, ctx.request
+    rv, req, prompt = ctx.routing.request, ctx.request, ctx.prompt
     predicted = predicted_matched_tokens(rv, view)
-    uncached = max(0, ctx.prompt.total_tokens - predicted)
+    last = None
+    if ctx.last_keys is not None:  # a batch: its last prompt's blocks, held there or computed by an earlier prompt
+        held = routing.held_blocks(cand.replica_id, ctx.last_keys)
+        last = (len(prompt.last_ids), max(held, prompt.last_shared // rv.block_size))
+    reported = reported_cached_tokens(rv, predicted, choices=req.n, stream=req.stream, last=last, reads_cache=req.reads_cache)
+    uncached = max(0, prompt.total_tokens - predicted)
     flight = routing.dispatched(cand.replica_id, ctx.keys, uncached, req.max_tokens, view, ctx.lora)
-    reported = reported_cached_tokens(rv, predicted, choices=req.n, stream=req.stream)
     ctx.attempt = Try(n, cand, view, reported, uncached, flight)
     ctx.replica = cand.replica_id
     return ctx.attempt

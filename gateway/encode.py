@@ -36,7 +36,19 @@ async def tokenize(tok: TokenizerService, req: ParsedRequest, *, inline_max_char
                        code="invalid_prompt") from None
     n_tokens = max(len(p) for p in prompts)
     check_context_length(req.kind, n_tokens, req.max_tokens, max_model_len)
-    return Prompt(prompts[0], sum(len(p) for p in prompts), time.perf_counter() - t0)
+    last, shared = (prompts[-1], max(_common_prefix(p, prompts[-1]) for p in prompts[:-1])) if len(prompts) > 1 else (None, 0)
+    return Prompt(prompts[0], sum(len(p) for p in prompts), time.perf_counter() - t0, last, shared)
+
+
+def _common_prefix(a: list, b: list, step: int = 64) -> int:
+    """Leading tokens `a` and `b` share (compared a slice at a time)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i + step <= n and a[i:i + step] == b[i:i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 async def _chat(tok: TokenizerService, req: ParsedRequest, inline_max_chars: int) -> list[int]:

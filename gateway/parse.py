@@ -6,6 +6,8 @@ invalid_encoding), a missing or non-string `model` (400), a model the gateway do
 (404 model_not_found; 503 while it does not know its model yet), wrong types of `stream`,
 `stream_options`, `max_tokens`, `n`, `messages`, `prompt` and the chat-template options (400), and,
 after tokenization, a prompt over the model's context (400 context_length_exceeded, vLLM's text).
+It also reads what changes the cached tokens the engine will report: `n`, and whether the request
+asks for its prompt's logprobs (then the engine reads no cached blocks).
 Fields the gateway does not read pass through to the engine untouched (it is the judge of them).
 """
 from __future__ import annotations
@@ -68,12 +70,24 @@ def parse_request(kind: str, payload: dict, model: str, *, stored_responses: boo
     if so is not None and not isinstance(so, dict):
         raise ApiError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
     common = {"kind": kind, "model": model, "stream": bool(stream), "n": _choices(payload),
+              "reads_cache": not _prompt_logprobs(kind, payload),
               "client_wants_usage": bool(so and so.get("include_usage")), "max_tokens": _max_tokens(kind, payload)}
     if kind == CHAT:
         return _parse_chat(payload, common)
     if kind == COMPLETIONS:
         return ParsedRequest(prompts=_parse_prompts(payload), **common)
     raise ValueError(f"unknown request kind {kind!r}")
+
+
+def _prompt_logprobs(kind: str, payload: dict) -> bool:
+    """The request asks for its prompt's logprobs, so vLLM 0.32 reads nothing from its prefix cache
+    (SamplingParams.skip_reading_prefix_cache): `prompt_logprobs` set, or `echo` with the logprobs
+    vLLM then takes for the prompt (chat: `top_logprobs`, 0 unless set; completions: `logprobs`)."""
+    if payload.get("prompt_logprobs") is not None:
+        return True
+    if not payload.get("echo"):
+        return False
+    return (payload.get("top_logprobs", 0) if kind == CHAT else payload.get("logprobs")) is not None
 
 
 def _choices(payload: dict) -> int:

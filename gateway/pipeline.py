@@ -263,8 +263,11 @@ class Pipeline:
             only = serving if only is None else serving & set(only)
         ctx.only = only
         ctx.keys = self.model.keychain.request_keys(ctx.prompt.first_ids, salt=ctx.salt, lora=ctx.lora)
+        if ctx.prompt.last_ids is not None:
+            ctx.last_keys = self.model.keychain.request_keys(ctx.prompt.last_ids, salt=ctx.salt, lora=ctx.lora)
         rv = RequestView(prompt_tokens=len(ctx.prompt.first_ids), block_size=self.model.block_size,
-                         keys=tuple(ctx.keys), max_output_tokens=ctx.request.max_tokens,
+                         # an engine that reads no cached blocks for it: no replica holds any (routed by load)
+                         keys=tuple(ctx.keys) if ctx.request.reads_cache else (), max_output_tokens=ctx.request.max_tokens,
                          tenant_hash=ident.tenant_hash if ident.identified else "", request_id=ctx.request_id,
                          lora=ctx.lora)
         self.decide(ctx, rv, only=only)

@@ -119,6 +119,11 @@ class RoutingState:
         decision = policy.rank(request, views, rng)
         return Routing(request, tuple(views), decision, time.perf_counter() - t0)
 
+    def held_blocks(self, replica_id: str, keys: Sequence[int]) -> int:
+        """Leading blocks of `keys` the index says `replica_id` holds (any medium, speculative included)."""
+        m = self.index.match(keys).get(replica_id)
+        return 0 if m is None else m.any_blocks
+
     def dispatched(self, replica_id: str, keys: Sequence[int], uncached_tokens: int, max_tokens: int,
                    view: ReplicaView | None = None, lora: str | None = None) -> Flight:
         """A request goes to `replica_id`: count its work there until `Flight.finish()`, and expect
@@ -327,16 +332,26 @@ def predicted_matched_tokens(request: RequestView, view: ReplicaView | None) -> 
     return min(view.matched_blocks_cpu, cap) * request.block_size
 
 
-def reported_cached_tokens(request: RequestView, predicted: int, *, choices: int = 1, stream: bool = False) -> int:
-    """The cached tokens the engine's usage will report for a request whose index prediction is
-    `predicted`. With `choices` (`n`) > 1 vLLM runs n child requests on the one prompt, queued
-    together: the first computes the prompt and the others find its full blocks (allocated in the
-    same step, or in an earlier one of its chunked prefill); a whole answer's usage is the last
-    child's, every full block of the prompt, a stream's the first child's, as for n = 1 (seen on
-    vLLM 0.32: cold n = 4 reported 1,184 of 1,210 prompt tokens whole, 0 streamed)."""
-    if choices > 1 and not stream:
-        return max(0, (request.prompt_tokens - 1) // request.block_size) * request.block_size
-    return predicted
+def reported_cached_tokens(request: RequestView, predicted: int, *, choices: int = 1, stream: bool = False,
+                           last: tuple[int, int] | None = None, reads_cache: bool = True) -> int:
+    """The cached tokens vLLM 0.32's usage will report for a request whose (first) prompt's index
+    prediction is `predicted`. A stream reports its first output's request, a whole answer its
+    last prompt's. With `choices` (`n`) > 1 vLLM runs n child requests on a prompt, queued
+    together: the first computes it and the others find its full blocks (allocated in the same
+    step, or an earlier one of its chunked prefill), and a whole answer's usage is the last child's:
+    every full block of the prompt (cold n = 4 reported 1,184 of 1,210 prompt tokens whole, 0
+    streamed). `last`: a completions batch's last prompt, (its tokens, its leading blocks held by
+    the replica or computed by an earlier prompt of the batch, queued before it). `reads_cache`
+    False (prompt logprobs asked): the engine reads no cached block, 0."""
+    if not reads_cache:
+        return 0
+    if stream:
+        return predicted
+    tokens = request.prompt_tokens if last is None else last[0]
+    cap = max(0, (tokens - 1) // request.block_size)
+    if choices > 1:
+        return cap * request.block_size
+    return predicted if last is None else min(cap, last[1]) * request.block_size
 
 
 def explain(request: RequestView, views: Sequence[ReplicaView], decision: Decision, decision_s: float) -> dict:

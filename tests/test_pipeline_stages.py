@@ -14,6 +14,7 @@ import gateway.dispatch as dispatch_mod
 from gateway.config import ProxyConfig
 from gateway.context import Outcome, ParsedRequest, Prompt, RequestContext, Routing
 from gateway.dispatch import Dispatcher
+from gateway.encode import tokenize
 from gateway.errors import ApiError, engine_error
 from gateway.index import KVIndex
 from gateway.learn import learn
@@ -91,6 +92,51 @@ def test_the_cached_tokens_the_engine_will_report_with_n_choices():
     assert reported_cached_tokens(rv, 0, choices=4, stream=True) == 0
     aligned = RequestView(prompt_tokens=64, block_size=16)  # the engine computes one token at least
     assert reported_cached_tokens(aligned, 0, choices=8) == 48
+    # a completions batch answered whole reports its last prompt's: (its tokens, its blocks found)
+    assert reported_cached_tokens(rv, 320, last=(500, 0)) == 0 and reported_cached_tokens(rv, 0, last=(500, 9)) == 144
+    assert reported_cached_tokens(rv, 0, last=(161, 99)) == 160 and reported_cached_tokens(rv, 320, last=(500, 0), stream=True) == 320
+    assert reported_cached_tokens(rv, 0, last=(500, 0), choices=2) == 496
+    # prompt logprobs asked: the engine reads no cached block, however many it holds
+    assert reported_cached_tokens(rv, 0, choices=4, reads_cache=False) == 0
+
+
+def test_what_makes_the_engine_skip_its_prefix_cache():
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert parse_request("chat", chat, "m").reads_cache
+    assert not parse_request("chat", {**chat, "prompt_logprobs": 0}, "m").reads_cache
+    assert not parse_request("chat", {**chat, "echo": True}, "m").reads_cache  # top_logprobs is 0 unless set
+    assert parse_request("chat", {**chat, "echo": True, "top_logprobs": None}, "m").reads_cache
+    assert parse_request("chat", {**chat, "logprobs": True, "top_logprobs": 5}, "m").reads_cache  # output logprobs only
+    assert parse_request("completions", {"prompt": "x", "echo": True}, "m").reads_cache
+    assert not parse_request("completions", {"prompt": "x", "echo": True, "logprobs": 0}, "m").reads_cache
+    assert parse_request("completions", {"prompt": "x", "logprobs": 1}, "m").reads_cache
+
+
+class CharTok:
+    """A tokenizer of one id per character (tokenize's batch path asks encode_prompt_async)."""
+
+    @staticmethod
+    def ids(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    async def encode_prompt_async(self, prompt):
+        return self.ids(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def encode_prompt(self, prompt):
+        return self.ids(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def test_a_batch_keeps_its_last_prompt_and_what_it_shares_with_the_others():
+    tok = CharTok()
+    p = asyncio.run(tokenize(tok, parse_request("completions", {"prompt": ["ab" * 100 + "c", "ab" * 100 + "d", "zz"]}, "m"),
+                             inline_max_chars=10_000, max_model_len=None))
+    assert p.last_ids == tok.ids("zz") and p.last_shared == 0 and p.first_ids == tok.ids("ab" * 100 + "c")
+    p = asyncio.run(tokenize(tok, parse_request("completions", {"prompt": ["zz", "ab" * 100 + "c", "ab" * 100 + "d"]}, "m"),
+                             inline_max_chars=10_000, max_model_len=None))
+    assert p.last_shared == 200 and p.total_tokens == 2 + 201 + 201
+    single = asyncio.run(tokenize(tok, parse_request("completions", {"prompt": "ab"}, "m"), inline_max_chars=10_000,
+                                  max_model_len=None))
+    assert single.last_ids is None and single.last_shared == 0
 
 
 def test_context_length_uses_vllm_wording():
