@@ -1,7 +1,8 @@
 """Chat messages as vLLM hands them to the chat template (pure): the normalisation of vLLM's
 `parse_chat_messages` + `_postprocess_messages`, the template's content format ("string" joins a
-message's text parts with a newline, "openai" keeps them as `{"type": "text"}` parts), and which
-template kwargs a template reads. gateway.tokenization renders and encodes the result.
+message's text parts with a newline, "openai" keeps them as `{"type": "text"}` parts), the
+template's options as vLLM merges them from a request, and which template kwargs a template reads.
+gateway.tokenization renders and encodes the result.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import jinja2.nodes as jn
 
 from gateway.token_errors import TokenizationError, as_text
 
-__all__ = ["detect_content_format", "to_conversation", "template_variables", "hf_base_params", "TEXT_PART_KEYS"]
+__all__ = ["detect_content_format", "to_conversation", "template_variables", "hf_base_params", "template_kwargs",
+           "TEXT_PART_KEYS"]
 
 log = logging.getLogger("warmroute.gateway.tokenization")
 
@@ -176,3 +178,19 @@ def hf_base_params() -> frozenset[str]:
         p.name for p in sig.parameters.values()
         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"
     )
+
+
+def template_kwargs(ctk: dict | None, *, documents=None, reasoning_effort=None) -> dict | None:
+    """The chat template's options as vLLM 0.32 merges them (`build_chat_params`): the request's
+    `chat_template_kwargs`, overridden by `documents` and `reasoning_effort` when set, and
+    `enable_thinking` = effort != "none" when an effort is set and the kwargs do not say
+    (`add_generation_prompt` and `continue_final_message` travel apart: the request's own fields
+    override any in the kwargs)."""
+    out = {k: v for k, v in (ctk or {}).items() if k not in ("add_generation_prompt", "continue_final_message")}
+    if documents is not None:
+        out["documents"] = documents
+    if reasoning_effort not in (None, "auto"):
+        out["reasoning_effort"] = reasoning_effort
+        if "enable_thinking" not in (ctk or {}):
+            out["enable_thinking"] = reasoning_effort != "none"
+    return out or None

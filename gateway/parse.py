@@ -16,6 +16,7 @@ from typing import Collection
 
 import msgspec
 
+from gateway.chat_messages import template_kwargs
 from gateway.context import CHAT, COMPLETIONS, RESPONSES, ParsedRequest
 from gateway.errors import ApiError
 from gateway.responses_api import parse_responses
@@ -82,12 +83,12 @@ def parse_request(kind: str, payload: dict, model: str, *, stored_responses: boo
 def _prompt_logprobs(kind: str, payload: dict) -> bool:
     """The request asks for its prompt's logprobs, so vLLM 0.32 reads nothing from its prefix cache
     (SamplingParams.skip_reading_prefix_cache): `prompt_logprobs` set, or `echo` with the logprobs
-    vLLM then takes for the prompt (chat: `top_logprobs`, 0 unless set; completions: `logprobs`)."""
+    vLLM then takes for the prompt (chat: `top_logprobs`, never None there; completions: `logprobs`)."""
     if payload.get("prompt_logprobs") is not None:
         return True
     if not payload.get("echo"):
         return False
-    return (payload.get("top_logprobs", 0) if kind == CHAT else payload.get("logprobs")) is not None
+    return kind == CHAT or payload.get("logprobs") is not None
 
 
 def _choices(payload: dict) -> int:
@@ -131,7 +132,10 @@ def _parse_chat(payload: dict, common: dict) -> ParsedRequest:
     if payload.get("tool_choice") == "none" and not (ctk or {}).get("include_tools_with_tool_choice_none"):
         tools = None  # vLLM drops tools from the template when tool_choice is "none" (its default)
     return ParsedRequest(messages=messages, add_generation_prompt=agp, continue_final_message=cfm,
-                         chat_template_kwargs=ctk, tools=tools, **common)
+                         chat_template_kwargs=template_kwargs(ctk, documents=payload.get("documents"),
+                                                              reasoning_effort=payload.get("reasoning_effort")),
+                         tools=tools, **common)
+
 
 
 def _parse_prompts(payload: dict) -> list:

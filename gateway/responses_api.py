@@ -40,6 +40,7 @@ import json
 from dataclasses import replace
 from typing import Any, Sequence
 
+from gateway.chat_messages import template_kwargs
 from gateway.context import RESPONSES, ParsedRequest
 from gateway.errors import ApiError
 
@@ -249,10 +250,4 @@ def _function(tool: dict, name: Any) -> dict:
 
 def _template_kwargs(payload: dict, ctk: dict | None) -> dict | None:
     reasoning = payload.get("reasoning")
-    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
-    if effort is None:
-        return ctk
-    extra = {"reasoning_effort": effort}
-    if "enable_thinking" not in (ctk or {}):
-        extra["enable_thinking"] = effort != "none"
-    return {**(ctk or {}), **extra}
+    return template_kwargs(ctk, reasoning_effort=reasoning.get("effort") if isinstance(reasoning, dict) else None)

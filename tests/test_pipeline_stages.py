@@ -100,18 +100,6 @@ def test_the_cached_tokens_the_engine_will_report_with_n_choices():
     assert reported_cached_tokens(rv, 0, choices=4, reads_cache=False) == 0
 
 
-def test_what_makes_the_engine_skip_its_prefix_cache():
-    chat = {"messages": [{"role": "user", "content": "x"}]}
-    assert parse_request("chat", chat, "m").reads_cache
-    assert not parse_request("chat", {**chat, "prompt_logprobs": 0}, "m").reads_cache
-    assert not parse_request("chat", {**chat, "echo": True}, "m").reads_cache  # top_logprobs is 0 unless set
-    assert parse_request("chat", {**chat, "echo": True, "top_logprobs": None}, "m").reads_cache
-    assert parse_request("chat", {**chat, "logprobs": True, "top_logprobs": 5}, "m").reads_cache  # output logprobs only
-    assert parse_request("completions", {"prompt": "x", "echo": True}, "m").reads_cache
-    assert not parse_request("completions", {"prompt": "x", "echo": True, "logprobs": 0}, "m").reads_cache
-    assert parse_request("completions", {"prompt": "x", "logprobs": 1}, "m").reads_cache
-
-
 class CharTok:
     """A tokenizer of one id per character (tokenize's batch path asks encode_prompt_async)."""
 
