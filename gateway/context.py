@@ -43,6 +43,11 @@ class ParsedRequest:
     previous_response_id: str | None = None  # responses: the stored response it follows (gateway.stored_responses)
     background: bool = False  # responses: run on in the engine after its answer (gateway.background_holds)
 
+    @property
+    def sequences(self) -> int:
+        """The engine requests it makes: vLLM runs each prompt of a batch, and each of `n` choices, as one."""
+        return self.n * (len(self.prompts) if self.prompts else 1)
+
 
 @dataclass(frozen=True, slots=True)
 class Prompt:

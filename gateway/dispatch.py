@@ -138,7 +138,8 @@ def start_try(routing: RoutingState, ctx: RequestContext, n: int, cand: Candidat
         last = (len(prompt.last_ids), max(held, prompt.last_shared // rv.block_size))
     reported = reported_cached_tokens(rv, predicted, choices=req.n, stream=req.stream, last=last, reads_cache=req.reads_cache)
     uncached = max(0, prompt.total_tokens - predicted)
-    flight = routing.dispatched(cand.replica_id, ctx.keys, uncached, req.max_tokens, view, ctx.lora)
+    flight = routing.dispatched(cand.replica_id, ctx.keys, uncached, req.max_tokens, view, lora=ctx.lora,
+                                seqs=req.sequences)
     ctx.attempt = Try(n, cand, view, reported, uncached, flight)
     ctx.replica = cand.replica_id
     return ctx.attempt

@@ -86,13 +86,14 @@ class ReplicaLoad:
 class Flight:
     """One dispatched request; `first_token()` and `finish()` are idempotent."""
 
-    __slots__ = ("tracker", "replica_id", "tokens", "pending", "done", "lora")
+    __slots__ = ("tracker", "replica_id", "tokens", "pending", "done", "lora", "seqs")
 
-    def __init__(self, tracker: "LoadTracker", replica_id: str, tokens: int, lora: str | None = None) -> None:
+    def __init__(self, tracker: "LoadTracker", replica_id: str, tokens: int, lora: str | None = None, seqs: int = 1) -> None:
         self.tracker = tracker
         self.replica_id = replica_id  # replica the request went to
         self.tokens = tokens  # uncached prompt tokens
         self.lora = lora  # the LoRA adapter it runs (None: the base model)
+        self.seqs = seqs  # sequences the engine runs for it (a batch's prompts x n), counted as requests
         self.pending = True  # no first token yet
         self.done = False
 
@@ -108,7 +109,7 @@ class Flight:
 
     def handed_over(self) -> "Flight":
         """The same count under a new owner, whose `finish()` ends it; this one's no longer does."""
-        f = Flight(self.tracker, self.replica_id, self.tokens, self.lora)
+        f = Flight(self.tracker, self.replica_id, self.tokens, self.lora, self.seqs)
         f.pending, f.done = self.pending, self.done
         self.done = True
         return f
@@ -197,9 +198,11 @@ class LoadTracker:
         return ld
 
     def dispatch(self, replica_id: str, uncached_tokens: int, now: float | None = None, max_tokens: int = 0,
-                 lora: str | None = None) -> Flight:
+                 lora: str | None = None, seqs: int = 1) -> Flight:
         """Count a request sent to `replica_id`; `max_tokens` (0: not given) feeds mean_output_tokens;
-        `lora`: the adapter it runs, counted in `inflight_loras`, then `active_loras`, until it finishes."""
+        `lora`: the adapter it runs, counted in `inflight_loras`, then `active_loras`, until it finishes;
+        `seqs`: the engine requests it makes (a completions batch's prompts x `n`: vLLM runs each
+        as one), each counted as a request in flight, then active (its rate and size stay one's)."""
         ld = self._get(replica_id)
         if lora is not None:
             if ld.inflight_loras is None:
@@ -208,7 +211,7 @@ class LoadTracker:
         if now is not None:
             ld.routed_rps = self.routed_rps(replica_id, now) + 1.0 / self.routed_tau_s
             ld.routed_t = now
-        ld.inflight_reqs += 1
+        ld.inflight_reqs += seqs
         ld.inflight_tokens += uncached_tokens
         m = ld.mean_uncached_tokens
         if now is None:
@@ -220,15 +223,15 @@ class LoadTracker:
         if max_tokens > 0:
             o = ld.mean_output_tokens
             ld.mean_output_tokens = float(max_tokens) if o < 0 else o + _EWMA_ALPHA * (max_tokens - o)
-        self._shared_delta(replica_id, 1, uncached_tokens, 1)
-        return Flight(self, replica_id, uncached_tokens, lora)
+        self._shared_delta(replica_id, seqs, uncached_tokens, seqs)
+        return Flight(self, replica_id, uncached_tokens, lora, seqs)
 
     def _move_to_active(self, f: Flight) -> None:
         ld = self._get(f.replica_id)
-        ld.inflight_reqs = max(0, ld.inflight_reqs - 1)
+        ld.inflight_reqs = max(0, ld.inflight_reqs - f.seqs)
         ld.inflight_tokens = max(0, ld.inflight_tokens - f.tokens)
-        ld.active_reqs += 1
-        self._shared_delta(f.replica_id, -1, -f.tokens, 0)
+        ld.active_reqs += f.seqs
+        self._shared_delta(f.replica_id, -f.seqs, -f.tokens, 0)
         if f.lora is not None and ld.inflight_loras:
             _count(ld.inflight_loras, f.lora, -1)
             if ld.active_loras is None:
@@ -238,12 +241,12 @@ class LoadTracker:
     def _finish(self, f: Flight) -> None:
         ld = self._get(f.replica_id)
         if f.pending:
-            ld.inflight_reqs = max(0, ld.inflight_reqs - 1)
+            ld.inflight_reqs = max(0, ld.inflight_reqs - f.seqs)
             ld.inflight_tokens = max(0, ld.inflight_tokens - f.tokens)
-            self._shared_delta(f.replica_id, -1, -f.tokens, -1)
+            self._shared_delta(f.replica_id, -f.seqs, -f.tokens, -f.seqs)
         else:
-            ld.active_reqs = max(0, ld.active_reqs - 1)
-            self._shared_delta(f.replica_id, 0, 0, -1)
+            ld.active_reqs = max(0, ld.active_reqs - f.seqs)
+            self._shared_delta(f.replica_id, 0, 0, -f.seqs)
         if f.lora is not None:
             counts = ld.inflight_loras if f.pending else ld.active_loras
             if counts:

@@ -125,14 +125,14 @@ class RoutingState:
         return 0 if m is None else m.any_blocks
 
     def dispatched(self, replica_id: str, keys: Sequence[int], uncached_tokens: int, max_tokens: int,
-                   view: ReplicaView | None = None, lora: str | None = None) -> Flight:
+                   view: ReplicaView | None = None, *, lora: str | None = None, seqs: int = 1) -> Flight:
         """A request goes to `replica_id`: count its work there until `Flight.finish()`, and expect
         its keys there (speculatively) until the engine's events confirm them. The engine stores a
         block when its prefill completes, so the speculation lasts `speculative_ttl_s` plus the
         prefill the view says is ahead of the request and its own (a 3,000-token document on a
         1 ms/token replica takes 3 s: a fixed 2 s TTL would let the copy's last blocks lapse while
         the engine is still computing them)."""
-        flight = self.load.dispatch(replica_id, uncached_tokens, self.clock(), max_tokens, lora)
+        flight = self.load.dispatch(replica_id, uncached_tokens, self.clock(), max_tokens, lora, seqs)
         if keys:
             ttl = self.speculative_ttl_s
             if view is not None:

@@ -95,7 +95,7 @@ class SimRouter:
         view = routing.view_of(cand.replica_id)
         predicted = predicted_matched_tokens(rv, view)
         uncached = max(0, r.prompt - predicted)
-        flight = self.routing.dispatched(cand.replica_id, r.keys, uncached, r.max_out, view, r.lora)
+        flight = self.routing.dispatched(cand.replica_id, r.keys, uncached, r.max_out, view, lora=r.lora)
         self.flights[id(r)] = (flight, Outcome(cand.replica_id, None, predicted, uncached, queued_prefill_tokens(view),
                                                view.running_reqs if view is not None else 0, None, None))
         r.pred_uncached = uncached

@@ -10,6 +10,8 @@ import math
 
 import pytest
 
+from gateway.parse import parse_request
+
 from gateway.auth import ApiKeyStore, Authenticator, TenantLimiter, TenantPolicy, parse_key_entry, tenant_hash
 from gateway.config import ConfigError, config_from_dict, env_overrides
 from gateway.errors import ApiError
@@ -133,6 +135,26 @@ def test_load_tracker_inflight_and_shared():
     f1.finish()
     assert (lt.get("r").inflight_reqs, lt.get("r").active_reqs) == (0, 0)
     assert lt.take_pending() == {"r": (-1, -50, -2)}  # the in-flight one's three counts, the active one's open
+
+
+def test_a_request_counts_the_sequences_the_engine_runs_for_it():
+    """A completions batch of 3 prompts with n = 4 is 12 engine requests: counted as 12 in flight,
+    then active, in the shared counts too, whoever owns the flight (a background hold); its
+    tokens and routed rate stay one request's."""
+    assert parse_request("completions", {"prompt": ["a", "b", "c"], "n": 4}, "m").sequences == 12
+    assert parse_request("chat", {"messages": [{"role": "user"}]}, "m").sequences == 1
+    lt = LoadTracker()
+    f = lt.dispatch("r", 100, now=0.0, seqs=12)
+    assert (lt.get("r").inflight_reqs, lt.get("r").inflight_tokens) == (12, 100)
+    assert lt.take_pending() == {"r": (12, 100, 12)}  # what the other gateways are told
+    assert lt.get("r").routed_rps == pytest.approx(1.0 / lt.routed_tau_s)
+    f.first_token()
+    assert (lt.get("r").inflight_reqs, lt.get("r").active_reqs) == (0, 12)
+    kept = f.handed_over()
+    f.finish()
+    assert lt.get("r").active_reqs == 12
+    kept.finish()
+    assert lt.get("r").active_reqs == 0 and lt.take_pending() == {"r": (-12, -100, -12)}
 
 
 def test_mean_uncached_tokens_weighs_requests_by_age():
