@@ -34,6 +34,7 @@ class ParsedRequest:
     max_tokens: int  # max_tokens / max_completion_tokens / max_output_tokens; 0 when not given
     n: int = 1  # choices per prompt (chat, completions): vLLM runs n sequences on the one prompt
     reads_cache: bool = True  # False: the engine skips its prefix cache (prompt logprobs asked: gateway.parse)
+    add_special_tokens: bool = False  # the tokenizer adds its BOS/EOS (vLLM's default: completions only)
     messages: list | None = None  # chat: the messages (responses: the chat messages the engine renders)
     add_generation_prompt: bool = True  # chat template option (vLLM default True)
     continue_final_message: bool = False  # chat template option

@@ -4,7 +4,8 @@ Rule: everything the gateway can refuse before it tokenizes is refused here, wit
 shape and the offending field in `param`: a body that is not a JSON object (400 invalid_json /
 invalid_encoding), a missing or non-string `model` (400), a model the gateway does not serve
 (404 model_not_found; 503 while it does not know its model yet), wrong types of `stream`,
-`stream_options`, `max_tokens`, `n`, `messages`, `prompt` and the chat-template options (400), and,
+`stream_options`, `max_tokens`, `n`, `add_special_tokens`, `messages`, `prompt` and the chat-template
+options (400), and,
 after tokenization, a prompt over the model's context (400 context_length_exceeded, vLLM's text).
 It also reads what changes the cached tokens the engine will report: `n`, and whether the request
 asks for its prompt's logprobs (then the engine reads no cached blocks).
@@ -72,6 +73,7 @@ def parse_request(kind: str, payload: dict, model: str, *, stored_responses: boo
         raise ApiError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
     common = {"kind": kind, "model": model, "stream": bool(stream), "n": _choices(payload),
               "reads_cache": not _prompt_logprobs(kind, payload),
+              "add_special_tokens": _flag(payload, "add_special_tokens", kind == COMPLETIONS),
               "client_wants_usage": bool(so and so.get("include_usage")), "max_tokens": _max_tokens(kind, payload)}
     if kind == CHAT:
         return _parse_chat(payload, common)
@@ -89,6 +91,15 @@ def _prompt_logprobs(kind: str, payload: dict) -> bool:
     if not payload.get("echo"):
         return False
     return kind == CHAT or payload.get("logprobs") is not None
+
+
+def _flag(payload: dict, field: str, default: bool) -> bool:
+    v = payload.get(field)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(400, f"'{field}' must be a boolean", param=field, code="invalid_type")
+    return v
 
 
 def _choices(payload: dict) -> int:

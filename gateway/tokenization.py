@@ -4,14 +4,16 @@ Exactness rule
 --------------
 The ids returned are, for every input, the ids the engine computes:
 
-* completions: ``tokenizer(prompt, add_special_tokens=True)`` (a list of ints passes through after
-  the engine's own validation: ints in ``[0, max_token_id]``);
+* completions: ``tokenizer(prompt, add_special_tokens=True)`` (or the request's
+  ``add_special_tokens``; a list of ints passes through after the engine's own validation: ints in
+  ``[0, max_token_id]``);
 * chat: the messages are first normalised exactly as vLLM's ``parse_chat_messages`` does (text
   parts joined with ``"\\n"`` for "string"-format templates, wrapped as ``{"type": "text"}`` parts
   for "openai"-format ones, only the fields vLLM forwards, tool-call arguments parsed to dicts),
   then rendered by transformers' own ``apply_chat_template(tokenize=False)`` with vLLM's kwargs
   (``add_generation_prompt``, ``continue_final_message``, filtered ``chat_template_kwargs``) and
-  tokenized with ``add_special_tokens=False`` -- what ``apply_chat_template(tokenize=True)`` does.
+  tokenized with ``add_special_tokens=False`` -- what ``apply_chat_template(tokenize=True)`` does
+  (or the request's ``add_special_tokens``, as vLLM takes it).
 
 Why the fast path is still exact
 --------------------------------
@@ -287,11 +289,11 @@ class TokenizerService:
         if self._closed:
             raise RuntimeError("TokenizerService is closed")
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Ids of a completions prompt (add_special_tokens=True), or validated ids passed through."""
+    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Ids of a completions prompt (add_special_tokens=True, vLLM's default), or validated ids passed through."""
         self._check_open()
         if isinstance(prompt, str):
-            return self._encode_text(prompt, True)
+            return self._encode_text(prompt, add_special_tokens)
         if isinstance(prompt, (list, tuple)):
             limit = self._max_token_id
             for i, t in enumerate(prompt):
@@ -387,11 +389,11 @@ class TokenizerService:
             return ids
         return self._encode_text(text, add_special_tokens)
 
-    async def encode_prompt_async(self, prompt: str | list[int]) -> list[int]:
+    async def encode_prompt_async(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         self._check_open()
         if not isinstance(prompt, str):  # validation only: not worth a thread hop
             return self.encode_prompt(prompt)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode_prompt, prompt)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode_prompt, prompt, add_special_tokens)
 
     async def encode_chat_async(
         self,
@@ -411,12 +413,13 @@ class TokenizerService:
         )
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
-    async def encode_prompt_auto(self, prompt: str | list[int], *, inline_max_chars: int) -> list[int]:
+    async def encode_prompt_auto(self, prompt: str | list[int], *, inline_max_chars: int,
+                                 add_special_tokens: bool = True) -> list[int]:
         """`encode_prompt`, on the loop or the pool by what is left to encode (`_encode_text_auto`)."""
         self._check_open()
         if not isinstance(prompt, str):
             return self.encode_prompt(prompt)
-        return await self._encode_text_auto(prompt, True, inline_max_chars)
+        return await self._encode_text_auto(prompt, add_special_tokens, inline_max_chars)
 
     async def encode_chat_auto(
         self,
@@ -427,6 +430,7 @@ class TokenizerService:
         chat_template_kwargs: dict | None = None,
         tools: list | None = None,
         continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """`encode_chat`, rendered on the loop (the template holds the GIL wherever it runs) and
         encoded on the loop or the pool by what the segment cache leaves to encode
@@ -434,14 +438,14 @@ class TokenizerService:
         it runs on the pool as `encode_chat_async`."""
         self._check_open()
         kw = dict(add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs, tools=tools,
-                  continue_final_message=continue_final_message)
+                  continue_final_message=continue_final_message, add_special_tokens=add_special_tokens)
         ctk = chat_template_kwargs if isinstance(chat_template_kwargs, dict) else {}
         if tools or _TOKENIZER_KWARGS & (ctk.keys() | self._default_kwargs.keys()):
             return await self.encode_chat_async(messages, **kw)
         text, ids = self._render(messages, add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
         if ids is not None:
             return ids
-        return await self._encode_text_auto(text, False, inline_max_chars)
+        return await self._encode_text_auto(text, add_special_tokens, inline_max_chars)
 
     def warm_up(self) -> None:
         """Render and encode one short chat (and plain text) now, so the first request does not pay

@@ -107,10 +107,10 @@ class CharTok:
     def ids(text: str) -> list[int]:
         return [ord(c) for c in text]
 
-    async def encode_prompt_async(self, prompt):
-        return self.ids(prompt) if isinstance(prompt, str) else list(prompt)
+    async def encode_prompt_async(self, prompt, add_special_tokens=True):
+        return self.encode_prompt(prompt, add_special_tokens)
 
-    def encode_prompt(self, prompt):
+    def encode_prompt(self, prompt, add_special_tokens=True):
         return self.ids(prompt) if isinstance(prompt, str) else list(prompt)
 
 

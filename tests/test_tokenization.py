@@ -472,3 +472,41 @@ def test_warm_up_compiles_the_chat_template_so_the_first_request_does_not(tokeni
             assert template_variables.cache_info().misses - before == (0 if warm else 1)
         finally:
             s.close()
+
+
+def test_add_special_tokens_as_the_request_sets_it(tokenizer_dir, tmp_path):
+    """A tokenizer that puts a BOS before a text (as Llama's does): a completions prompt gets it
+    unless the request sets `add_special_tokens: false`, a chat gets it only when the request sets
+    it true (vLLM's defaults), each as plain transformers encodes the same text."""
+    from transformers import AutoTokenizer
+
+    from gateway.encode import tokenize
+    from gateway.parse import parse_request
+
+    d = tmp_path / "bos"
+    shutil.copytree(tokenizer_dir, d)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    bos = next(t for t in tj["added_tokens"] if t["content"] == "<|endoftext|>")
+    tj["post_processor"] = {"type": "TemplateProcessing",
+                            "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                            "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [bos["id"]], "tokens": ["<|endoftext|>"]}}}
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    ref = AutoTokenizer.from_pretrained(str(d))
+    text = "The lease ends in May."
+    assert ref(text, add_special_tokens=True)["input_ids"][0] == bos["id"]  # the tokenizer really adds one
+    s = TokenizerService(d)
+    try:
+        def ids(kind: str, body: dict) -> list[int]:
+            return asyncio.run(tokenize(s, parse_request(kind, body, "m"), inline_max_chars=1000, max_model_len=None)).first_ids
+
+        assert ids("completions", {"prompt": text}) == ref(text, add_special_tokens=True)["input_ids"]
+        assert ids("completions", {"prompt": text, "add_special_tokens": False}) == ref(text, add_special_tokens=False)["input_ids"]
+        chat = [{"role": "user", "content": text}]
+        rendered = ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        assert ids("chat", {"messages": chat}) == ref(rendered, add_special_tokens=False)["input_ids"]
+        assert ids("chat", {"messages": chat, "add_special_tokens": True}) == ref(rendered, add_special_tokens=True)["input_ids"]
+        with pytest.raises(Exception, match="add_special_tokens"):
+            parse_request("completions", {"prompt": text, "add_special_tokens": "no"}, "m")
+    finally:
+        s.close()
