@@ -35,6 +35,8 @@ class ParsedRequest:
     n: int = 1  # choices per prompt (chat, completions): vLLM runs n sequences on the one prompt
     reads_cache: bool = True  # False: the engine skips its prefix cache (prompt logprobs asked: gateway.parse)
     add_special_tokens: bool = False  # the tokenizer adds its BOS/EOS (vLLM's default: completions only)
+    truncate: int | None = None  # truncate_prompt_tokens: the engine keeps this many (-1: the context less one)
+    truncation_side: str | None = None  # "left" keeps the last tokens, "right" the first (None: the tokenizer's, left)
     messages: list | None = None  # chat: the messages (responses: the chat messages the engine renders)
     add_generation_prompt: bool = True  # chat template option (vLLM default True)
     continue_final_message: bool = False  # chat template option

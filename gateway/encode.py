@@ -2,7 +2,8 @@
 
 Rule: chat applies the model's chat template with the request's template options; completions
 encode each prompt with special tokens (a token-id prompt is taken as is); `add_special_tokens`
-as the request sets it, else vLLM's default (completions true, chat false: the template has them). Short inputs tokenize
+as the request sets it, else vLLM's default (completions true, chat false: the template has them);
+`truncate_prompt_tokens` cuts each prompt as vLLM does (`truncated`) before the context check. Short inputs tokenize
 inline; for long ones the tokenizer encodes inline what its segment cache holds plus at most
 `inline_max_chars` of new text, and sends more than that to its worker threads: a thread hop costs
 more than a short encoding (or a cached document), and with a busy loop the worker waits for the
@@ -36,10 +37,33 @@ async def tokenize(tok: TokenizerService, req: ParsedRequest, *, inline_max_char
     except TokenizationError as exc:
         raise ApiError(400, f"invalid input: {exc}", param=_ERROR_PARAM.get(req.kind, "prompt"),
                        code="invalid_prompt") from None
+    if req.truncate is not None:
+        texts = [True] if req.prompts is None else [isinstance(p, str) for p in req.prompts]
+        prompts = [truncated(ids, req, max_model_len, tok.special_affixes, text=t) for ids, t in zip(prompts, texts)]
     n_tokens = max(len(p) for p in prompts)
     check_context_length(req.kind, n_tokens, req.max_tokens, max_model_len)
     last, shared = (prompts[-1], max(_common_prefix(p, prompts[-1]) for p in prompts[:-1])) if len(prompts) > 1 else (None, 0)
     return Prompt(prompts[0], sum(len(p) for p in prompts), time.perf_counter() - t0, last, shared)
+
+
+def truncated(ids: list[int], req: ParsedRequest, max_model_len: int | None, affixes: tuple[int, int], *,
+              text: bool) -> list[int]:
+    """The prompt vLLM 0.32 keeps under `truncate_prompt_tokens` N (renderers/params.py): -1 is the
+    context less one; "left" (a generative model's tokenizer's side) keeps the last N ids, "right"
+    the first N. A text (not token ids) without an explicit `truncation_side` is truncated by the
+    tokenizer itself, which keeps the special tokens it adds (`affixes`: a Llama BOS stays first)."""
+    n = req.truncate
+    if n is not None and n < 0:
+        n = None if max_model_len is None else max_model_len - 1
+    if n is None or n >= len(ids):
+        return ids
+    p, s = affixes if text and req.truncation_side is None and req.add_special_tokens else (0, 0)
+    if p + s and n > p + s:
+        own = ids[p:len(ids) - s]
+        return ids[:p] + own[len(own) - (n - p - s):] + ids[len(ids) - s:]
+    if n == 0:
+        return []
+    return ids[-n:] if (req.truncation_side or "left") == "left" else ids[:n]
 
 
 def _common_prefix(a: list, b: list, step: int = 64) -> int:

@@ -74,6 +74,7 @@ def parse_request(kind: str, payload: dict, model: str, *, stored_responses: boo
     common = {"kind": kind, "model": model, "stream": bool(stream), "n": _choices(payload),
               "reads_cache": not _prompt_logprobs(kind, payload),
               "add_special_tokens": _flag(payload, "add_special_tokens", kind == COMPLETIONS),
+              **_truncation(payload),
               "client_wants_usage": bool(so and so.get("include_usage")), "max_tokens": _max_tokens(kind, payload)}
     if kind == CHAT:
         return _parse_chat(payload, common)
@@ -91,6 +92,17 @@ def _prompt_logprobs(kind: str, payload: dict) -> bool:
     if not payload.get("echo"):
         return False
     return kind == CHAT or payload.get("logprobs") is not None
+
+
+def _truncation(payload: dict) -> dict:
+    """vLLM's `truncate_prompt_tokens` (an integer >= -1) and `truncation_side` ("left", "right")."""
+    n, side = payload.get("truncate_prompt_tokens"), payload.get("truncation_side")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < -1):
+        raise ApiError(400, "'truncate_prompt_tokens' must be an integer >= -1", param="truncate_prompt_tokens",
+                       code="invalid_type")
+    if side not in (None, "left", "right"):
+        raise ApiError(400, "'truncation_side' must be 'left' or 'right'", param="truncation_side", code="invalid_value")
+    return {"truncate": n, "truncation_side": side}
 
 
 def _flag(payload: dict, field: str, default: bool) -> bool:

@@ -155,7 +155,9 @@ class TokenizerService:
             if added else None
         )
         # BOS/EOS that add_special_tokens=True puts around a completion prompt (e.g. Llama's BOS).
-        self._adds_specials = self._hf_encode("a", True) != self._hf_encode("a", False)
+        with_, without = self._hf_encode("a", True), self._hf_encode("a", False)
+        self._adds_specials = with_ != without
+        self.special_affixes = _affixes(with_, without)  # (ids before, ids after) a text's own
         return tj
 
     def _init_tiktoken(self, backend: str, tj: dict):
@@ -474,3 +476,12 @@ class TokenizerService:
 
     def __repr__(self) -> str:
         return f"TokenizerService({str(self._dir)!r}, backend={self._backend_name!r}, segmented={self._segmented})"
+
+
+def _affixes(with_specials: list[int], without: list[int]) -> tuple[int, int]:
+    """How many ids add_special_tokens puts before and after a text's own (Llama's BOS: (1, 0))."""
+    n = len(without)
+    for k in range(len(with_specials) - n + 1):
+        if with_specials[k:k + n] == without:
+            return k, len(with_specials) - k - n
+    return 0, 0

@@ -66,8 +66,11 @@ def compare(ours: Sequence[int], theirs: Any) -> Verdict:
 
 
 def tokenize_body(req: ParsedRequest, payload: dict, model: str | None) -> dict | None:
-    """vLLM's `/tokenize` body for the request's (first) prompt; None when there is no text to check.
-    `model`: the served name the request went out with (None: not known, left out)."""
+    """vLLM's `/tokenize` body for the request's (first) prompt; None when there is no text to check
+    (or its prompt was truncated: `/tokenize` does not truncate). `model`: the served name the
+    request went out with (None: not known, left out)."""
+    if req.truncate is not None:
+        return None
     ast = payload.get("add_special_tokens")
     ast = ast if isinstance(ast, bool) else None
     body: dict = {"model": model} if model else {}

@@ -14,7 +14,7 @@ import gateway.dispatch as dispatch_mod
 from gateway.config import ProxyConfig
 from gateway.context import Outcome, ParsedRequest, Prompt, RequestContext, Routing
 from gateway.dispatch import Dispatcher
-from gateway.encode import tokenize
+from gateway.encode import tokenize, truncated
 from gateway.errors import ApiError, engine_error
 from gateway.index import KVIndex
 from gateway.learn import learn
@@ -98,6 +98,24 @@ def test_the_cached_tokens_the_engine_will_report_with_n_choices():
     assert reported_cached_tokens(rv, 0, last=(500, 0), choices=2) == 496
     # prompt logprobs asked: the engine reads no cached block, however many it holds
     assert reported_cached_tokens(rv, 0, choices=4, reads_cache=False) == 0
+
+
+def test_truncation_keeps_what_vllm_keeps():
+    def req(body: dict):
+        return parse_request("completions", {"prompt": "x", **body}, "m")
+
+    ids = [1, 10, 11, 12, 13, 14]  # 1: a BOS the tokenizer adds
+    assert truncated(ids, req({"truncate_prompt_tokens": 3}), None, (1, 0), text=True) == [1, 13, 14]  # the tokenizer's cut
+    assert truncated(ids, req({"truncate_prompt_tokens": 3}), None, (1, 0), text=False) == [12, 13, 14]  # token ids: sliced
+    assert truncated(ids, req({"truncate_prompt_tokens": 3, "truncation_side": "left"}), None, (1, 0), text=True) == [12, 13, 14]
+    assert truncated(ids, req({"truncate_prompt_tokens": 3, "truncation_side": "right"}), None, (0, 0), text=True) == [1, 10, 11]
+    assert truncated(ids, req({"truncate_prompt_tokens": -1}), 5, (0, 0), text=True) == [11, 12, 13, 14]  # the context less one
+    assert truncated(ids, req({"truncate_prompt_tokens": -1}), None, (0, 0), text=True) == ids
+    assert truncated(ids, req({"truncate_prompt_tokens": 9}), None, (0, 0), text=True) == ids
+    assert truncated(ids, req({}), 3, (0, 0), text=True) == ids
+    for bad in ({"truncate_prompt_tokens": -2}, {"truncate_prompt_tokens": "3"}, {"truncation_side": "middle"}):
+        with pytest.raises(ApiError):
+            req(bad)
 
 
 class CharTok:

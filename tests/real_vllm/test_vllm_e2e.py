@@ -378,6 +378,23 @@ def test_prediction_and_key_parity(vllm_replicas, e2e_system):
 
 
 # -- 3. tenancy ----------------------------------------------------------------------------------
+def _reported_as_predicted(system, label: str, body: dict, expect) -> dict:
+    """Send `body` through the gateway; assert the engine's cached tokens equal the gateway's
+    prediction and satisfy `expect(cached, prompt_tokens)`; return the usage."""
+    stream = body.get("stream", False)
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    payload = {"model": system.model, "max_tokens": 3, **body, **({"stream_options": {"include_usage": True}} if stream else {})}
+    with httpx.stream("POST", system.url + path, json=payload, headers=system.headers("acme"), timeout=120) as r:
+        out = r.read().decode()
+        assert r.status_code == 200, (label, out[:300])
+        request_id = r.headers["X-Request-Id"]
+    usage = json.loads([ln for ln in out.splitlines() if ln.startswith("data: {")][-1][6:] if stream else out)["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    predicted = int(_server_span(system, request_id, timeout=30).attributes["warmroute.predicted_cached_tokens"])
+    assert predicted == cached and expect(cached, usage["prompt_tokens"]), (label, predicted, usage)
+    return usage
+
+
 def test_n_batches_and_prompt_logprobs_are_predicted_as_the_engine_reports_them(vllm_replicas, e2e_system):
     """What vLLM 0.32 reports as cached is not always the first prompt's hit (routing.
     reported_cached_tokens): with `n` > 1 a whole answer reports its last child request's (every
@@ -386,20 +403,6 @@ def test_n_batches_and_prompt_logprobs_are_predicted_as_the_engine_reports_them(
     batch computed); a request asking for prompt logprobs reads no cached block (`prompt_logprobs`,
     chat's `echo`). The gateway predicts each as reported (each fails with the first prompt's hit)."""
     system, rng = e2e_system, _fresh_rng()
-
-    def check(label: str, body: dict, expect) -> dict:
-        stream = body.get("stream", False)
-        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-        payload = {"model": system.model, "max_tokens": 3, **body, **({"stream_options": {"include_usage": True}} if stream else {})}
-        with httpx.stream("POST", system.url + path, json=payload, headers=system.headers("acme"), timeout=120) as r:
-            out = r.read().decode()
-            assert r.status_code == 200, (label, out[:300])
-            request_id = r.headers["X-Request-Id"]
-        usage = json.loads([ln for ln in out.splitlines() if ln.startswith("data: {")][-1][6:] if stream else out)["usage"]
-        cached = usage["prompt_tokens_details"]["cached_tokens"]
-        predicted = int(_server_span(system, request_id, timeout=30).attributes["warmroute.predicted_cached_tokens"])
-        assert predicted == cached and expect(cached, usage["prompt_tokens"]), (label, predicted, usage)
-        return usage
 
     def cold(c, pt):
         return c == 0
@@ -411,20 +414,38 @@ def test_n_batches_and_prompt_logprobs_are_predicted_as_the_engine_reports_them(
     for route, stream in (("completions", False), ("chat", False), ("completions", True)):
         text = f"{route} with four choices, {'streamed' if stream else 'whole'}: " + doc
         body = {"prompt": text} if route == "completions" else {"messages": [{"role": "user", "content": text}]}
-        check(f"n=4 {route} stream={stream}", {**body, "n": 4, "temperature": 1.0, "stream": stream}, cold if stream else most)
+        _reported_as_predicted(system, f"n=4 {route} stream={stream}", {**body, "n": 4, "temperature": 1.0, "stream": stream}, cold if stream else most)
     a, b, c = ("alpha " + _text(100, rng), "beta " + _text(100, rng), "gamma " + _text(100, rng))
-    check("warm-up a", {"prompt": a}, cold)
-    check("batch [a warm, b cold]", {"prompt": [a, b]}, cold)  # the last prompt's, b's
+    _reported_as_predicted(system, "warm-up a", {"prompt": a}, cold)
+    _reported_as_predicted(system, "batch [a warm, b cold]", {"prompt": [a, b]}, cold)  # the last prompt's, b's
     # routed on its first prompt: a is warm only if that sent it to a's replica
-    check("batch [d cold, a]", {"prompt": ["delta " + _text(100, rng), a]}, lambda c, pt: True)
-    check("batch [c+x, c+y] cold", {"prompt": [c + " first question", c + " second question, longer"]},
+    _reported_as_predicted(system, "batch [d cold, a]", {"prompt": ["delta " + _text(100, rng), a]}, lambda c, pt: True)
+    _reported_as_predicted(system, "batch [c+x, c+y] cold", {"prompt": [c + " first question", c + " second question, longer"]},
           lambda c, pt: c > 0)  # the second found the first's blocks
-    check("prompt logprobs of warm a", {"prompt": a, "prompt_logprobs": 1}, cold)
-    check("echo with logprobs of warm a", {"prompt": a, "echo": True, "logprobs": 1}, cold)
+    _reported_as_predicted(system, "prompt logprobs of warm a", {"prompt": a, "prompt_logprobs": 1}, cold)
+    _reported_as_predicted(system, "echo with logprobs of warm a", {"prompt": a, "echo": True, "logprobs": 1}, cold)
     chat = {"messages": [{"role": "user", "content": "epsilon " + _text(100, rng)}]}
-    check("warm-up chat", chat, cold)
-    check("chat echo (prompt logprobs 0)", {**chat, "echo": True}, cold)
-    check("chat again", chat, most)
+    _reported_as_predicted(system, "warm-up chat", chat, cold)
+    _reported_as_predicted(system, "chat echo (prompt logprobs 0)", {**chat, "echo": True}, cold)
+    _reported_as_predicted(system, "chat again", chat, most)
+
+
+def test_truncated_prompts_are_keyed_as_the_engine_truncates_them(vllm_replicas, e2e_system):
+    """`truncate_prompt_tokens`: the engine keeps the last N tokens (a generative model's side), or
+    the first with `truncation_side: right`, or the context less one with -1, where the gateway
+    would otherwise refuse the prompt as too long; the gateway keys and predicts what is kept (the
+    repeat of a truncated prompt is predicted exactly, its token count the engine's)."""
+    system, rng = e2e_system, _fresh_rng()
+    doc = "zeta " + _text(200, rng)
+    for side in (None, "right"):
+        body = {"prompt": doc, "truncate_prompt_tokens": 64, **({"truncation_side": side} if side else {})}
+        first = _reported_as_predicted(system, f"truncated {side}", body, lambda c, pt: pt == 64)
+        assert first["prompt_tokens"] == 64
+        _reported_as_predicted(system, f"truncated {side} again", body, lambda c, pt: c > 0)
+    long = "eta " + _text(4000, rng)  # over the 4,096-token context
+    usage = _reported_as_predicted(system, "truncated to the context", {"prompt": long, "truncate_prompt_tokens": -1,
+                                                                       "max_tokens": 1}, lambda c, pt: True)
+    assert usage["prompt_tokens"] == 4095
 
 
 def test_tenants_never_share_blocks(vllm_replicas, e2e_system):
