@@ -44,6 +44,11 @@ class ServerConfig:
 class ModelConfig:
     name: str | None = None  # served model name (None: discovered from the replicas' /v1/models)
     tokenizer_dir: str | None = None  # HF tokenizer directory (None: built-in Qwen/ChatML)
+    # what the engines run with: vLLM's --chat-template (a file, or the template itself; None: the
+    # tokenizer's), --chat-template-content-format (auto, string, openai) and --default-chat-template-kwargs
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"
+    default_chat_template_kwargs: dict = field(default_factory=dict)
     block_size: int = 16  # KV block size in tokens (must equal the engines')
     max_model_len: int | None = None  # context limit (None: replicas' /v1/models, else tokenizer)
     tokenizer_workers: int = 1  # threads for tokenization off the event loop

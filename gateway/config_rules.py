@@ -65,6 +65,11 @@ def _check_model(cfg: GatewayConfig) -> None:
         raise _err("model.tokenize_check_s", f"must be >= 0 (0: off), got {m.tokenize_check_s}")
     if not m.lora_discovery_s >= 0:
         raise _err("model.lora_discovery_s", f"must be >= 0 (0: off), got {m.lora_discovery_s}")
+    if m.chat_template_content_format not in ("auto", "string", "openai"):
+        raise _err("model.chat_template_content_format", f"must be auto, string or openai (vLLM's "
+                   f"--chat-template-content-format), got {m.chat_template_content_format!r}")
+    if {"chat_template", "tokenize"} & m.default_chat_template_kwargs.keys():
+        raise _err("model.default_chat_template_kwargs", "may not set chat_template or tokenize (vLLM refuses them)")
     names = [m.name, *m.aliases]
     for a in m.lora_adapters:
         if not isinstance(a, str) or not a:
@@ -248,6 +253,9 @@ def check_files(cfg: GatewayConfig) -> None:
         ("salt.secret_file", cfg.salt.secret_file),
         ("model.tokenizer_dir", cfg.model.tokenizer_dir),
     ]
+    ct = cfg.model.chat_template
+    if ct and not any(c in ct for c in "{}\n"):  # not a template itself: a file, as vLLM reads it
+        refs.append(("model.chat_template", ct))
     for path, value in refs:
         if value and not Path(value).exists():
             raise _err(path, f"file not found: {value}")

@@ -108,10 +108,12 @@ class TokenizerService:
         backend: str = "auto",
         chat_template_content_format: str = "auto",
         default_chat_template_kwargs: dict | None = None,
+        chat_template: str | None = None,
     ) -> None:
         """`backend`: "auto" (tiktoken where provably equal, else HF), "tiktoken" (error if not
         possible) or "hf". `segment_cache_entries=0` disables the segment cache.
-        `chat_template_content_format` / `default_chat_template_kwargs` mirror the engine's
+        `chat_template` / `chat_template_content_format` / `default_chat_template_kwargs` mirror the
+        engine's `--chat-template` (a file, or the template itself, as vLLM reads it) /
         `--chat-template-content-format` / `--default-chat-template-kwargs`."""
         if tokenizer_dir is None:
             tokenizer_dir = default_tokenizer_dir()
@@ -123,6 +125,8 @@ class TokenizerService:
         self._content_format = chat_template_content_format
         self._default_kwargs = dict(default_chat_template_kwargs or {})
         self._hf = AutoTokenizer.from_pretrained(str(self._dir))
+        if chat_template:
+            self._hf.chat_template = _load_template(chat_template)
         self._fast = getattr(self._hf, "backend_tokenizer", None)  # tokenizers.Tokenizer
         vocab = self._hf.get_vocab()
         self._max_token_id = max(vocab.values()) if vocab else -1
@@ -485,3 +489,13 @@ def _affixes(with_specials: list[int], without: list[int]) -> tuple[int, int]:
         if with_specials[k:k + n] == without:
             return k, len(with_specials) - k - n
     return 0, 0
+
+
+def _load_template(chat_template: str) -> str:
+    """vLLM's --chat-template: a file's text, else the argument itself when it reads as a template."""
+    try:
+        return Path(chat_template).read_text()
+    except OSError:
+        if any(c in chat_template for c in "{}\n"):
+            return chat_template
+        raise ValueError(f"chat template file not found: {chat_template}") from None
