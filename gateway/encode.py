@@ -3,7 +3,8 @@
 Rule: chat applies the model's chat template with the request's template options; completions
 encode each prompt with special tokens (a token-id prompt is taken as is); `add_special_tokens`
 as the request sets it, else vLLM's default (completions true, chat false: the template has them);
-`truncate_prompt_tokens` cuts each prompt as vLLM does (`truncated`) before the context check. Short inputs tokenize
+`truncate_prompt_tokens` cuts each prompt as vLLM does (`truncated`) before the context check; a
+completions batch keeps its last prompt too (its usage reports that one). Short inputs tokenize
 inline; for long ones the tokenizer encodes inline what its segment cache holds plus at most
 `inline_max_chars` of new text, and sends more than that to its worker threads: a thread hop costs
 more than a short encoding (or a cached document), and with a busy loop the worker waits for the

@@ -4,11 +4,12 @@ Rule: everything the gateway can refuse before it tokenizes is refused here, wit
 shape and the offending field in `param`: a body that is not a JSON object (400 invalid_json /
 invalid_encoding), a missing or non-string `model` (400), a model the gateway does not serve
 (404 model_not_found; 503 while it does not know its model yet), wrong types of `stream`,
-`stream_options`, `max_tokens`, `n`, `add_special_tokens`, `messages`, `prompt` and the chat-template
-options (400), and,
-after tokenization, a prompt over the model's context (400 context_length_exceeded, vLLM's text).
-It also reads what changes the cached tokens the engine will report: `n`, and whether the request
-asks for its prompt's logprobs (then the engine reads no cached blocks).
+`stream_options`, `max_tokens`, `n`, `add_special_tokens`, `truncate_prompt_tokens`,
+`truncation_side`, `messages`, `prompt` and the chat-template options (400), and, after
+tokenization, a prompt over the model's context (400 context_length_exceeded, vLLM's text). It
+also reads what changes the tokens the engine computes or the cached tokens it reports: those
+fields, and whether the request asks for its prompt's logprobs (then the engine reads no cached
+block).
 Fields the gateway does not read pass through to the engine untouched (it is the judge of them).
 """
 from __future__ import annotations
@@ -158,7 +159,6 @@ def _parse_chat(payload: dict, common: dict) -> ParsedRequest:
                          chat_template_kwargs=template_kwargs(ctk, documents=payload.get("documents"),
                                                               reasoning_effort=payload.get("reasoning_effort")),
                          tools=tools, **common)
-
 
 
 def _parse_prompts(payload: dict) -> list:

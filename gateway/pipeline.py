@@ -16,7 +16,8 @@
                before its first byte goes out, its answer added once whole)
     learn      rates, policy hook, index accuracy (gateway.learn); now and then the replica's own
                tokenization of the request, checked in the background (gateway.tokenize_check)
-    finish     metrics, span end, logs, limiter release
+    finish     metrics, span end, logs, limiter release (a background response's slot, grant and
+               in-flight count are kept until its engine ends it: gateway.background_holds)
 
 Both fronts run these stages and no copy of them: the HTTP port calls `handle()`; the Envoy
 picker calls `admit`/`plan`/`rewrite` through `prepare()`, lets Envoy proxy, and calls `learn()`
