@@ -23,6 +23,8 @@ Rules (vLLM's):
   are not shown to the model and are dropped; `tool_choice: "none"` keeps them (vLLM's default).
 - `reasoning.effort` reaches the template as `reasoning_effort`, and as `enable_thinking`
   (effort not "none") unless the request's `chat_template_kwargs` set it.
+- `truncation: "auto"` keeps the last tokens that fit the context (vLLM's truncate_prompt_tokens
+  -1: gateway.encode.truncated); "disabled" (the default) refuses a prompt over it.
 - Stored history (`previous_response_id`, served when the engines store responses: gateway.
   stored_responses): the new turn's instructions as the system message, then the stored history
   (every earlier turn's messages but the system ones, each followed by that turn's answer: the
@@ -83,6 +85,9 @@ def parse_responses(payload: dict, model: str, *, stored: bool = False) -> Parse
     if ctk is not None and not isinstance(ctk, dict):
         raise ApiError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs",
                        code="invalid_type")
+    truncation = payload.get("truncation")
+    if truncation not in (None, "auto", "disabled"):
+        raise ApiError(400, "'truncation' must be 'auto' or 'disabled'", param="truncation", code="invalid_value")
     inp = payload.get("input")
     messages = chat_messages(instructions, inp)
     cont = continues_final(inp)
@@ -90,7 +95,8 @@ def parse_responses(payload: dict, model: str, *, stored: bool = False) -> Parse
                          max_tokens=max_tokens or 0, messages=messages, add_generation_prompt=not cont,
                          continue_final_message=cont, chat_template_kwargs=_template_kwargs(payload, ctk),
                          tools=template_tools(payload.get("tools")), previous_response_id=prev,
-                         background=bool(payload.get("background")))
+                         background=bool(payload.get("background")),
+                         truncate=-1 if truncation == "auto" else None)  # vLLM: the context less one
 
 
 def previous_id(payload: dict) -> str | None:

@@ -14,7 +14,7 @@ from gateway.errors import ApiError
 from gateway.learn import usage_numbers
 from gateway.parse import parse_request
 from gateway.proxy import SseRelay
-from gateway.responses_api import kept_messages, output_messages, with_history
+from gateway.responses_api import kept_messages, output_messages, parse_responses, with_history
 from gateway.rewrite import upstream_body
 from tests.conftest import REPO
 
@@ -162,3 +162,12 @@ def test_chat_streams_are_untouched_by_the_responses_rules():
     assert relay.feed(chunk) == chunk and relay.content_events == 1
     assert relay.feed(b'data: {"choices": [], "usage": {"prompt_tokens": 5}}\n\ndata: [DONE]\n\n') == b"data: [DONE]\n\n"
     assert relay.done and relay.usage == {"prompt_tokens": 5}
+
+
+def test_truncation_auto_is_vllms_cut_to_the_context():
+    assert parse_responses({"input": "hi", "truncation": "auto"}, "m").truncate == -1
+    assert parse_responses({"input": "hi", "truncation": "disabled"}, "m").truncate is None
+    assert parse_responses({"input": "hi"}, "m").truncate is None
+    with pytest.raises(ApiError) as e:
+        parse_responses({"input": "hi", "truncation": "middle"}, "m")
+    assert e.value.param == "truncation"

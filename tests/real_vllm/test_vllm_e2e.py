@@ -446,6 +446,10 @@ def test_truncated_prompts_are_keyed_as_the_engine_truncates_them(vllm_replicas,
     usage = _reported_as_predicted(system, "truncated to the context", {"prompt": long, "truncate_prompt_tokens": -1,
                                                                        "max_tokens": 1}, lambda c, pt: True)
     assert usage["prompt_tokens"] == 4095
+    # the Responses API's truncation "auto" is the same cut (before, the gateway refused it: over the context)
+    r_usage, _, _ = _respond(system, "acme", {"input": "theta " + _text(4000, rng), "truncation": "auto",
+                                              "max_output_tokens": 1}, stream=False)
+    assert r_usage["input_tokens"] == 4095
 
 
 def test_tenants_never_share_blocks(vllm_replicas, e2e_system):
