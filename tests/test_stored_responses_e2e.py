@@ -19,6 +19,7 @@ from gateway.config import config_from_dict
 from gateway.server import start_gateway
 from replica_agent.feed import open_feed
 from tests.conftest import gateway_before_engine, keyed_gateway_config, sims_with_agents
+from tests.fault_harness import metric_sum, metrics_text
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -86,13 +87,8 @@ async def _until_known(s, g, body: dict, blocks: int) -> dict:
     raise AssertionError(f"the index never held {blocks} blocks of the history: {d}")
 
 
-def _counter(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-
 async def _metrics(s, g) -> str:
-    async with s.get(g.admin_url + "/metrics") as r:
-        return await r.text()
+    return await metrics_text(s, g.admin_url)
 
 
 async def test_a_conversation_stays_on_its_replica_and_is_predicted_as_the_engine_renders_it(stack):
@@ -112,15 +108,15 @@ async def test_a_conversation_stays_on_its_replica_and_is_predicted_as_the_engin
         usage = resp["usage"]
         assert usage["input_tokens"] == routed, n  # the gateway rendered the stored history as the engine did
         after = await _metrics(s, g)
-        predicted = _counter(after, "warmroute_gateway_predicted_cached_tokens_total") - \
-            _counter(before, "warmroute_gateway_predicted_cached_tokens_total")
+        predicted = metric_sum(after, "warmroute_gateway_predicted_cached_tokens_total") - \
+            metric_sum(before, "warmroute_gateway_predicted_cached_tokens_total")
         cached = usage["input_tokens_details"]["cached_tokens"]
         assert cached > 0 and predicted == cached, (n, predicted, cached)
         turns.append(usage["input_tokens"])
         prev = resp
     assert turns == sorted(turns) and len(set(turns)) == len(turns)  # each turn's history longer
-    followed = _counter(await _metrics(s, ga), 'warmroute_gateway_stored_responses_total{event="followed"}') + \
-        _counter(await _metrics(s, gb), 'warmroute_gateway_stored_responses_total{event="followed"}')
+    followed = metric_sum(await _metrics(s, ga), "warmroute_gateway_stored_responses_total", event="followed") + \
+        metric_sum(await _metrics(s, gb), "warmroute_gateway_stored_responses_total", event="followed")
     assert followed >= 4
 
 
@@ -139,15 +135,15 @@ async def test_background_responses_are_polled_followed_replayed_and_cancelled_o
         await asyncio.sleep(0.02)
     assert done["status"] == "completed" and done["output"][0]["content"][0]["text"]
     body = {"previous_response_id": queued["id"], "input": "And in one line?"}
-    fetched = _counter(await _metrics(s, gb), 'warmroute_gateway_stored_responses_total{event="answer_fetched"}')
+    fetched = metric_sum(await _metrics(s, gb), "warmroute_gateway_stored_responses_total", event="answer_fetched")
     routed = (await _until_known(s, gb, body, done["usage"]["input_tokens"] // 16))["request"]["prompt_tokens"]
     before = await _metrics(s, gb)
     resp, where = await _respond(s, gb, body)
     after = await _metrics(s, gb)
     assert where == home and resp["usage"]["input_tokens"] == routed  # the answer fetched, rendered as the engine did
-    assert _counter(after, 'warmroute_gateway_stored_responses_total{event="answer_fetched"}') > fetched
-    predicted = _counter(after, "warmroute_gateway_predicted_cached_tokens_total") - \
-        _counter(before, "warmroute_gateway_predicted_cached_tokens_total")
+    assert metric_sum(after, "warmroute_gateway_stored_responses_total", event="answer_fetched") > fetched
+    predicted = metric_sum(after, "warmroute_gateway_predicted_cached_tokens_total") - \
+        metric_sum(before, "warmroute_gateway_predicted_cached_tokens_total")
     assert predicted == resp["usage"]["input_tokens_details"]["cached_tokens"] > 0
     async with s.get(ga.url + f"/v1/responses/{queued['id']}", headers=_auth()) as r:
         assert r.status == 200 and r.headers["X-Warmroute-Replica"] == home and await r.json() == done
@@ -193,7 +189,7 @@ async def test_a_background_response_holds_its_tenants_slot_until_it_ends(stack,
         await asyncio.sleep(0.2)  # several polls: both still running
         assert len(gw.pipeline.holds) == 2
         assert sum(gw.routing.load.get(f"r{i}").active_reqs for i in range(2)) == 2
-        assert "warmroute_gateway_background_responses_held 2.0" in await _metrics(s, g)
+        assert metric_sum(await _metrics(s, g), "warmroute_gateway_background_responses_held") == 2
         async with s.post(g.url + "/v1/responses", headers=_auth(), json={"model": MODEL, "input": "hi"}) as r:
             assert r.status == 429 and (await r.json())["error"]["code"] == "concurrency_limit_exceeded"
         async with s.post(g.url + f"/v1/responses/{a['id']}/cancel", headers=_auth()) as r:
@@ -205,7 +201,7 @@ async def test_a_background_response_holds_its_tenants_slot_until_it_ends(stack,
         assert len(gw.pipeline.holds) == 1 and gw.routing.load.get(home).active_reqs == (1 if home == b_home else 0)
         resp, _ = await _respond(s, g, {"input": "hi"})  # a slot again
         assert resp["status"] == "completed"
-        assert _counter(await _metrics(s, g), 'warmroute_gateway_stored_responses_total{event="background_held"}') == 2
+        assert metric_sum(await _metrics(s, g), "warmroute_gateway_stored_responses_total", event="background_held") == 2
     finally:
         await g.close()  # releases the streamed one's hold
     assert len(gw.pipeline.holds) == 0

@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from hashing.keys import KeyChain
+from tests.fault_harness import metric_sum
 
 from .conftest import MAX_NUM_SEQS
 from .launch import ReplicaStartError, start_replicas
@@ -628,7 +629,7 @@ def test_stored_responses_follow_their_replica_and_are_predicted_as_the_engine_r
     r = httpx.get(system.url + f"/v1/responses/{prev['id']}", headers=system.headers("globex"), timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
 
-    held = _figure(system, 'warmroute_gateway_stored_responses_total{event="background_held"}')
+    held = _figure(system, "warmroute_gateway_stored_responses_total", event="background_held")
     queued, _, bg_home = _response(system, "acme", {"instructions": instructions, "background": True,
                                                     "input": "In the background: " + _text(30, rng)}, stream=False)
     assert queued["status"] in ("queued", "in_progress"), queued["status"]
@@ -645,19 +646,16 @@ def test_stored_responses_follow_their_replica_and_are_predicted_as_the_engine_r
     _follow_exactly(system, bg_home, done, {"instructions": instructions, "input": "And after that?"}, stream=True,
                     label="after a background response")
     # the gateway held the tenant's slot and the replica's count until the engine said it was done
-    assert _figure(system, 'warmroute_gateway_stored_responses_total{event="background_held"}') == held + 1
+    assert _figure(system, "warmroute_gateway_stored_responses_total", event="background_held") == held + 1
     deadline = time.monotonic() + 10
     while _figure(system, "warmroute_gateway_background_responses_held") > 0:
         assert time.monotonic() < deadline, "the background response's holds were never released"
         time.sleep(0.2)
 
 
-def _figure(system, name: str) -> float:
-    """One unlabelled (or fully labelled) figure of the gateway's /metrics; 0 when absent."""
-    for line in httpx.get(system.admin_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+def _figure(system, name: str, **labels) -> float:
+    """A figure of the gateway's /metrics (its samples with `labels`, summed)."""
+    return metric_sum(httpx.get(system.admin_url + "/metrics", timeout=10).text, name, **labels)
 
 
 # -- 4. routing ----------------------------------------------------------------------------------
