@@ -178,8 +178,8 @@ class FlowRules:
 
 
 class SlotLedger:
-    """Per replica, timed changes of this gateway's requests there (grants +1, finishes -1; the
-    gateway keeps one ledger of each): `since(rid, ts)` is their sum after wall-clock time `ts`.
+    """Per replica, timed changes of this gateway's requests there (grants +sequences, finishes
+    -sequences; the gateway keeps one ledger of each): `since(rid, ts)` is their sum after wall-clock time `ts`.
     Events at or before the newest `ts` asked about are dropped, and all after `horizon_s`, so each
     call is O(1) amortized."""
 

@@ -310,6 +310,9 @@ class TenantLimiter:
     """Per-tenant concurrency and request-rate limits (token bucket). Pure: `now` is passed in.
 
     `acquire` raises ApiError(429) or returns; every successful acquire is paired with `release`.
+    A slot is one engine request: a request the engine runs as several sequences (a completions
+    batch, `n` > 1) takes one more per sequence (`widen`), at most the whole limit, so `n` cannot
+    multiply a tenant's share of the engines; a request larger than the limit runs alone.
     Limits hold across gateways through what gateway.flow_share's exchange sets here: the requests
     the other gateways hold (`others_active`), this process's share of each tenant's rate (its share
     of the tenant's arrivals), and, while the exchange is away, its share of the concurrency
@@ -355,13 +358,30 @@ class TenantLimiter:
             self._active[tenant_id] = n + 1
         return True
 
-    def release(self, tenant_id: str) -> None:
+    def widen(self, tenant_id: str, more: int) -> int:
+        """Slots beside the one `acquire` took for a request the engine runs as `more` + 1
+        sequences, as many as the tenant's limit leaves room for one request (all of it, alone);
+        raises ApiError(429) when its other requests leave too few. Returns the slots taken (release
+        them with the first: `release(tenant_id, 1 + taken)`)."""
+        pol = self.policies.get(tenant_id)
+        if more <= 0 or pol is None or pol.max_concurrent_reqs is None:
+            return 0
+        cap = max(1, math.ceil(pol.max_concurrent_reqs * self.concurrency_share))
+        more = min(more, cap - 1)
+        n = self._active.get(tenant_id, 0)  # this request's first slot included
+        if n + more + self.others_active.get(tenant_id, 0) > cap:
+            raise ApiError(429, f"tenant concurrent request limit reached (this request runs {more + 1} sequences)",
+                           code="concurrency_limit_exceeded", headers={"Retry-After": "1"})
+        self._active[tenant_id] = n + more
+        return more
+
+    def release(self, tenant_id: str, slots: int = 1) -> None:
         n = self._active.get(tenant_id)
         if n:
-            if n <= 1:
+            if n <= slots:
                 del self._active[tenant_id]
             else:
-                self._active[tenant_id] = n - 1
+                self._active[tenant_id] = n - slots
 
     def active(self, tenant_id: str) -> int:
         return self._active.get(tenant_id, 0)

@@ -126,7 +126,7 @@ class JwtConfig:
 @dataclass
 class TenantConfig:
     models: list[str] | None = None  # allowed models (None: all)
-    max_concurrent_reqs: int | None = None  # 429 beyond this many concurrent requests
+    max_concurrent_reqs: int | None = None  # 429 beyond this many concurrent engine sequences (a batch x n counts each)
     max_rps: float | None = None  # 429 beyond this request rate
 
 

@@ -135,6 +135,6 @@ class RequestContext:
     error: str = ""  # the error code when the gateway answered with an error itself
     replica: str = "-"  # the replica that answered (or was tried last)
     span: Any = None  # the request's trace span (gateway.tracing; a no-op span when tracing is off)
-    limited: bool = False  # a tenant limiter slot is held (released at the end)
+    limited: int = 0  # tenant limiter slots held, released at the end (one per engine sequence: TenantLimiter)
     flow: Any = None  # the flow-control ticket (gateway.flow.Ticket; None when flow control is off)
     response_id: str | None = None  # the id the engine stores the response under (gateway.stored_responses); None: not stored

@@ -42,6 +42,10 @@ Rules:
   replica has room, checked when a request of this gateway gets its first token or finishes and
   every `release_interval_s`. At release its placement is decided again (late binding: the
   freshest index and load), so a held request goes where its prefix is now, not where it was.
+- A request counts as the engine sequences it makes (a completions batch's prompts x `n`): in its
+  grant, its tenant's share (lightness) and its cost in the fair queue, so `n` does not multiply a
+  tenant's share; room is asked for its first sequence only (asking for all would hold the queue
+  behind it until that many slots free on one replica).
 - Bounds, answered in OpenAI's error shape: a tenant with `max_queue_reqs_per_tenant` requests
   held (over all gateways) gets 429 `queue_full`; a request held `max_queue_wait_s` gets 429
   `queue_timeout`, both with `Retry-After` (the time the tenant's held requests take to drain at
@@ -131,6 +135,7 @@ class Ticket:
 
     cls: FlowClass
     t_arrival: float  # monotonic
+    seqs: int = 1  # sequences the engine runs for it (a batch's prompts x n): what its grant counts
     path: str = ""  # "direct" | "released" once let on
     wait_s: float = 0.0  # time held
     held_ahead: int = 0  # requests held when it was queued
@@ -192,7 +197,7 @@ class FlowControl:
         if not self.enabled:
             return
         fc = self.rules.classify(ctx.identity, ctx.headers)
-        t = ctx.flow = Ticket(fc, self.clock())
+        t = ctx.flow = Ticket(fc, self.clock(), ctx.request.sequences)
         self._weights[fc.tenant] = fc.weight
         self.peers.count_ask(fc.tenant, t.t_arrival)
         self._arrived(fc.tenant, t.t_arrival)
@@ -211,7 +216,7 @@ class FlowControl:
         loop = asyncio.get_running_loop()
         w = _Waiter(ctx, decide, loop.create_future(), t)
         t.held_ahead = len(self.queue)
-        entry = self.queue.push(fc.tenant, w, now=t.t_arrival, cls=fc.priority, weight=fc.weight)
+        entry = self.queue.push(fc.tenant, w, now=t.t_arrival, cls=fc.priority, weight=fc.weight, cost=t.seqs)
         t.held = True
         self.metrics.of_tenant(self.metrics.queued, fc.tenant, fc.priority_name).inc()
         self._kick()
@@ -227,7 +232,7 @@ class FlowControl:
         finally:
             if t.pending:
                 t.pending = False
-                self._pending[t.replica] -= 1
+                self._pending[t.replica] -= t.seqs
 
     def first_token(self) -> None:
         """A request of this gateway got its first token: its prefill left the replica's backlog."""
@@ -242,9 +247,9 @@ class FlowControl:
         """A grant's slot is free (its request ended, or a background response it held: gateway.background_holds)."""
         if t is None or t.replica is None:
             return
-        self.finishes.add(t.replica, self.wall(), -1)
+        self.finishes.add(t.replica, self.wall(), -t.seqs)
         t.replica = None
-        n = self._granted.get(t.cls.tenant, 0) - 1
+        n = self._granted.get(t.cls.tenant, 0) - t.seqs
         if n > 0:
             self._granted[t.cls.tenant] = n
         else:
@@ -362,9 +367,9 @@ class FlowControl:
         return slots // k + (1 if rank < slots % k else 0)
 
     def _count_grant(self, t: Ticket, rid: str) -> None:
-        self.grants.add(rid, self.wall(), +1)
+        self.grants.add(rid, self.wall(), t.seqs)
         t.replica = rid
-        self._granted[t.cls.tenant] = self._granted.get(t.cls.tenant, 0) + 1
+        self._granted[t.cls.tenant] = self._granted.get(t.cls.tenant, 0) + t.seqs
 
     def _grant(self, ctx: RequestContext, t: Ticket, reserve: int = 0, *, spill_s: float = 0.0) -> bool:
         """If a ranked replica has room: count the grant on the policy's first choice, or on the
@@ -452,7 +457,7 @@ class FlowControl:
             if not self._grant(w.ctx, t, reserve):  # the pool view had room: trust it for the best-ranked
                 self._count_grant(t, w.ctx.routing.decision.ranked[0].replica_id)
             t.pending = True
-            self._pending[t.replica] = self._pending.get(t.replica, 0) + 1
+            self._pending[t.replica] = self._pending.get(t.replica, 0) + t.seqs
             t.path = "released"
             t.wait_s = self.clock() - t.t_arrival
             m.of_tenant(m.wait, t.cls.tenant, t.cls.priority_name).observe(t.wait_s)

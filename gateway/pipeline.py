@@ -234,7 +234,7 @@ class Pipeline:
         else:
             model = await self._served_model(ctx.payload)
         self.auth.authorize_model(ctx.identity, model)
-        ctx.limited = self.limiter.acquire(ctx.identity.tenant_id)
+        ctx.limited = int(self.limiter.acquire(ctx.identity.tenant_id))
         return model
 
     async def _served_model(self, payload: dict) -> str:
@@ -252,6 +252,8 @@ class Pipeline:
         """Validate, tokenize, salt, key and decide (`ctx.identity` and `ctx.payload` are set)."""
         ident: Identity = ctx.identity
         ctx.request = parse_request(ctx.kind, ctx.payload, ctx.payload["model"], stored_responses=self.stored is not None)
+        if ctx.limited and ctx.request.sequences > 1:  # a slot per sequence the engine runs
+            ctx.limited += self.limiter.widen(ident.tenant_id, ctx.request.sequences - 1)
         if ctx.request.previous_response_id is not None:
             only = await self._follow(ctx, only)
         self.routing.freshen()  # the index reads the engines' latest events while we tokenize
@@ -332,14 +334,14 @@ class Pipeline:
         replica's in-flight count stay held until its engine (`holder`, else the replica it was sent
         to) says it ended (gateway.background_holds)."""
         tr = ctx.attempt
-        flight, ticket, tenant = tr.flight.handed_over(), ctx.flow, ctx.identity.tenant_id if ctx.limited else None
-        ctx.flow, ctx.limited = None, False  # the request's own end releases none of them now
+        flight, ticket, tenant, slots = tr.flight.handed_over(), ctx.flow, ctx.identity.tenant_id, ctx.limited
+        ctx.flow, ctx.limited = None, 0  # the request's own end releases none of them now
 
         def release() -> None:
             flight.finish()
             self.flow.release(ticket)
-            if tenant is not None:
-                self.limiter.release(tenant)
+            if slots:
+                self.limiter.release(tenant, slots)
         self.holds.watch(holder or tr.replica_id, ctx.response_id, release)
 
     def finish(self, ctx: RequestContext) -> None:
@@ -347,7 +349,7 @@ class Pipeline:
         ident = ctx.identity
         self.flow.finished(ctx)
         if ctx.limited:
-            self.limiter.release(ident.tenant_id)
+            self.limiter.release(ident.tenant_id, ctx.limited)
         elapsed = time.perf_counter() - ctx.t0
         m = self.metrics
         m.request_done(ctx.route, ctx.status, ctx.replica)

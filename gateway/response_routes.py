@@ -83,7 +83,7 @@ class ResponseRoutes:
         ctx.identity = identity if identity is not None else p.auth.authenticate(ctx.headers)
         # polling or cancelling adds no work: a tenant whose background responses hold all its slots
         # (gateway.background_holds) can still ask after them, at its request rate
-        ctx.limited = p.limiter.acquire(ctx.identity.tenant_id, slot=False)
+        ctx.limited = int(p.limiter.acquire(ctx.identity.tenant_id, slot=False))
         if p.stored is None:
             raise not_found(rid, "response_id", why="this gateway was not told the engines store responses")
         turn = await p.stored.holder(rid, ctx.identity.tenant_hash, param="response_id")

@@ -135,9 +135,9 @@ def token_for(tenant: str, **claims) -> str:
 
 
 async def ask(session: aiohttp.ClientSession, url: str, key: str, label: str, headers: dict | None = None,
-              timeout_s: float = 30.0) -> tuple[int, dict, bytes]:
-    """One streamed chat request; (status, response headers, body)."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": label}], "stream": True, "max_tokens": 4}
+              timeout_s: float = 30.0, **fields) -> tuple[int, dict, bytes]:
+    """One streamed chat request (`fields`: more of its body, e.g. n); (status, response headers, body)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": label}], "stream": True, "max_tokens": 4, **fields}
     h = {"Authorization": f"Bearer {key}", **(headers or {})}
     async with session.post(url + "/v1/chat/completions", json=body, headers=h,
                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:

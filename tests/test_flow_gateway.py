@@ -94,6 +94,55 @@ async def test_held_requests_come_out_fairly_between_tenants(tmp_path, tok):
         await rep.close()
 
 
+async def test_a_request_counts_the_sequences_it_makes_in_the_fair_order_and_the_tenant_limit(tmp_path, tok):
+    """`n` = 2 is two engine sequences: it costs its tenant two of its share, so a tenant asking
+    n = 1 gets two releases per n = 2 one (counted as requests they would alternate), and it takes
+    two of its tenant's `max_concurrent_reqs`, at most the whole limit (a larger request runs alone)."""
+    rep = await HeldReplica().start()
+    g = await _gateway(tmp_path, tok, {"r0": rep.url}, auth={"tenants": {"light": {"max_concurrent_reqs": 3}}})
+    try:
+        async with aiohttp.ClientSession() as s:
+            fill = await _fill(s, g, rep)
+            noisy = [asyncio.create_task(ask(s, g.url, "k-noisy", f"n{i}", n=2)) for i in range(4)]
+            await until(lambda: len(g.gateway.flow.queue) == 4, what="noisy to be held")
+            quiet = [asyncio.create_task(ask(s, g.url, "k-quiet", f"q{i}")) for i in range(4)]
+            await until(lambda: len(g.gateway.flow.queue) == 8, what="quiet to be held")
+            while len(g.gateway.flow.queue):  # free every open slot; the next ones come out in fair order
+                k = len(rep.arrived)
+                rep.release(rep.open_count())
+                await until(lambda: len(rep.arrived) > k, what=f"a release ({rep.arrived})")
+            await until(lambda: len(rep.arrived) == 10, what="the last released to arrive")
+            order = rep.arrived[2:]
+            assert sum(x[0] == "q" for x in order[:6]) == 4, order  # by requests: 3
+            assert [x for x in order if x[0] == "n"] == [f"n{i}" for i in range(4)], order
+            rep.drain()
+            assert all(st == 200 for st, _, _ in await asyncio.gather(*fill, *noisy, *quiet))
+            rep.hold_again()
+            # the tenant limit: 3 slots; n = 2 holds two of them
+            first = asyncio.create_task(ask(s, g.url, "k-light", "a", n=2))
+            await until(lambda: g.gateway.limiter.active("light") == 2, what="n = 2 to take two slots")
+            st, _, body = await ask(s, g.url, "k-light", "b", n=2)
+            assert st == 429 and json.loads(body)["error"]["code"] == "concurrency_limit_exceeded", body
+            second = asyncio.create_task(ask(s, g.url, "k-light", "c"))
+            await until(lambda: g.gateway.limiter.active("light") == 3, what="the third slot")
+            st, _, _ = await ask(s, g.url, "k-light", "d")
+            assert st == 429
+            rep.drain()
+            assert [r[0] for r in await asyncio.gather(first, second)] == [200, 200]
+            await until(lambda: g.gateway.limiter.active("light") == 0, what="the slots back")
+            rep.hold_again()
+            big = asyncio.create_task(ask(s, g.url, "k-light", "e", n=8))  # over the limit: alone, with all of it
+            await until(lambda: g.gateway.limiter.active("light") == 3, what="n = 8 to take the whole limit")
+            st, _, _ = await ask(s, g.url, "k-light", "f")
+            assert st == 429
+            rep.drain()
+            assert (await big)[0] == 200
+            await until(lambda: g.gateway.limiter.active("light") == 0, what="the slots back")
+    finally:
+        await g.close()
+        await rep.close()
+
+
 async def test_weights_from_the_keys_file_and_from_a_jwt_claim(tmp_path, tok):
     rep = await HeldReplica().start()
     g = await _gateway(tmp_path, tok, {"r0": rep.url})

@@ -92,6 +92,38 @@ def test_tenant_limiter():
     assert e.value.code == "rate_limit_exceeded"
 
 
+def test_tenant_limiter_counts_each_sequence_the_engine_runs():
+    """A completions batch or `n` > 1 takes a slot per engine sequence (widen), at most the whole
+    limit: n cannot multiply a tenant's share, and a request larger than the limit runs alone."""
+    lim = TenantLimiter({"t": TenantPolicy(max_concurrent_reqs=4)})
+    assert lim.acquire("t") and lim.widen("t", 2) == 2 and lim.active("t") == 3  # n = 3
+    assert lim.acquire("t") and lim.widen("t", 0) == 0 and lim.active("t") == 4  # a plain request fills it
+    with pytest.raises(ApiError) as e:
+        lim.acquire("t")
+    assert e.value.status == 429 and e.value.code == "concurrency_limit_exceeded"
+    lim.release("t", 1)  # the plain one ends
+    assert lim.acquire("t")
+    with pytest.raises(ApiError) as e:  # n = 2 beside the n = 3: five sequences over four
+        lim.widen("t", 1)
+    assert e.value.code == "concurrency_limit_exceeded" and "2 sequences" in e.value.message
+    lim.release("t", 1)
+    lim.release("t", 3)
+    assert lim.active("t") == 0
+    assert lim.acquire("t") and lim.widen("t", 15) == 3 and lim.active("t") == 4  # n = 16 alone: the whole limit
+    with pytest.raises(ApiError):
+        lim.acquire("t")
+    lim.release("t", 4)
+    assert lim.acquire("t")
+    with pytest.raises(ApiError):  # n = 16 beside anything: refused
+        lim.acquire("t") and lim.widen("t", 15)
+    other = TenantLimiter({"t": TenantPolicy(max_concurrent_reqs=4)})  # the other gateways' count too
+    other.others_active = {"t": 2}
+    assert other.acquire("t") and other.widen("t", 1) == 1
+    with pytest.raises(ApiError):
+        other.acquire("t")
+    assert TenantLimiter({"u": TenantPolicy(max_rps=5.0)}).widen("u", 7) == 0  # rate only: no slots
+
+
 def test_membership_backoff_and_changes():
     now = [100.0]
     m = Membership(eject_base_s=1.0, eject_max_s=5.0, clock=lambda: now[0])
