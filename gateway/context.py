@@ -86,7 +86,7 @@ class Try:
     number: int  # 0 for the first-ranked replica
     candidate: Candidate  # its rank entry (score terms)
     view: ReplicaView | None  # its view at decision time
-    predicted_cached_tokens: int  # what the index says the engine will report cached (routing.reported_cached_tokens)
+    predicted_cached_tokens: int | None  # what the index says the engine will report cached (None: not predictable; routing.reported_cached_tokens)
     uncached_tokens: int  # prompt tokens it must prefill (all prompts, minus the predicted hit)
     flight: Flight  # its in-flight accounting; finished by dispatch on every path
 
@@ -101,7 +101,7 @@ class Outcome:
 
     replica_id: str  # the replica that served it
     ttft_s: float | None  # upstream send -> first event of a stream; None for a whole answer
-    predicted_cached_tokens: int  # the index's prediction at dispatch
+    predicted_cached_tokens: int | None  # the index's prediction at dispatch (None: not predictable)
     uncached_tokens: int  # the predicted uncached prompt tokens at dispatch
     backlog_tokens: float  # the queued prefill the policy saw ahead of it
     running_reqs: int  # the running requests the policy saw

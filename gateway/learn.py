@@ -28,7 +28,7 @@ class Lesson:
     prompt_tokens: int | None  # engine usage (None: not reported)
     completion_tokens: int | None  # engine usage
     cached_tokens: int | None  # engine-reported prefix-cache hit tokens
-    predicted_cached_tokens: int  # the index's prediction
+    predicted_cached_tokens: int | None  # the index's prediction (None: not predictable, no evidence for the index)
     uncached_tokens: int  # tokens the engine prefilled (reported, else predicted)
     queued_s: float = 0.0  # TTFT beyond its own prefill at the replica's rate: its wait in the engine's queue
 

@@ -307,7 +307,7 @@ class Pipeline:
         ident = ctx.identity
         if ident is not None and ident.identified:
             self.metrics.record_tenant_usage(ident.tenant_hash, lesson)
-        if lesson.cached_tokens is not None:  # the index check (gateway.index_health)
+        if lesson.cached_tokens is not None and lesson.predicted_cached_tokens is not None:  # the index check (gateway.index_health)
             self.routing.checked(lesson.replica_id, lesson.predicted_cached_tokens, lesson.cached_tokens, lesson.queued_s)
         ctx.span.outcome(lesson, agreement)
         if self.retainer is not None:

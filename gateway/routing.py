@@ -333,7 +333,7 @@ def predicted_matched_tokens(request: RequestView, view: ReplicaView | None) -> 
 
 
 def reported_cached_tokens(request: RequestView, predicted: int, *, choices: int = 1, stream: bool = False,
-                           last: tuple[int, int] | None = None, reads_cache: bool = True) -> int:
+                           last: tuple[int, int] | None = None, reads_cache: bool = True) -> int | None:
     """The cached tokens vLLM 0.32's usage will report for a request whose (first) prompt's index
     prediction is `predicted`. A stream reports its first output's request, a whole answer its
     last prompt's. With `choices` (`n`) > 1 vLLM runs n child requests on a prompt, queued
@@ -342,11 +342,13 @@ def reported_cached_tokens(request: RequestView, predicted: int, *, choices: int
     every full block of the prompt (cold n = 4 reported 1,184 of 1,210 prompt tokens whole, 0
     streamed). `last`: a completions batch's last prompt, (its tokens, its leading blocks held by
     the replica or computed by an earlier prompt of the batch, queued before it). `reads_cache`
-    False (prompt logprobs asked): the engine reads no cached block, 0."""
+    False (prompt logprobs asked): the engine reads no cached block, 0. None for a streamed batch:
+    it reports whichever prompt's first token came first, which no one outside the engine knows
+    (real vLLM, [cold b, warm a] streamed three times: 640, 0, 0)."""
     if not reads_cache:
         return 0
     if stream:
-        return predicted
+        return predicted if last is None else None
     tokens = request.prompt_tokens if last is None else last[0]
     cap = max(0, (tokens - 1) // request.block_size)
     if choices > 1:

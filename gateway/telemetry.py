@@ -147,7 +147,7 @@ class Metrics(LabelCache):
             self.child(self.prompt_tokens, rid).inc(lesson.prompt_tokens)
         if lesson.completion_tokens is not None:
             self.child(self.output_tokens, rid).inc(lesson.completion_tokens)
-        if lesson.cached_tokens is None:
+        if lesson.cached_tokens is None or lesson.predicted_cached_tokens is None:
             return None
         return self.cache_outcome(rid, lesson.predicted_cached_tokens, lesson.cached_tokens)
 

@@ -110,10 +110,12 @@ class RequestSpan:
             s.set_attribute("gen_ai.usage.input_tokens", lesson.prompt_tokens)
         if lesson.completion_tokens is not None:
             s.set_attribute("gen_ai.usage.output_tokens", lesson.completion_tokens)
-        s.set_attribute("warmroute.predicted_cached_tokens", lesson.predicted_cached_tokens)
+        if lesson.predicted_cached_tokens is not None:
+            s.set_attribute("warmroute.predicted_cached_tokens", lesson.predicted_cached_tokens)
         if lesson.cached_tokens is not None:
             s.set_attribute("warmroute.engine_cached_tokens", lesson.cached_tokens)
             s.set_attribute("gen_ai.usage.cache_read.input_tokens", lesson.cached_tokens)
+        if agreement is not None:
             s.set_attribute("warmroute.index_accuracy", agreement)
 
     def end(self) -> None:

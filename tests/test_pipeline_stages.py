@@ -94,7 +94,9 @@ def test_the_cached_tokens_the_engine_will_report_with_n_choices():
     assert reported_cached_tokens(aligned, 0, choices=8) == 48
     # a completions batch answered whole reports its last prompt's: (its tokens, its blocks found)
     assert reported_cached_tokens(rv, 320, last=(500, 0)) == 0 and reported_cached_tokens(rv, 0, last=(500, 9)) == 144
-    assert reported_cached_tokens(rv, 0, last=(161, 99)) == 160 and reported_cached_tokens(rv, 320, last=(500, 0), stream=True) == 320
+    assert reported_cached_tokens(rv, 0, last=(161, 99)) == 160
+    # streamed, a batch reports whichever prompt's first token came first: not predictable
+    assert reported_cached_tokens(rv, 320, last=(500, 0), stream=True) is None
     assert reported_cached_tokens(rv, 0, last=(500, 0), choices=2) == 496
     # prompt logprobs asked: the engine reads no cached block, however many it holds
     assert reported_cached_tokens(rv, 0, choices=4, reads_cache=False) == 0
@@ -373,6 +375,15 @@ def test_learn_uses_the_engines_numbers_when_it_has_them():
     lesson = learn(_outcome(ttft_s=None, usage=None, decode_step_s=None), cal2, pol2)
     assert lesson.cached_tokens is None and lesson.uncached_tokens == 500 and pol2.seen == []
     assert cal2.prefill_s_per_token("r") == Calibrator().prefill_s_per_token("r")  # still the prior
+
+
+def test_an_answer_without_a_prediction_is_no_evidence_of_the_index():
+    """A streamed batch has no prediction (routing.reported_cached_tokens): its usage is counted,
+    its rates learnt, but neither the accuracy metrics nor the index check take it as evidence."""
+    lesson = learn(_outcome(predicted_cached_tokens=None), Calibrator(min_samples=1), _Observer())
+    m = Metrics()
+    assert m.record_lesson(lesson) is None and lesson.cached_tokens == 64 and lesson.uncached_tokens == 536
+    assert m.record_lesson(learn(_outcome(), Calibrator(), _Observer())) == pytest.approx(64 / 96)
 
 
 # ----------------------------------------------------------------------------------- relay
