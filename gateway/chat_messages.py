@@ -3,6 +3,13 @@
 message's text parts with a newline, "openai" keeps them as `{"type": "text"}` parts), the
 template's options as vLLM merges them from a request, and which template kwargs a template reads.
 gateway.tokenization renders and encodes the result.
+
+Media (images, audio, video): vLLM's processor turns each item into placeholder tokens whose count
+only it knows, and its prefix cache keys a block that holds any of them with the item's hash; the
+blocks before the first item are keyed as plain text. So a media part becomes MEDIA_MARK where
+vLLM puts its placeholder (a "string" template: first in its message's content, before the text,
+as vLLM does without --interleave-mm-strings; an "openai" one: in the part's place, for the
+template to render in order), and gateway.tokenization keeps the text before the first mark.
 """
 from __future__ import annotations
 
@@ -19,12 +26,27 @@ import jinja2.nodes as jn
 from gateway.token_errors import TokenizationError, as_text
 
 __all__ = ["detect_content_format", "to_conversation", "template_variables", "hf_base_params", "template_kwargs",
-           "TEXT_PART_KEYS"]
+           "has_media", "MEDIA_MARK", "MEDIA_PART_TYPES", "TEXT_PART_KEYS"]
 
 log = logging.getLogger("warmroute.gateway.tokenization")
 
 # Text part types vLLM turns into plain text (vllm/entrypoints/chat_utils.py MM_PARSER_MAP).
 TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+# Part types vLLM hands to the model's multi-modal processor (the same map's media entries).
+MEDIA_PART_TYPES = frozenset({"image_url", "input_image", "image_embeds", "image_pil", "audio_url", "input_audio",
+                              "audio_embeds", "video_url", "video_embeds"})
+MEDIA_MARK = "\ue000warmroute-media\ue000"  # where a media item's placeholder goes (private-use characters)
+
+
+def has_media(messages: Any) -> bool:
+    """Does any message carry a media content part (module header)?"""
+    if not isinstance(messages, list):
+        return False
+    for m in messages:
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, list) and any(isinstance(p, dict) and p.get("type") in MEDIA_PART_TYPES for p in c):
+            return True
+    return False
 
 
 def _is_access(node: Any, names: set[str], key: str | None = None) -> bool:
@@ -84,6 +106,7 @@ def _parse_content(content: Any, role: str, fmt: str, index: int) -> Any:
             f"messages[{index}].content must be a string, a list of content parts or null, got {type(content).__name__}"
         )
     texts: list[str] = []
+    media = False
     for j, part in enumerate(parts):
         if isinstance(part, str):
             texts.append(part)
@@ -93,10 +116,15 @@ def _parse_content(content: Any, role: str, fmt: str, index: int) -> Any:
         ptype = part.get("type")
         if ptype is None:
             raise TokenizationError(f"messages[{index}].content[{j}] has no 'type'")
+        if ptype in MEDIA_PART_TYPES:  # module header: its placeholder's place
+            media = True
+            if fmt == "openai":
+                texts.append(MEDIA_MARK)
+            continue
         if ptype not in TEXT_PART_KEYS:
             raise TokenizationError(
                 f"messages[{index}].content[{j}]: content part type {ptype!r} is not supported "
-                "(text-only model; supported: " + ", ".join(sorted(TEXT_PART_KEYS)) + ")"
+                "(supported: " + ", ".join(sorted(TEXT_PART_KEYS.keys() | MEDIA_PART_TYPES)) + ")"
             )
         text = part.get(TEXT_PART_KEYS[ptype])
         if text is None:  # vLLM skips text/refusal parts without content
@@ -104,7 +132,7 @@ def _parse_content(content: Any, role: str, fmt: str, index: int) -> Any:
         texts.append(as_text(text, f"messages[{index}].content[{j}].{TEXT_PART_KEYS[ptype]}"))
     if fmt == "openai":
         return [{"type": "text", "text": t} for t in texts]
-    return "\n".join(texts)
+    return "\n".join([MEDIA_MARK, *texts] if media else texts)
 
 
 def to_conversation(messages: Any, content_format: str) -> list[dict[str, Any]]:

@@ -61,6 +61,7 @@ class Prompt:
     tokenize_s: float  # seconds spent tokenizing
     last_ids: list | None = None  # a completions batch's last prompt (its usage reports that one's cached tokens)
     last_shared: int = 0  # leading tokens the last prompt shares with an earlier one of its batch
+    cut: bool = False  # media parts: the ids end before the first item's placeholder; the engine's prompt is longer
 
 
 @dataclass(frozen=True, slots=True)

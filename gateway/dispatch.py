@@ -136,7 +136,8 @@ def start_try(routing: RoutingState, ctx: RequestContext, n: int, cand: Candidat
     if ctx.last_keys is not None:  # a batch: its last prompt's blocks, held there or computed by an earlier prompt
         held = routing.held_blocks(cand.replica_id, ctx.last_keys)
         last = (len(prompt.last_ids), max(held, prompt.last_shared // rv.block_size))
-    reported = reported_cached_tokens(rv, predicted, choices=req.n, stream=req.stream, last=last, reads_cache=req.reads_cache)
+    reported = None if prompt.cut else reported_cached_tokens(rv, predicted, choices=req.n, stream=req.stream, last=last,
+                                                              reads_cache=req.reads_cache)  # cut: the rest is unknown
     uncached = max(0, prompt.total_tokens - predicted)
     flight = routing.dispatched(cand.replica_id, ctx.keys, uncached, req.max_tokens, view, lora=ctx.lora,
                                 seqs=req.sequences)

@@ -10,12 +10,16 @@ inline; for long ones the tokenizer encodes inline what its segment cache holds 
 more than a short encoding (or a cached document), and with a busy loop the worker waits for the
 GIL up to a switch interval. A completions batch of several prompts goes to the workers. A
 tokenizer refusal (unknown token id, invalid text) is the client's error (400 invalid_prompt); the
-context length check (gateway.parse) runs on the result.
+context length check (gateway.parse) runs on the result. A chat with media parts (images, audio,
+video) is tokenized up to its first item (`Prompt.cut`: the rest is the engine's processor's), so
+the engine checks its length, and with `truncate_prompt_tokens` (which may cut that text away) it
+is left unkeyed.
 """
 from __future__ import annotations
 
 import time
 
+from gateway.chat_messages import has_media
 from gateway.context import CHAT, RESPONSES, ParsedRequest, Prompt
 from gateway.errors import ApiError
 from gateway.parse import chat_chars, check_context_length
@@ -29,8 +33,11 @@ _ERROR_PARAM = {CHAT: "messages", RESPONSES: "input"}  # the field a tokenizatio
 async def tokenize(tok: TokenizerService, req: ParsedRequest, *, inline_max_chars: int,
                    max_model_len: int | None) -> Prompt:
     t0 = time.perf_counter()
+    cut = req.messages is not None and has_media(req.messages)
     try:
-        if req.messages is not None:  # chat, and the Responses API rendered as one
+        if cut and req.truncate is not None:
+            prompts = [[]]
+        elif req.messages is not None:  # chat, and the Responses API rendered as one
             prompts = [await _chat(tok, req, inline_max_chars)]
         else:
             prompts = [await _prompt(tok, p, inline_max_chars, batch=len(req.prompts) > 1, specials=req.add_special_tokens)
@@ -38,6 +45,8 @@ async def tokenize(tok: TokenizerService, req: ParsedRequest, *, inline_max_char
     except TokenizationError as exc:
         raise ApiError(400, f"invalid input: {exc}", param=_ERROR_PARAM.get(req.kind, "prompt"),
                        code="invalid_prompt") from None
+    if cut:
+        return Prompt(prompts[0], len(prompts[0]), time.perf_counter() - t0, cut=True)
     if req.truncate is not None:
         texts = [True] if req.prompts is None else [isinstance(p, str) for p in req.prompts]
         prompts = [truncated(ids, req, max_model_len, tok.special_affixes, text=t) for ids, t in zip(prompts, texts)]

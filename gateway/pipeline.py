@@ -268,7 +268,8 @@ class Pipeline:
         ctx.keys = self.model.keychain.request_keys(ctx.prompt.first_ids, salt=ctx.salt, lora=ctx.lora)
         if ctx.prompt.last_ids is not None:
             ctx.last_keys = self.model.keychain.request_keys(ctx.prompt.last_ids, salt=ctx.salt, lora=ctx.lora)
-        rv = RequestView(prompt_tokens=len(ctx.prompt.first_ids), block_size=self.model.block_size,
+        # a prompt cut before its media goes on past its ids (at least one placeholder): its last full block can be found
+        rv = RequestView(prompt_tokens=len(ctx.prompt.first_ids) + ctx.prompt.cut, block_size=self.model.block_size,
                          # an engine that reads no cached blocks for it: no replica holds any (routed by load)
                          keys=tuple(ctx.keys) if ctx.request.reads_cache else (), max_output_tokens=ctx.request.max_tokens,
                          tenant_hash=ident.tenant_hash if ident.identified else "", request_id=ctx.request_id,
@@ -312,7 +313,7 @@ class Pipeline:
         ctx.span.outcome(lesson, agreement)
         if self.retainer is not None:
             self._keep(ctx, lesson.replica_id)
-        if self.tokenize_checker is not None:
+        if self.tokenize_checker is not None and not ctx.prompt.cut:  # a cut prompt is not the engine's whole
             st = self.membership.get(lesson.replica_id)
             if st is not None:
                 self.tokenize_checker.after_answer(lesson.replica_id, st.url, ctx.request, ctx.payload,

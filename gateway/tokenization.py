@@ -13,7 +13,9 @@ The ids returned are, for every input, the ids the engine computes:
   then rendered by transformers' own ``apply_chat_template(tokenize=False)`` with vLLM's kwargs
   (``add_generation_prompt``, ``continue_final_message``, filtered ``chat_template_kwargs``) and
   tokenized with ``add_special_tokens=False`` -- what ``apply_chat_template(tokenize=True)`` does
-  (or the request's ``add_special_tokens``, as vLLM takes it).
+  (or the request's ``add_special_tokens``, as vLLM takes it);
+* chat with media content parts (images, audio, video): the ids before the first item's
+  placeholder, exact as far as they go (the rest is the engine's processor's: gateway.chat_messages).
 
 Why the fast path is still exact
 --------------------------------
@@ -64,7 +66,8 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from gateway.chat_messages import detect_content_format, hf_base_params, template_variables, to_conversation
+from gateway.chat_messages import (MEDIA_MARK, detect_content_format, has_media, hf_base_params, template_variables,
+                                   to_conversation)
 from gateway.default_tokenizer import default_tokenizer_dir
 from gateway.token_backends import SegmentCache, load_tiktoken, segment_safe
 from gateway.token_errors import TokenizationError, check_unicode
@@ -319,7 +322,7 @@ class TokenizerService:
         chat_template_kwargs: dict | None = None,
         tools: list | None = None,
     ) -> str:
-        """The prompt text vLLM renders for these messages."""
+        """The prompt text vLLM renders for these messages (with media parts: the text before the first)."""
         text, _ = self._render(messages, add_generation_prompt, continue_final_message, chat_template_kwargs, tools)
         if text is None:
             raise TokenizationError("these chat_template_kwargs change tokenization; no plain text rendering")
@@ -351,6 +354,9 @@ class TokenizerService:
         fmt = self._content_format if self._content_format != "auto" else detect_content_format(template)
         conversation = to_conversation(messages, fmt)
         tok_kwargs = _TOKENIZER_KWARGS & kwargs.keys()
+        media = has_media(messages)
+        if tok_kwargs and media:
+            raise TokenizationError(f"chat_template_kwargs {sorted(tok_kwargs)} with media content parts are not supported")
         try:
             if tok_kwargs:  # rare: let transformers tokenize itself (exact by construction)
                 kwargs.pop("return_dict", None)
@@ -371,6 +377,8 @@ class TokenizerService:
             raise TokenizationError(f"chat template error: {e}") from None
         if not isinstance(text, str):
             raise TokenizationError("chat template did not render to text")
+        if media:  # the text before the first media item's placeholder (gateway.chat_messages)
+            text = text.partition(MEDIA_MARK)[0]
         return text, None
 
     def encode_chat(
@@ -383,7 +391,8 @@ class TokenizerService:
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
     ) -> list[int]:
-        """Ids of a chat request as vLLM computes them (template applied, add_special_tokens=False).
+        """Ids of a chat request as vLLM computes them (template applied, add_special_tokens=False);
+        with media content parts, those before the first item's placeholder (gateway.chat_messages).
 
         `add_generation_prompt` / `continue_final_message` are the request's top-level fields; they
         override the same keys in `chat_template_kwargs`, as in vLLM. `tools` as vLLM passes them

@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "") not in ("", "0"),
                    help="keep answered Responses for previous_response_id, background responses and GET / cancel by id, as vLLM with "
                         "VLLM_ENABLE_RESPONSES_API_STORE=1 (default: that variable's value, else off)")
+    p.add_argument("--multimodal", action="store_true",
+                   help="serve image, audio and video content parts as a multi-modal model: each item a placeholder keyed by "
+                        "its content, first in its message (default: off, refused as a text-only model does)")
     t = p.add_argument_group("time model (step = overhead + prefill tokens x per-token + decoding seqs x per-seq, x time scale)")
     t.add_argument("--time-profile", default="gpu", choices=["gpu", "wallclock"],
                    help="gpu: Llama-3-8B on an A100 (8 ms + 0.05 ms/token + 0.25 ms/seq); wallclock: 12 ms + 1 ms/token + 0.1 ms/seq")

@@ -623,3 +623,60 @@ async def test_embedded_agents_feed_drive_cache_aware_routing(tok):
             assert f'warmroute_gateway_replica_index_live{{replica="{first}"}} 1.0' in text
         finally:
             await g.close()
+
+
+async def test_a_chat_with_images_is_routed_by_the_text_before_them(tok):
+    """Multi-modal simulated replicas (an image is a placeholder keyed by its content, first in its
+    message, as vLLM places and keys it): the gateway keys the text before a request's first image,
+    so a question about a new image with a system prompt one replica holds goes there and finds
+    that prompt cached; it predicts nothing for it (the rest is the engine's processor's), so the
+    index accuracy counts no image request. Before, the gateway refused every image with 400."""
+    from replica_agent.feed import open_feed
+
+    feed = open_feed("memory://e2e-media")
+    system = "system prompt of the image desk: " + LONG_DOC
+    async with sims_with_agents(2, feed, MODEL, multimodal=True) as sims_:
+        g = await start_gateway(_cfg([f"r{i}={s.url}" for i, s in enumerate(sims_)]), feed=feed, tokenizer=tok)
+        try:
+            await _until(lambda: all(g.gateway.index.is_live(f"r{i}") for i in range(2)))
+            async with aiohttp.ClientSession() as s:
+                async def ask(content):
+                    body = {"model": MODEL, "max_tokens": 2, "messages": [
+                        {"role": "system", "content": system}, {"role": "user", "content": content}]}
+                    async with s.post(g.url + "/v1/chat/completions", json=body) as r:
+                        assert r.status == 200, await r.text()
+                        return (await r.json())["usage"], r.headers["X-Warmroute-Replica"]
+
+                u0, home = await ask("a text question first")
+                await _until(lambda: g.gateway.index.stats().entries_by_replica.get(home, 0) >= u0["prompt_tokens"] // 16)
+                # the tokens before the user's content: what an image request shares with the first
+                rendered = tok.render_chat([{"role": "system", "content": system}, {"role": "user", "content": "\u2603"}])
+                shared = len(tok.encode_prompt(rendered[:rendered.index("\u2603")], add_special_tokens=False))
+                before = _accuracy_lines(await _metrics_text(s, g))
+                assert len(before) == 4, before  # predicted and engine-reported: _total and _created
+                for i in range(3):
+                    image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,IMAGE{i}"}}
+                    u, rid = await ask([{"type": "text", "text": "what is in it?"}, image])
+                    assert rid == home, (i, rid, home)
+                    assert u["prompt_tokens_details"]["cached_tokens"] == shared // 16 * 16 > 0, (u, shared)
+                assert _accuracy_lines(await _metrics_text(s, g)) == before
+        finally:
+            await g.close()
+
+
+async def _until(cond, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if cond():
+            return
+        await asyncio.sleep(0.05)
+    assert cond()
+
+
+async def _metrics_text(s, g) -> str:
+    async with s.get(g.admin_url + "/metrics") as r:
+        return await r.text()
+
+
+def _accuracy_lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith(("warmroute_gateway_predicted_cached_tokens",
+                                                              "warmroute_gateway_engine_cached_tokens"))]

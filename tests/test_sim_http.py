@@ -349,3 +349,35 @@ async def test_background_responses_run_on_are_replayed_and_cancelled_as_vllm_do
                 assert r.status == 400 and err["param"] == "background" and "store" in err["message"]
     finally:
         await sim.close()
+
+
+async def test_a_multimodal_sim_keys_each_image_by_its_content(tokenizer_dir) -> None:
+    """`multimodal`: an image is a placeholder keyed by its content, first in its message (where vLLM
+    puts it): the same image again is cached past it, another one only up to it; a text-only sim
+    refuses images as a text-only vLLM does."""
+    s = await start_sim_server(SimConfig(model="sim-model", tokenizer=str(tokenizer_dir), num_blocks=2048, time=FAST,
+                                         multimodal=True))
+    text_only = await start_sim_server(SimConfig(model="sim-model", tokenizer=str(tokenizer_dir), time=FAST))
+    try:
+        async with aiohttp.ClientSession() as http:
+            async def cached(url: str, image: str) -> tuple[int, dict]:
+                body = {"model": "sim-model", "max_tokens": 1, "messages": [
+                    {"role": "system", "content": LONG_DOC},
+                    {"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                                 {"type": "image_url", "image_url": {"url": image}}]}]}
+                async with http.post(url + "/v1/chat/completions", json=body) as r:
+                    out = await r.json()
+                    return r.status, out
+
+            st, a = await cached(s.url, "data:image/png;base64,AAAA")
+            assert st == 200 and a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            st, again = await cached(s.url, "data:image/png;base64,AAAA")
+            full = (a["usage"]["prompt_tokens"] - 1) // 16 * 16
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == full
+            st, other = await cached(s.url, "data:image/png;base64,BBBB")
+            assert 0 < other["usage"]["prompt_tokens_details"]["cached_tokens"] < full
+            st, refused = await cached(text_only.url, "data:image/png;base64,AAAA")
+            assert st == 400 and refused["error"]["param"] == "messages", refused
+    finally:
+        await s.close()
+        await text_only.close()

@@ -293,7 +293,7 @@ def test_segment_cache_lru_order():
         ["not a dict"],
         [{"content": "no role"}],
         [{"role": "user", "content": 5}],
-        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "user", "content": [{"type": "hologram", "hologram": {"url": "x"}}]}],
         [{"role": "user", "content": [{"type": "text", "text": 3}]}],
         [{"role": "user", "content": [{"text": "no type"}]}],
         [{"role": "user", "content": "lone surrogate \ud800"}],
@@ -360,6 +360,70 @@ def test_openai_content_format(tokenizer_dir, tmp_path):
         assert got == s.encode_prompt(text)
     finally:
         s.close()
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+def test_media_parts_are_tokenized_up_to_the_first_item(svc, hf):
+    """vLLM's processor expands a media item into placeholder tokens only it can count, and keys
+    the blocks that hold them by the item's hash; the text before the first item is plain. A
+    "string" template gets the placeholders first in their message's content (vLLM without
+    --interleave-mm-strings), so the ids end where that message's content starts."""
+    system = {"role": "system", "content": DOCS[0]}
+    for user in ({"role": "user", "content": [{"type": "text", "text": "describe"}, IMAGE]},
+                 {"role": "user", "content": [IMAGE, {"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}}]},
+                 {"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}, "tail"]}):
+        got = svc.encode_chat([system, {"role": "user", "content": "earlier turn"}, {"role": "assistant", "content": "ok"},
+                               user])
+        marker = "\u2603MARK"
+        text = hf.apply_chat_template([system, {"role": "user", "content": "earlier turn"},
+                                       {"role": "assistant", "content": "ok"}, {"role": "user", "content": marker}],
+                                      tokenize=False, add_generation_prompt=True)
+        assert got == hf(text[:text.index(marker)], add_special_tokens=False)["input_ids"], user
+    # no media: the whole prompt, as before
+    assert svc.encode_chat([system, {"role": "user", "content": "describe"}]) == ref_chat(
+        hf, [system, {"role": "user", "content": "describe"}])
+
+
+def test_media_parts_in_an_openai_format_template_cut_in_their_place(tokenizer_dir, tmp_path):
+    tpl = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+           "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+           "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% else %}<IMG>"
+           "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}")
+    d = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, d)
+    _set_template(d, tpl)
+    s = TokenizerService(d)
+    try:
+        got = s.encode_chat([{"role": "user", "content": [{"type": "text", "text": "look at"}, IMAGE,
+                                                          {"type": "text", "text": "and this"}, IMAGE]}])
+        assert got == s.encode_prompt("<|im_start|>user\nlook at", add_special_tokens=False)
+        with pytest.raises(TokenizationError):  # transformers tokenizing itself cannot be cut
+            s.encode_chat([{"role": "user", "content": [IMAGE]}], chat_template_kwargs={"truncation": True})
+    finally:
+        s.close()
+
+
+def test_a_prompt_cut_at_its_media_is_keyed_as_far_as_it_goes_and_not_length_checked(svc):
+    """gateway.encode: a chat with media is `cut` (the engine's prompt goes on), its ids the text
+    prefix, which a text-only chat with the same system prompt shares; its length is the engine's
+    to check (the prefix alone may pass a context the whole would not, and vice versa); with
+    `truncate_prompt_tokens`, which may cut that prefix away, it is left unkeyed."""
+    from gateway.encode import tokenize
+    from gateway.parse import parse_request
+
+    def run(body, max_model_len=None):
+        return asyncio.run(tokenize(svc, parse_request("chat", body, "m"), inline_max_chars=1000,
+                                    max_model_len=max_model_len))
+
+    system = {"role": "system", "content": DOCS[0]}
+    media = run({"messages": [system, {"role": "user", "content": [IMAGE, {"type": "text", "text": "what is it?"}]}]})
+    text = run({"messages": [system, {"role": "user", "content": "what is it?"}]})
+    assert media.cut and not text.cut and media.total_tokens == len(media.first_ids)
+    assert text.first_ids[:len(media.first_ids)] == media.first_ids and len(text.first_ids) > len(media.first_ids)
+    assert run({"messages": [system, {"role": "user", "content": [IMAGE]}]}, max_model_len=8).cut  # not refused
+    assert run({"messages": [system, {"role": "user", "content": [IMAGE]}], "truncate_prompt_tokens": 5}).first_ids == []
 
 
 def test_async_and_concurrency(svc, hf):

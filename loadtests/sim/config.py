@@ -44,6 +44,7 @@ class SimConfig:
     max_loras: int = 1  # adapters one batch may run (vLLM --max-loras; its default is 1), with lora_modules
     lora_metrics: bool = True  # export vllm:lora_requests_info (False: as an engine whose slots are not visible)
     responses_store: bool = False  # keep answered Responses (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1: loadtests/sim/responses.py)
+    multimodal: bool = False  # serve image / audio / video parts as a multi-modal model (openai_requests.chat_messages)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -99,4 +100,5 @@ def config_from_args(args: Any) -> SimConfig:
         max_loras=g("max_loras", 1) or 1,
         lora_metrics=not g("no_lora_metrics", False),
         responses_store=bool(g("responses_store", False)),
+        multimodal=bool(g("multimodal", False)),
     )

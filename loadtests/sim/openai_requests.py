@@ -6,6 +6,7 @@ off the event loop), and the request the engine takes (`ParsedRequest`). No HTTP
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -67,9 +68,22 @@ def validate_cache_salt(salt: Any) -> str | None:
 
 
 _TEXT_PARTS = ("text", "input_text", "output_text")  # part types vLLM reads as text
+# Part types a multi-modal vLLM hands to its processor (vLLM's MM_PARSER_MAP; SimConfig.multimodal).
+_MEDIA_PARTS = frozenset({"image_url", "input_image", "image_embeds", "audio_url", "input_audio", "audio_embeds",
+                          "video_url", "video_embeds"})
 
 
-def chat_messages(body: dict) -> list[dict]:
+def _placeholder(part: dict) -> str:
+    """A media item's placeholder text, naming a digest of the item: the blocks that hold it are
+    keyed by the item, as vLLM's multi-modal hash keys them; those before it are plain text."""
+    digest = hashlib.sha256(json.dumps(part, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"<{part['type']} {digest}>"
+
+
+def chat_messages(body: dict, media: bool = False) -> list[dict]:
+    """The messages as the chat template gets them; `media`: image, audio and video parts are
+    served (a multi-modal model), each as its placeholder first in its message's content, where
+    vLLM puts them (without --interleave-mm-strings), else refused."""
     msgs = body.get("messages")
     if msgs is None:
         raise BadRequest("Field required: 'messages'", "messages")
@@ -81,12 +95,15 @@ def chat_messages(body: dict) -> list[dict]:
             raise BadRequest(f"messages[{i}] must be an object with a string 'role'", "messages")
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: text parts joined as vLLM's "string" format does
-            texts = []
+            texts, items = [], []
             for part in content:
+                if media and isinstance(part, dict) and part.get("type") in _MEDIA_PARTS:
+                    items.append(_placeholder(part))
+                    continue
                 if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
                     raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
                 texts.append(part["text"])
-            m = {**m, "content": "\n".join(texts)}
+            m = {**m, "content": "\n".join(items + texts)}
         elif content is not None and not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of parts", "messages")
         elif content is None:
@@ -114,8 +131,9 @@ class RequestReader:
     """Bodies to token ids and engine requests, with one replica's tokenizer and limits."""
 
     def __init__(self, tokenizer: SimTokenizer, *, max_model_len: int, default_max_tokens: int,
-                 scheduling_policy: str) -> None:
+                 scheduling_policy: str, media: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.media = media  # a multi-modal model (chat_messages)
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
         self.scheduling_policy = scheduling_policy
@@ -126,7 +144,7 @@ class RequestReader:
     async def prompt_ids(self, body: dict, chat: bool, add_special_default: bool) -> list[int]:
         tok = self.tokenizer
         if chat:
-            msgs = chat_messages(body)
+            msgs = chat_messages(body, self.media)
             agp = check_type(body, "add_generation_prompt", (bool,), "a boolean")
             ast = check_type(body, "add_special_tokens", (bool,), "a boolean")
             ctk = check_type(body, "chat_template_kwargs", (dict,), "an object")
