@@ -8,8 +8,9 @@ Media (images, audio, video): vLLM's processor turns each item into placeholder 
 only it knows, and its prefix cache keys a block that holds any of them with the item's hash; the
 blocks before the first item are keyed as plain text. So a media part becomes MEDIA_MARK where
 vLLM puts its placeholder (a "string" template: first in its message's content, before the text,
-as vLLM does without --interleave-mm-strings; an "openai" one: in the part's place, for the
-template to render in order), and gateway.tokenization keeps the text before the first mark.
+as vLLM does without --interleave-mm-strings, else in the part's place among the texts; an
+"openai" one: in the part's place, for the template to render in order), and
+gateway.tokenization keeps the text before the first mark.
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def detect_content_format(chat_template: str) -> str:
         return "string"
 
 
-def _parse_content(content: Any, role: str, fmt: str, index: int) -> Any:
+def _parse_content(content: Any, role: str, fmt: str, index: int, interleave: bool) -> Any:
     if content is None:
         parts: list[Any] = []
     elif isinstance(content, str):
@@ -118,7 +119,7 @@ def _parse_content(content: Any, role: str, fmt: str, index: int) -> Any:
             raise TokenizationError(f"messages[{index}].content[{j}] has no 'type'")
         if ptype in MEDIA_PART_TYPES:  # module header: its placeholder's place
             media = True
-            if fmt == "openai":
+            if fmt == "openai" or interleave:
                 texts.append(MEDIA_MARK)
             continue
         if ptype not in TEXT_PART_KEYS:
@@ -132,11 +133,12 @@ def _parse_content(content: Any, role: str, fmt: str, index: int) -> Any:
         texts.append(as_text(text, f"messages[{index}].content[{j}].{TEXT_PART_KEYS[ptype]}"))
     if fmt == "openai":
         return [{"type": "text", "text": t} for t in texts]
-    return "\n".join([MEDIA_MARK, *texts] if media else texts)
+    return "\n".join([MEDIA_MARK, *texts] if media and not interleave else texts)
 
 
-def to_conversation(messages: Any, content_format: str) -> list[dict[str, Any]]:
-    """The conversation vLLM hands to the chat template for these OpenAI-style messages."""
+def to_conversation(messages: Any, content_format: str, *, interleave: bool = False) -> list[dict[str, Any]]:
+    """The conversation vLLM hands to the chat template for these OpenAI-style messages
+    (`interleave`: the engine's --interleave-mm-strings)."""
     if not isinstance(messages, list):
         raise TokenizationError(f"messages must be a list, got {type(messages).__name__}")
     if not messages:
@@ -148,7 +150,7 @@ def to_conversation(messages: Any, content_format: str) -> list[dict[str, Any]]:
         role = msg.get("role")
         if not isinstance(role, str):
             raise TokenizationError(f"messages[{i}].role must be a string")
-        out: dict[str, Any] = {"role": role, "content": _parse_content(msg.get("content"), role, content_format, i)}
+        out: dict[str, Any] = {"role": role, "content": _parse_content(msg.get("content"), role, content_format, i, interleave)}
         if role == "assistant":
             tool_calls = msg.get("tool_calls")
             if tool_calls is not None:

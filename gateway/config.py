@@ -49,6 +49,7 @@ class ModelConfig:
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
     default_chat_template_kwargs: dict = field(default_factory=dict)
+    interleave_mm_strings: bool = False  # the engines' --interleave-mm-strings: media placeholders where the parts are
     block_size: int = 16  # KV block size in tokens (must equal the engines')
     max_model_len: int | None = None  # context limit (None: replicas' /v1/models, else tokenizer)
     tokenizer_workers: int = 1  # threads for tokenization off the event loop

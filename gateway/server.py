@@ -149,7 +149,8 @@ class Gateway:
         cfg = self.cfg.model
         tok = TokenizerService(cfg.tokenizer_dir, max_workers=cfg.tokenizer_workers, chat_template=cfg.chat_template,
                                chat_template_content_format=cfg.chat_template_content_format,
-                               default_chat_template_kwargs=cfg.default_chat_template_kwargs)
+                               default_chat_template_kwargs=cfg.default_chat_template_kwargs,
+                               interleave_mm_strings=cfg.interleave_mm_strings)
         tok.warm_up()  # the first request would compile the chat template (off the loop here)
         return tok
 

@@ -112,12 +112,14 @@ class TokenizerService:
         chat_template_content_format: str = "auto",
         default_chat_template_kwargs: dict | None = None,
         chat_template: str | None = None,
+        interleave_mm_strings: bool = False,
     ) -> None:
         """`backend`: "auto" (tiktoken where provably equal, else HF), "tiktoken" (error if not
         possible) or "hf". `segment_cache_entries=0` disables the segment cache.
         `chat_template` / `chat_template_content_format` / `default_chat_template_kwargs` mirror the
         engine's `--chat-template` (a file, or the template itself, as vLLM reads it) /
-        `--chat-template-content-format` / `--default-chat-template-kwargs`."""
+        `--chat-template-content-format` / `--default-chat-template-kwargs`, and
+        `interleave_mm_strings` its `--interleave-mm-strings` (gateway.chat_messages)."""
         if tokenizer_dir is None:
             tokenizer_dir = default_tokenizer_dir()
         self._dir = Path(tokenizer_dir)
@@ -126,6 +128,7 @@ class TokenizerService:
         if chat_template_content_format not in ("auto", "string", "openai"):
             raise ValueError("chat_template_content_format must be auto, string or openai")
         self._content_format = chat_template_content_format
+        self._interleave = interleave_mm_strings
         self._default_kwargs = dict(default_chat_template_kwargs or {})
         self._hf = AutoTokenizer.from_pretrained(str(self._dir))
         if chat_template:
@@ -352,7 +355,7 @@ class TokenizerService:
         accept = (template_variables(template) | hf_base_params()) - {"chat_template", "tokenize"}
         kwargs = {k: v for k, v in kwargs.items() if k in accept}
         fmt = self._content_format if self._content_format != "auto" else detect_content_format(template)
-        conversation = to_conversation(messages, fmt)
+        conversation = to_conversation(messages, fmt, interleave=self._interleave)
         tok_kwargs = _TOKENIZER_KWARGS & kwargs.keys()
         media = has_media(messages)
         if tok_kwargs and media:

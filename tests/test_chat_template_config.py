@@ -44,6 +44,27 @@ def test_the_tokenizer_renders_with_the_engines_template_and_default_kwargs(tmp_
             tok.close()
 
 
+def test_interleaved_media_placeholders_cut_where_the_part_is():
+    """`model.interleave_mm_strings` (vLLM's --interleave-mm-strings): a "string" template gets an
+    image's placeholder in its part's place among the texts, not first in the message, so the
+    keyed text runs on to it."""
+    from transformers import AutoTokenizer
+
+    from gateway.default_tokenizer import default_tokenizer_dir
+
+    hf = AutoTokenizer.from_pretrained(str(default_tokenizer_dir()))
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Compare this"}, image, {"type": "text", "text": "with"}, image]}]
+    for interleave, before in ((False, ""), (True, "Compare this\n")):
+        tok = Gateway(_cfg(interleave_mm_strings=interleave))._load_tokenizer()
+        try:
+            want = hf.apply_chat_template([{"role": "user", "content": "\u2603"}], add_generation_prompt=True, tokenize=False)
+            want = want[:want.index("\u2603")] + before
+            assert tok.encode_chat(msgs) == hf(want, add_special_tokens=False)["input_ids"], interleave
+        finally:
+            tok.close()
+
+
 def test_a_wrong_value_names_its_field(tmp_path):
     with pytest.raises(ConfigError, match="model.chat_template"):
         check_files(_cfg(chat_template=str(tmp_path / "missing.jinja")))
