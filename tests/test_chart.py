@@ -237,6 +237,39 @@ def test_engines_schedule_by_priority_exactly_when_the_gateway_sends_priorities(
     assert "--scheduling-policy priority" in notes
 
 
+def test_the_gateway_renders_chats_with_the_deployed_engines_chat_flags():
+    """The chat-rendering flags an operator gives the deployed engines (replicas.deploy.extraArgs:
+    --chat-template inline, --chat-template-content-format, --default-chat-template-kwargs,
+    --interleave-mm-strings; "--flag value" or "--flag=value") reach the gateway's config.model, so
+    its token ids stay the engines'; a template file the gateway cannot read, or a config.model
+    value that says otherwise, fails the install saying what to set."""
+    def model(args: list, over: dict | None = None) -> dict:
+        values = deep_merge(ci_values("default"), {"replicas": {"deploy": {"extraArgs": args}}, **(over or {})})
+        r = render(values)
+        cfg = yaml.safe_load(r.configmap_data(FULL_NAME)["gateway.yaml"])
+        config_from_dict(cfg, env={})  # one the gateway accepts
+        return cfg["model"]
+
+    inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    m = model(["--max-model-len", "8192", "--chat-template", inline, "--chat-template-content-format=openai",
+               "--default-chat-template-kwargs", '{"enable_thinking": false}', "--interleave-mm-strings"])
+    assert (m["chat_template"], m["chat_template_content_format"], m["default_chat_template_kwargs"],
+            m["interleave_mm_strings"]) == (inline, "openai", {"enable_thinking": False}, True)
+    m = model(["--max-model-len", "8192"])
+    assert not {"chat_template", "chat_template_content_format", "default_chat_template_kwargs",
+                "interleave_mm_strings"} & m.keys()  # nothing given: the gateway's defaults, the engines'
+    same = {"config": {"model": {"chat_template_content_format": "openai"}}}
+    assert model(["--chat-template-content-format", "openai"], same)["chat_template_content_format"] == "openai"
+    for args, over, says in (
+            (["--chat-template", "/templates/tool_chat.jinja"], None, "set config.model.chat_template"),
+            (["--chat-template-content-format", "string"], same, "config.model.chat_template_content_format"),
+            (["--default-chat-template-kwargs", "{not json"], None, "must be a JSON object")):
+        with pytest.raises(helm.HelmError, match=re.escape(says)):
+            model(args, over)
+    own = {"config": {"model": {"chat_template": inline}}}  # a file on the engines, its text for the gateway
+    assert model(["--chat-template", "/templates/tool_chat.jinja"], own)["chat_template"] == inline
+
+
 def test_engines_store_responses_exactly_when_the_gateway_serves_them():
     """config.responses.store: the deployed engines get VLLM_ENABLE_RESPONSES_API_STORE=1 (vLLM
     stores nothing without it), attach mode's notes ask for it, and nothing changes otherwise."""

@@ -138,6 +138,44 @@ priority other than 0 (400 "Priority scheduling is not enabled"). */}}
 {{- if or (and $c.flow $c.flow.engine_priority) $ka.engine_priority -}}true{{- end -}}
 {{- end -}}
 
+{{/* What the deployed engines' extraArgs say about rendering chats, as config.model fields (JSON):
+--chat-template (inline; a file's path as "chat_template_file", which the gateway's pod cannot read),
+--chat-template-content-format, --default-chat-template-kwargs, --[no-]interleave-mm-strings; each as
+"--flag value" or "--flag=value". The gateway must render as the engines do. */}}
+{{- define "warmroute.engineChatArgs" -}}
+{{- $out := dict -}}
+{{- if eq .Values.replicas.mode "deploy" -}}
+{{- $args := .Values.replicas.deploy.extraArgs -}}
+{{- range $i, $a := $args -}}
+{{- $a = toString $a -}}
+{{- $name := $a -}}{{- $val := "" -}}
+{{- if and (hasPrefix "--" $a) (contains "=" $a) -}}
+{{- $kv := splitn "=" 2 $a -}}{{- $name = $kv._0 -}}{{- $val = $kv._1 -}}
+{{- else if lt (add1 $i) (len $args) -}}
+{{- $val = toString (index $args (add1 $i)) -}}
+{{- end -}}
+{{- if eq $name "--chat-template-content-format" -}}
+{{- $_ := set $out "chat_template_content_format" $val -}}
+{{- else if eq $name "--default-chat-template-kwargs" -}}
+{{- $kw := fromJson $val -}}
+{{- if hasKey $kw "Error" -}}{{- fail (printf "replicas.deploy.extraArgs: --default-chat-template-kwargs must be a JSON object, got %q" $val) -}}{{- end -}}
+{{- $_ := set $out "default_chat_template_kwargs" $kw -}}
+{{- else if eq $name "--chat-template" -}}
+{{- if or (contains "{%" $val) (contains "{{" $val) -}}
+{{- $_ := set $out "chat_template" $val -}}
+{{- else -}}
+{{- $_ := set $out "chat_template_file" $val -}}
+{{- end -}}
+{{- else if eq $name "--interleave-mm-strings" -}}
+{{- $_ := set $out "interleave_mm_strings" (ne $val "false") -}}
+{{- else if eq $name "--no-interleave-mm-strings" -}}
+{{- $_ := set $out "interleave_mm_strings" false -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
 {{/* config.keep_alive as the gateway gets it (JSON): in deploy mode, whose engines the chart runs with
 --scheduling-policy priority, keep-alive's refreshes go ahead of the queue (engine_priority true) and may
 then go to a replica with a queue (max_waiting 8), unless set. */}}
