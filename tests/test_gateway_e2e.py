@@ -680,3 +680,34 @@ async def _metrics_text(s, g) -> str:
 def _accuracy_lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith(("warmroute_gateway_predicted_cached_tokens",
                                                               "warmroute_gateway_engine_cached_tokens"))]
+
+
+async def test_n_choices_are_predicted_as_the_engine_reports_them(tok):
+    """`n` = 4 through the gateway to simulated replicas that run it as vLLM does (child requests):
+    what each answer reports cached (the last child's whole: every full block, even cold; the first
+    child's streamed) is what the gateway predicted, so the index accuracy stays 1.0; and while
+    they run, the replica's in-flight count holds all four sequences."""
+    from replica_agent.feed import open_feed
+
+    feed = open_feed("memory://e2e-n")
+    async with sims_with_agents(2, feed, MODEL) as sims_:
+        g = await start_gateway(_cfg([f"r{i}={s.url}" for i, s in enumerate(sims_)]), feed=feed, tokenizer=tok)
+        try:
+            await _until(lambda: all(g.gateway.index.is_live(f"r{i}") for i in range(2)))
+            async with aiohttp.ClientSession() as s:
+                for stream in (False, True, False):
+                    body = {"model": MODEL, "prompt": f"four choices, stream={stream}: " + LONG_DOC, "max_tokens": 40, "n": 4,
+                            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+                    task = asyncio.create_task(s.post(g.url + "/v1/completions", json=body))
+                    await _until(lambda: sum(ld.inflight_reqs + ld.active_reqs for ld in g.gateway.routing.load.snapshot().values()) == 4)
+                    async with await task as r:
+                        assert r.status == 200
+                        text = await r.text()
+                        rid = r.headers["X-Warmroute-Replica"]
+                    usage = (json.loads([ln for ln in text.splitlines() if ln.startswith("data: {")][-1][6:]) if stream
+                             else json.loads(text))["usage"]
+                    assert usage["prompt_tokens_details"]["cached_tokens"] == (0 if stream else (usage["prompt_tokens"] - 1) // 16 * 16)
+                metrics = await _metrics_text(s, g)
+            assert f'warmroute_gateway_index_accuracy_ratio{{replica="{rid}"}} 1.0' in metrics, _accuracy_lines(metrics)
+        finally:
+            await g.close()

@@ -144,13 +144,13 @@ async def test_refused_requests_leave_a_log_line_without_the_key(authed, caplog)
 
 @MODULE_LOOP
 async def test_engine_4xx_reaches_the_client_in_openai_shape(authed):
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "n": 2}  # the simulator supports n=1 only
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "top_k": "many"}  # the gateway leaves top_k to the engine
     async with aiohttp.ClientSession() as s:
         async with s.post(authed.url + "/v1/completions", json=body, headers={"Authorization": "Bearer key-a"}) as r:
             doc = await r.json()
             assert r.status == 400, doc
     assert set(doc) == {"error"} and set(doc["error"]) == {"message", "type", "param", "code"}
-    assert "n=1" in doc["error"]["message"] and doc["error"]["type"] == "invalid_request_error"
+    assert "top_k" in doc["error"]["message"] and doc["error"]["type"] == "invalid_request_error"
 
 
 def test_feed_trouble_is_logged_when_it_starts_rarely_while_it_lasts_and_when_it_ends(caplog):

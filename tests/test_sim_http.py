@@ -381,3 +381,29 @@ async def test_a_multimodal_sim_keys_each_image_by_its_content(tokenizer_dir) ->
     finally:
         await s.close()
         await text_only.close()
+
+
+async def test_n_choices_run_as_child_requests_reported_as_vllm_does(sim) -> None:
+    """`n` = 4: four choices; usage counts the prompt once and every child's output; the cached
+    tokens are the last child's when answered whole (every full block of the prompt: the first
+    child computed them, even cold) and the first child's when streamed (0, cold), as real vLLM
+    0.32 reports them (tests/real_vllm/test_vllm_e2e.py)."""
+    async with aiohttp.ClientSession() as http:
+        for stream in (False, True):
+            body = {"model": "sim-model", "prompt": f"stream={stream} " + LONG_DOC, "max_tokens": 3, "n": 4, "stream": stream,
+                    **({"stream_options": {"include_usage": True}} if stream else {})}
+            async with http.post(sim.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                text = await r.text()
+            if stream:
+                events = [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: {")]
+                usage, indexes = events[-1]["usage"], {c["index"] for e in events for c in e["choices"]}
+                assert text.rstrip().endswith("data: [DONE]")
+            else:
+                doc = json.loads(text)
+                usage, indexes = doc["usage"], {c["index"] for c in doc["choices"]}
+            assert indexes == {0, 1, 2, 3} and usage["completion_tokens"] == 12
+            full = (usage["prompt_tokens"] - 1) // 16 * 16
+            assert usage["prompt_tokens_details"]["cached_tokens"] == (0 if stream else full), (stream, usage)
+        async with http.post(sim.url + "/v1/completions", json={"model": "sim-model", "prompt": "x", "n": 0}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "n"

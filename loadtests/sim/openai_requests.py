@@ -39,6 +39,7 @@ class ParsedRequest:
     cache_salt: str | None
     report_full: bool
     priority: int = 0
+    n: int = 1  # choices: vLLM runs n child requests on the prompt (loadtests/sim/choices.py)
 
 
 def check_type(body: dict, key: str, types: tuple, what: str) -> Any:
@@ -189,8 +190,8 @@ class RequestReader:
         ):
             check_type(body, key, types, what)
         n = body.get("n")
-        if n is not None and n != 1:
-            raise BadRequest("the simulator supports n=1 only", "n")
+        if n is not None and n < 1:
+            raise BadRequest(f"n must be at least 1, got {n}.", "n")
         max_tokens = check_type(body, "max_tokens", (int,), "an integer")
         if chat:
             mct = check_type(body, "max_completion_tokens", (int,), "an integer")
@@ -224,5 +225,5 @@ class RequestReader:
             )
         return ParsedRequest(
             ids, max_tokens, stream, bool(so.get("include_usage")), bool(so.get("continuous_usage_stats")), salt,
-            xargs.get("kv_cache_report_mode") == "full", priority,
+            xargs.get("kv_cache_report_mode") == "full", priority, n or 1,
         )

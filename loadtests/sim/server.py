@@ -11,7 +11,7 @@ modelled time), then publish the step's KV events and wake the streams whose req
 `lateness_s = t_end - deadline` measures how far the real clock fell behind the model (timer
 slack, a CPU-saturated process); `/sim/stats` and `/metrics` expose it.
 
-Routes: POST /v1/completions, /v1/chat/completions, /v1/responses (stream or not; responses.py), /tokenize, /detokenize,
+Routes: POST /v1/completions, /v1/chat/completions (`n` choices: choices.py), /v1/responses (stream or not; responses.py), /tokenize, /detokenize,
 /v1/completions/render, /v1/chat/completions/render, /reset_prefix_cache; GET /health,
 /v1/models, /metrics, /kv_event_sources, /version; admin POST /sim/fault, GET /sim/stats, GET
 /sim/trace (per-request and per-step timelines, when started with `trace`). Anything
@@ -46,7 +46,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from loadtests.sim import responses
+from loadtests.sim import choices, responses
 from loadtests.sim.config import SimConfig, config_from_args
 from loadtests.sim.kv_events import KVEventPublisher
 from loadtests.sim.metrics import SimMetrics
@@ -64,6 +64,16 @@ _FILLER_TEXT = " the quick brown fox jumps over the lazy dog"
 def _error_response(message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None) -> web.Response:
     body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
     return web.Response(body=_json.encode(body), status=status, content_type="application/json")
+
+
+async def end_stream(resp: web.StreamResponse, parts: list[bytes], usage_chunk: dict | None) -> web.StreamResponse:
+    """Write a stream's last events (`parts`, the usage chunk when asked for, [DONE]) and end it."""
+    if usage_chunk is not None:
+        parts.append(b"data: " + _json.encode(usage_chunk) + b"\n\n")
+    parts.append(b"data: [DONE]\n\n")
+    await resp.write(b"".join(parts))
+    await resp.write_eof()
+    return resp
 
 
 def _json_response(obj: Any, status: int = 200) -> web.Response:
@@ -393,6 +403,8 @@ class SimServer:
         body = await self._body(request)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         p, req, st = await self._admit(request, body, chat, rid)
+        if p.n > 1:
+            return await choices.answer_choices(self, request, chat, p, choices.add_children(self, req, st, p.n))
         return await self.stream_answer(request, chat, p, req, st)
 
     async def _admit(self, request: web.Request, body: dict, chat: bool, rid: str) -> tuple[Any, SimRequest, "_Stream"]:
@@ -480,13 +492,8 @@ class SimServer:
                     parts.append(b"data: " + _json.encode(chunk) + b"\n\n")
                     sent = n_out
                 if st.done:
-                    if p.include_usage:
-                        fin = {"id": rid, "object": obj_name, "created": created, "model": model, "choices": [], "usage": self._usage(req, chat)}
-                        parts.append(b"data: " + _json.encode(fin) + b"\n\n")
-                    parts.append(b"data: [DONE]\n\n")
-                    await resp.write(b"".join(parts))
-                    await resp.write_eof()
-                    return resp
+                    fin = {"id": rid, "object": obj_name, "created": created, "model": model, "choices": [], "usage": self._usage(req, chat)}
+                    return await end_stream(resp, parts, fin if p.include_usage else None)
                 if parts:
                     await resp.write(b"".join(parts))
         except ConnectionResetError:  # the client went away mid-stream: nothing left to answer (finally frees its blocks)
