@@ -6,7 +6,8 @@ time model, small `--max-num-seqs`, each with its agent publishing to a private 
   calibrate   the pool's capacity C (completed requests/s with every slot busy, flow control off)
   alone       the quiet tenant alone, within its fair share C/2: `--quiet-share` of it (default
               half, C/4), paced (one request every so often, as a client sending "one a second")
-  noisy       the same quiet stream plus a noisy tenant at 5x its share (5C/2, Poisson arrivals)
+  noisy       the same quiet stream plus a noisy tenant at 5x its share (5C/2, Poisson arrivals; with
+              `--noisy-n N` each of its requests asks N choices, at 1/N the rate: the same sequences)
 each with flow control off and on, on once per `--headroom-reqs` value (flow.headroom_reqs: the
 slots heavy tenants leave to light ones; default 1 and 0, side by side) and `--light-spill-s`
 value (flow.light_spill_s: prefill seconds a light tenant may lose for a free slot; default 0.5, the gateway's), and each through one
@@ -174,7 +175,8 @@ def _reset_caches(sims: list[str]) -> None:
 
 
 # --------------------------------------------------------------------------- workload
-def _requests(tenant: str, times: list[float], args, seed: int) -> list[BenchRequest]:
+def _requests(tenant: str, times: list[float], args, seed: int, n: int = 1) -> list[BenchRequest]:
+    """The tenant's requests at `times`, each asking `n` choices (as many engine sequences)."""
     rng = random.Random(seed)
     system = f"You are the assistant of {tenant}. " + _text(random.Random(tenant), args.system_words)
     out = []
@@ -184,6 +186,8 @@ def _requests(tenant: str, times: list[float], args, seed: int) -> list[BenchReq
         body = {"model": MODEL, "max_tokens": out_tokens, "ignore_eos": True, "temperature": 0,
                 "messages": [{"role": "system", "content": system},
                              {"role": "user", "content": f"Question {i}: " + _text(rng, args.question_words)}]}
+        if n > 1:
+            body["n"] = n
         out.append(BenchRequest(t, "/v1/chat/completions", body, api_key=TENANT_KEYS[tenant], tag=tenant,
                                 request_id=f"{tenant}-{i}"))
     return out
@@ -434,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-priority", action="store_true",
                     help="flow.engine_priority on, the sims on vLLM's priority scheduling (every scenario)")
     ap.add_argument("--noisy-multiple", type=float, default=5.0, help="the noisy tenant's rate, in fair shares")
+    ap.add_argument("--noisy-n", type=int, default=1,
+                    help="choices per noisy request (n: as many engine sequences), its request rate divided by it so its "
+                         "sequences keep --noisy-multiple (default 1)")
     ap.add_argument("--max-queue-wait-s", type=float, default=5.0, help="flow.max_queue_wait_s of the runs")
     ap.add_argument("--max-queue-reqs", type=int, default=200, help="flow.max_queue_reqs_per_tenant of the runs")
     ap.add_argument("--client-timeout-s", type=float, default=120.0)
@@ -490,10 +497,11 @@ def main(argv: list[str] | None = None) -> int:
                 gws.close()
         share = cap / 2
         print(f"pool capacity C = {cap:.2f} req/s; fair share C/2 = {share:.2f} req/s; quiet paced at {args.quiet_share * share:.2f}, "
-              f"noisy Poisson at {args.noisy_multiple * share:.2f}", flush=True)
+              f"noisy Poisson at {args.noisy_multiple * share:.2f} sequences/s (n = {args.noisy_n})", flush=True)
         report["capacity_rps"] = round(cap, 3)
         quiet = _requests("quiet", _paced(args.quiet_share * share, args.seconds), args, seed=1)
-        noisy = _requests("noisy", _poisson(args.noisy_multiple * share, args.seconds, seed=2), args, seed=3)
+        noisy = _requests("noisy", _poisson(args.noisy_multiple * share / args.noisy_n, args.seconds, seed=2), args, seed=3,
+                          n=args.noisy_n)
         runs = [(True, int(h), float(ls)) for h in args.headroom_reqs.split(",") if h
                 for ls in args.light_spill_s.split(",") if ls] + ([(False, 0, 0.0)] if args.flow_off == "yes" else [])
         for n_gw in [int(x) for x in args.gateways.split(",") if x]:
