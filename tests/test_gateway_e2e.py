@@ -659,6 +659,14 @@ async def test_a_chat_with_images_is_routed_by_the_text_before_them(tok):
                     u, rid = await ask([{"type": "text", "text": "what is in it?"}, image])
                     assert rid == home, (i, rid, home)
                     assert u["prompt_tokens_details"]["cached_tokens"] == shared // 16 * 16 > 0, (u, shared)
+                # the Responses API's input_image the same way
+                body = {"model": MODEL, "max_output_tokens": 2, "instructions": system, "store": False,
+                        "input": [{"role": "user", "content": [{"type": "input_text", "text": "and this one?"},
+                                                               {"type": "input_image", "image_url": "data:image/png;base64,X"}]}]}
+                async with s.post(g.url + "/v1/responses", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    assert r.headers["X-Warmroute-Replica"] == home
+                    assert (await r.json())["usage"]["input_tokens_details"]["cached_tokens"] == shared // 16 * 16
                 assert _accuracy_lines(await _metrics_text(s, g)) == before
         finally:
             await g.close()
