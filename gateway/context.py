@@ -45,6 +45,9 @@ class ParsedRequest:
     prompts: list | None = None  # completions: each prompt (str or token-id list); a batch has several
     previous_response_id: str | None = None  # responses: the stored response it follows (gateway.stored_responses)
     background: bool = False  # responses: run on in the engine after its answer (gateway.background_holds)
+    # prompt embeddings (completions' `prompt_embeds`, chat's prompt_embeds parts): the engine keys every
+    # block with their hash, so nothing is keyed or predicted here (gateway.encode)
+    embeds: bool = False
 
     @property
     def sequences(self) -> int:

@@ -13,7 +13,8 @@ tokenizer refusal (unknown token id, invalid text) is the client's error (400 in
 context length check (gateway.parse) runs on the result. A chat with media parts (images, audio,
 video) is tokenized up to its first item (`Prompt.cut`: the rest is the engine's processor's), so
 the engine checks its length, and with `truncate_prompt_tokens` (which may cut that text away) it
-is left unkeyed.
+is left unkeyed, as is a prompt given as embeddings (`prompt_embeds`), every block of which the
+engine keys with their hash.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ _ERROR_PARAM = {CHAT: "messages", RESPONSES: "input"}  # the field a tokenizatio
 async def tokenize(tok: TokenizerService, req: ParsedRequest, *, inline_max_chars: int,
                    max_model_len: int | None) -> Prompt:
     t0 = time.perf_counter()
+    if req.embeds:
+        return Prompt([], 0, 0.0, cut=True)
     cut = req.messages is not None and has_media(req.messages)
     try:
         if cut and req.truncate is not None:

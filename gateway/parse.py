@@ -8,8 +8,8 @@ invalid_encoding), a missing or non-string `model` (400), a model the gateway do
 `truncation_side`, `messages`, `prompt` and the chat-template options (400), and, after
 tokenization, a prompt over the model's context (400 context_length_exceeded, vLLM's text). It
 also reads what changes the tokens the engine computes or the cached tokens it reports: those
-fields, and whether the request asks for its prompt's logprobs (then the engine reads no cached
-block).
+fields, whether the request asks for its prompt's logprobs (then the engine reads no cached
+block), and whether it gives its prompt as embeddings (`prompt_embeds`: then nothing is keyed).
 Fields the gateway does not read pass through to the engine untouched (it is the judge of them).
 """
 from __future__ import annotations
@@ -80,7 +80,9 @@ def parse_request(kind: str, payload: dict, model: str, *, stored_responses: boo
     if kind == CHAT:
         return _parse_chat(payload, common)
     if kind == COMPLETIONS:
-        return ParsedRequest(prompts=_parse_prompts(payload), **common)
+        embeds = payload.get("prompt_embeds") not in (None, "", [])
+        prompts = [] if embeds and payload.get("prompt") is None else _parse_prompts(payload)
+        return ParsedRequest(prompts=prompts, embeds=embeds, **common)
     raise ValueError(f"unknown request kind {kind!r}")
 
 
@@ -155,7 +157,9 @@ def _parse_chat(payload: dict, common: dict) -> ParsedRequest:
     tools = payload.get("tools")
     if payload.get("tool_choice") == "none" and not (ctk or {}).get("include_tools_with_tool_choice_none"):
         tools = None  # vLLM drops tools from the template when tool_choice is "none" (its default)
-    return ParsedRequest(messages=messages, add_generation_prompt=agp, continue_final_message=cfm,
+    embeds = any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "prompt_embeds"
+                                                            for p in m["content"]) for m in messages)
+    return ParsedRequest(messages=messages, add_generation_prompt=agp, continue_final_message=cfm, embeds=embeds,
                          chat_template_kwargs=template_kwargs(ctk, documents=payload.get("documents"),
                                                               reasoning_effort=payload.get("reasoning_effort")),
                          tools=tools, **common)

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.errors import ApiError
 from gateway.token_backends import segment_safe as _segment_safe
 from gateway.tokenization import (
     SegmentCache,
@@ -424,6 +425,29 @@ def test_a_prompt_cut_at_its_media_is_keyed_as_far_as_it_goes_and_not_length_che
     assert text.first_ids[:len(media.first_ids)] == media.first_ids and len(text.first_ids) > len(media.first_ids)
     assert run({"messages": [system, {"role": "user", "content": [IMAGE]}]}, max_model_len=8).cut  # not refused
     assert run({"messages": [system, {"role": "user", "content": [IMAGE]}], "truncate_prompt_tokens": 5}).first_ids == []
+
+
+def test_a_prompt_given_as_embeddings_is_neither_keyed_nor_refused(svc):
+    """vLLM keys every block of a prompt given as embeddings (completions' `prompt_embeds`, chat's
+    prompt_embeds parts) with their hash: the gateway keys nothing and predicts nothing for it, and
+    leaves its validity to the engine (which serves it with --enable-prompt-embeds)."""
+    from gateway.encode import tokenize
+    from gateway.parse import parse_request
+
+    def run(kind, body):
+        req = parse_request(kind, body, "m")
+        return req, asyncio.run(tokenize(svc, req, inline_max_chars=1000, max_model_len=8))
+
+    for kind, body in (("completions", {"prompt_embeds": "AAAA"}), ("completions", {"prompt_embeds": ["AAAA", "BBBB"]}),
+                       ("completions", {"prompt": "also text", "prompt_embeds": "AAAA"}),
+                       ("chat", {"messages": [{"role": "system", "content": DOCS[0]},
+                                              {"role": "user", "content": [{"type": "prompt_embeds", "data": "AAAA"}]}]})):
+        req, prompt = run(kind, body)
+        assert req.embeds and prompt.cut and prompt.first_ids == [] and req.sequences == 1, (kind, body)
+    req, prompt = run("completions", {"prompt": "plain"})
+    assert not req.embeds and not prompt.cut and prompt.first_ids
+    with pytest.raises(ApiError):  # neither a prompt nor embeddings
+        parse_request("completions", {"prompt_embeds": []}, "m")
 
 
 def test_async_and_concurrency(svc, hf):
