@@ -313,11 +313,11 @@ class Pipeline:
         ctx.span.outcome(lesson, agreement)
         if self.retainer is not None:
             self._keep(ctx, lesson.replica_id)
-        if self.tokenize_checker is not None and not ctx.prompt.cut:  # a cut prompt is not the engine's whole
+        if self.tokenize_checker is not None:
             st = self.membership.get(lesson.replica_id)
             if st is not None:
                 self.tokenize_checker.after_answer(lesson.replica_id, st.url, ctx.request, ctx.payload,
-                                                   ctx.lora or self.model.name, ctx.prompt.first_ids)
+                                                   ctx.lora or self.model.name, ctx.prompt.first_ids, prefix=ctx.prompt.cut)
 
     def _keep(self, ctx: RequestContext, replica_id: str) -> None:
         """The served replica keeps the request's planned root (gateway.keepalive), with the token

@@ -16,7 +16,9 @@ Rules:
   `/tokenize` takes (`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`,
   `tools` as the template got them, `add_special_tokens` as the client set it, else false); a
   completions request its text prompt (`add_special_tokens` as the client set it, else true). A
-  prompt given as token ids has nothing to check.
+  prompt given as token ids or as embeddings has nothing to check. A chat with media parts, whose
+  ids the gateway has up to its first item only (gateway.encode), matches when the engine's ids
+  (the media expanded by its processor) begin with them and go on.
 - Outcome: `warmroute_gateway_tokenize_checks_total{replica, result}` with result match, mismatch
   or error. A mismatch logs a warning with the replica, both lengths and the first position that
   differs (never the text or the ids: prompts stay out of logs) and is listed under "degraded" on
@@ -52,15 +54,18 @@ class Verdict:
     reason: str = ""  # why a check failed (error)
 
 
-def compare(ours: Sequence[int], theirs: Any) -> Verdict:
-    """Our ids against the `tokens` of the engine's answer."""
+def compare(ours: Sequence[int], theirs: Any, *, prefix: bool = False) -> Verdict:
+    """Our ids against the `tokens` of the engine's answer; `prefix`: ours are the start of a longer
+    prompt (module rules: media)."""
     if not isinstance(theirs, list) or not all(type(t) is int for t in theirs):
         return Verdict("error", len(ours), reason="no token ids in the answer")
     n = min(len(ours), len(theirs))
     for i in range(n):
         if ours[i] != theirs[i]:
             return Verdict("mismatch", len(ours), len(theirs), i)
-    if len(ours) != len(theirs):
+    if prefix and len(theirs) > len(ours):
+        return Verdict("match", len(ours), len(theirs))
+    if prefix or len(ours) != len(theirs):
         return Verdict("mismatch", len(ours), len(theirs), n)
     return Verdict("match", len(ours), len(theirs))
 
@@ -165,21 +170,22 @@ class TokenizeChecker:
         self._tasks: set[asyncio.Task] = set()
 
     def after_answer(self, replica_id: str, base_url: str, req: ParsedRequest, payload: dict, model: str | None,
-                     ours: Sequence[int]) -> None:
-        """A request `replica_id` answered: check it if that replica is due one."""
+                     ours: Sequence[int], *, prefix: bool = False) -> None:
+        """A request `replica_id` answered: check it if that replica is due one (`prefix`: `ours` are
+        the start of its prompt, module rules)."""
         now = self._clock()
         if not self.drift.due(replica_id, now):  # the common case: one dict lookup per request
             return
         body = tokenize_body(req, payload, model)
-        if body is None or not self.drift.take(replica_id, now):
+        if body is None or req.embeds or not self.drift.take(replica_id, now):
             return
-        task = asyncio.create_task(self._check(replica_id, base_url, body, list(ours)), name="tokenize-check")
+        task = asyncio.create_task(self._check(replica_id, base_url, body, list(ours), prefix), name="tokenize-check")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _check(self, replica_id: str, base_url: str, body: dict, ours: list[int]) -> None:
+    async def _check(self, replica_id: str, base_url: str, body: dict, ours: list[int], prefix: bool) -> None:
         try:
-            verdict = await self._ask(base_url, body, ours)
+            verdict = await self._ask(base_url, body, ours, prefix)
         except asyncio.CancelledError:  # the gateway is closing: not a result
             self.drift.done(replica_id, Verdict("error", len(ours), reason="cancelled"))
             raise
@@ -197,7 +203,7 @@ class TokenizeChecker:
         elif verdict.result == "error":
             log.debug("tokenize check on %s failed: %s", replica_id, verdict.reason)
 
-    async def _ask(self, base_url: str, body: dict, ours: list[int]) -> Verdict:
+    async def _ask(self, base_url: str, body: dict, ours: list[int], prefix: bool) -> Verdict:
         try:
             async with self.session.post(base_url + "/tokenize", json=body, timeout=self.timeout) as r:
                 if r.status != 200:
@@ -205,7 +211,7 @@ class TokenizeChecker:
                 data = await r.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             return Verdict("error", len(ours), reason=type(exc).__name__)
-        return compare(ours, data.get("tokens") if isinstance(data, dict) else None)
+        return compare(ours, data.get("tokens") if isinstance(data, dict) else None, prefix=prefix)
 
     async def close(self) -> None:
         for t in list(self._tasks):

@@ -636,7 +636,8 @@ async def test_a_chat_with_images_is_routed_by_the_text_before_them(tok):
     feed = open_feed("memory://e2e-media")
     system = "system prompt of the image desk: " + LONG_DOC
     async with sims_with_agents(2, feed, MODEL, multimodal=True) as sims_:
-        g = await start_gateway(_cfg([f"r{i}={s.url}" for i, s in enumerate(sims_)]), feed=feed, tokenizer=tok)
+        g = await start_gateway(_cfg([f"r{i}={s.url}" for i, s in enumerate(sims_)], model={"tokenize_check_s": 0.001}),
+                                feed=feed, tokenizer=tok)
         try:
             await _until(lambda: all(g.gateway.index.is_live(f"r{i}") for i in range(2)))
             async with aiohttp.ClientSession() as s:
@@ -645,7 +646,9 @@ async def test_a_chat_with_images_is_routed_by_the_text_before_them(tok):
                         {"role": "system", "content": system}, {"role": "user", "content": content}]}
                     async with s.post(g.url + "/v1/chat/completions", json=body) as r:
                         assert r.status == 200, await r.text()
-                        return (await r.json())["usage"], r.headers["X-Warmroute-Replica"]
+                        out = (await r.json())["usage"], r.headers["X-Warmroute-Replica"]
+                    await _until(lambda: not g.gateway.tokenize_checker._tasks)  # its tokenizer check done
+                    return out
 
                 u0, home = await ask("a text question first")
                 await _until(lambda: g.gateway.index.stats().entries_by_replica.get(home, 0) >= u0["prompt_tokens"] // 16)
@@ -668,6 +671,12 @@ async def test_a_chat_with_images_is_routed_by_the_text_before_them(tok):
                     assert r.headers["X-Warmroute-Replica"] == home
                     assert (await r.json())["usage"]["input_tokens_details"]["cached_tokens"] == shared // 16 * 16
                 assert _accuracy_lines(await _metrics_text(s, g)) == before
+                # each was checked against the replica's /tokenize (the engine's ids, its placeholders in,
+                # begin with the gateway's): the text request, the three images and the Responses one, all matching
+                await _until(lambda: not g.gateway.tokenize_checker._tasks)
+                lines = [ln for ln in (await _metrics_text(s, g)).splitlines()
+                         if ln.startswith(f'warmroute_gateway_tokenize_checks_total{{replica="{home}"')]
+                assert lines == [f'warmroute_gateway_tokenize_checks_total{{replica="{home}",result="match"}} 5.0'], lines
         finally:
             await g.close()
 

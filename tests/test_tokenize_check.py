@@ -30,6 +30,10 @@ def test_compare():
     assert compare([1, 2, 3], [1, 2, 3]) == Verdict("match", 3, 3)
     assert compare([1, 2, 3], [1, 9, 3]) == Verdict("mismatch", 3, 3, 1)
     assert compare([1, 2, 3], [1, 2]) == Verdict("mismatch", 3, 2, 2)  # a length difference: at the shorter end
+    # a prompt cut before its first media item: the engine's (media expanded) must begin with ours and go on
+    assert compare([1, 2], [1, 2, 7, 7, 3], prefix=True) == Verdict("match", 2, 5)
+    assert compare([1, 2], [1, 9, 7], prefix=True) == Verdict("mismatch", 2, 3, 1)
+    assert compare([1, 2], [1, 2], prefix=True) == Verdict("mismatch", 2, 2, 2)  # nothing where the media should be
     assert compare([1, 2], [1, 2, 3]) == Verdict("mismatch", 2, 3, 2)
     assert compare([], []) == Verdict("match", 0, 0)
     for bad in (None, "1 2 3", [1, "2"], [1, True], {"tokens": [1]}):
