@@ -3,7 +3,8 @@
 Side by side in one run, against the same upstream:
   direct   client -> upstream
   gateway  client -> `warmroute gateway` (one worker, uvloop, cache_aware, no auth) -> upstream
-at 1, 64 and 256 concurrent streams of short chat prompts, keep-alive connections; each stream
+at 1, 64 and 256 concurrent streams of short chat prompts (or Responses API requests, side by side with
+`--routes chat,responses`), keep-alive connections; each stream
 is `--tokens` token events `--interval-ms` apart (a decode step), so concurrency means streams
 open at once, as in production, not a closed loop of instant requests. Two arrival patterns
 (`--arrivals`): "steady" (streams start at independent times, as users' requests do) and "burst"
@@ -53,6 +54,14 @@ def fake_upstream_main(port: int, interval_ms: float) -> None:
     from gateway.http_front import start_front
 
     head = b'data: {"id":"c","object":"chat.completion.chunk","model":"bench-model","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    # the Responses API's stream (vLLM's event types; the gateway reads the usage of response.completed)
+    r_head = (b'event: response.created\ndata: {"type":"response.created","sequence_number":0,"response":{"id":"resp_b",'
+              b'"object":"response","status":"in_progress","model":"bench-model","output":[]}}\n\n')
+    r_tok = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":1,'
+             b'"item_id":"msg_b","output_index":0,"content_index":0,"delta":" tok"}\n\n')
+    r_done = (b'event: response.completed\ndata: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_b",'
+              b'"object":"response","status":"completed","model":"bench-model","output":[],"usage":{"input_tokens":12,'
+              b'"input_tokens_details":{"cached_tokens":0},"output_tokens":%d,"total_tokens":%d}}}\n\n')
     tok = b'data: {"id":"c","object":"chat.completion.chunk","model":"bench-model","choices":[{"index":0,"delta":{"content":" tok"}}]}\n\n'
     done = b"data: [DONE]\n\n"
     sse = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
@@ -64,12 +73,15 @@ def fake_upstream_main(port: int, interval_ms: float) -> None:
         if req.path == "/v1/models":
             return await resp.send(200, {"Content-Type": "application/json"}, models)
         body = json.loads(req.body)
-        events = int(body.get("max_tokens") or 8)
-        await resp.start(200, sse, head)
+        responses = req.path == "/v1/responses"
+        events = int(body.get("max_output_tokens" if responses else "max_tokens") or 8)
+        await resp.start(200, sse, r_head if responses else head)
         for _ in range(events):
             if interval_ms > 0:
                 await asyncio.sleep(interval_ms / 1000)
-            await resp.write(tok)
+            await resp.write(r_tok if responses else tok)
+        if responses:
+            return await resp.end(r_done % (events, events + 12))
         tail = done
         if (body.get("stream_options") or {}).get("include_usage"):
             tail = (b'data: {"id":"c","object":"chat.completion.chunk","model":"bench-model","choices":[],"usage":{"prompt_tokens":12,'
@@ -103,6 +115,7 @@ def _fail(errors: list[int], kinds: dict, kind: str) -> None:
 
 async def _one(session, url: str, body: bytes, ttfts: list[float], errors: list[int], kinds: dict) -> None:
     t0 = time.perf_counter()
+    marker = _first_token_marker(url[url.index("/v1/"):])
     try:
         async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
             if r.status != 200:
@@ -114,7 +127,7 @@ async def _one(session, url: str, body: bytes, ttfts: list[float], errors: list[
                 if not line:
                     _fail(errors, kinds, "empty stream")
                     return
-                if line.startswith(b"data:"):
+                if marker in line:
                     ttfts.append(time.perf_counter() - t0)
                     break
             rest = await r.read()
@@ -124,10 +137,18 @@ async def _one(session, url: str, body: bytes, ttfts: list[float], errors: list[
         _fail(errors, kinds, type(exc).__name__)
 
 
-async def _one_lean(pool, base: str, body: bytes, ttfts: list[float], errors: list[int], kinds: dict) -> None:
+def _first_token_marker(path: str) -> bytes:
+    """What marks a stream's first token: any event of chat's (vLLM sends its first with the first
+    token), a text delta of the Responses API's (vLLM sends `response.created` at once, and the
+    gateway holds it until the first token: gateway.proxy)."""
+    return b"response.output_text.delta" if path == "/v1/responses" else b"data:"
+
+
+async def _one_lean(pool, base: str, path: str, body: bytes, ttfts: list[float], errors: list[int], kinds: dict) -> None:
     t0 = time.perf_counter()
+    marker = _first_token_marker(path)
     try:
-        r = await pool.request(base, "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        r = await pool.request(base, "POST", path, body, {"Content-Type": "application/json"})
         try:
             if r.status != 200:
                 _fail(errors, kinds, f"status {r.status}")
@@ -140,7 +161,7 @@ async def _one_lean(pool, base: str, body: bytes, ttfts: list[float], errors: li
                     _fail(errors, kinds, "empty stream")
                     return
                 seen += chunk
-                if b"data:" in seen:
+                if marker in seen:
                     ttfts.append(time.perf_counter() - t0)
                     break
             rest = await r.read()
@@ -153,20 +174,26 @@ async def _one_lean(pool, base: str, body: bytes, ttfts: list[float], errors: li
 
 
 async def run_level(base_url: str, concurrency: int, seconds: float, max_tokens: int, warmup_s: float = 1.0,
-                    client: str = "lean", stagger_s: float = 0.0, seed: int = 0) -> dict:
+                    client: str = "lean", stagger_s: float = 0.0, seed: int = 0, route: str = "chat") -> dict:
     """`concurrency` streams back to back for warmup + `seconds`; TTFT of those that start after
     the warmup. `client`: "lean" (gateway.upstream's pool: the load generator's own CPU per event
     is small, so on a 2-core machine it steals less time from what is measured) or "aiohttp".
     `stagger_s`: each stream's first request waits uniform(0, stagger_s) (seeded), so streams
     start and end independently ("steady" arrivals); 0 starts all at once, and streams of equal
-    length then keep restarting together ("burst": `concurrency` requests arriving at once)."""
+    length then keep restarting together ("burst": `concurrency` requests arriving at once).
+    `route`: "chat" (/v1/chat/completions) or "responses" (/v1/responses, not stored)."""
     import aiohttp
 
     from gateway.upstream import UpstreamPool
 
-    url = base_url + "/v1/chat/completions"
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hello in one word."}],
-                       "max_tokens": max_tokens, "stream": True}).encode()
+    path = "/v1/responses" if route == "responses" else "/v1/chat/completions"
+    url = base_url + path
+    if route == "responses":
+        body = json.dumps({"model": MODEL, "input": "Say hello in one word.", "max_output_tokens": max_tokens,
+                           "stream": True, "store": False}).encode()
+    else:
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hello in one word."}],
+                           "max_tokens": max_tokens, "stream": True}).encode()
     ttfts: list[float] = []
     errors = [0]
     kinds: dict[str, int] = {}
@@ -174,7 +201,7 @@ async def run_level(base_url: str, concurrency: int, seconds: float, max_tokens:
     if client == "lean":
         pool = UpstreamPool(connect_timeout_s=5.0, idle_keepalive_s=30.0)
         session = None
-        one = functools.partial(_one_lean, pool, base_url)
+        one = functools.partial(_one_lean, pool, base_url, path)
     else:
         pool = None
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency, force_close=False))
@@ -226,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                          "restarting together (c requests arriving in the same instant); comma-separated")
     ap.add_argument("--client", choices=["lean", "aiohttp"], default="lean",
                     help="the load generator's HTTP client (see run_level)")
+    ap.add_argument("--routes", default="chat",
+                    help="the APIs measured, side by side in each phase: chat (/v1/chat/completions) and/or responses "
+                         "(/v1/responses, not stored; the fake upstream only), comma-separated (default chat)")
     ap.add_argument("--tokens", type=int, default=32, help="token events per stream in the latency phases")
     ap.add_argument("--interval-ms", type=float, default=15.0, help="fake decode step between token events")
     ap.add_argument("--gateway-cpu", type=int, default=-1,
@@ -235,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("--gateway-log", default="/tmp/warmroute-bench-gateway.log", help="the gateway's stderr")
     args = ap.parse_args(argv)
+    if "responses" in args.routes.split(",") and args.upstream != "fake":
+        ap.error("--routes responses needs the fake upstream (the simulator's Responses are its own workload)")
 
     ncpu = os.cpu_count() or 1
     pin = args.gateway_cpu >= 0 and ncpu >= 2
@@ -267,16 +299,17 @@ def main(argv: list[str] | None = None) -> int:
         stream_s = args.tokens * args.interval_ms / 1000
         for arrivals in [a for a in args.arrivals.split(",") if a]:
             stagger = stream_s if arrivals == "steady" else 0.0
-            for c in [int(x) for x in args.levels.split(",") if x]:
-                d = uvloop.run(run_level(direct, c, args.seconds, args.tokens, client=args.client, stagger_s=stagger))
+            for c, route in [(int(x), r) for x in args.levels.split(",") if x for r in args.routes.split(",") if r]:
+                kw = dict(client=args.client, stagger_s=stagger, route=route)
+                d = uvloop.run(run_level(direct, c, args.seconds, args.tokens, **kw))
                 cpu0 = process_cpu_s(gw.pid)
-                g = uvloop.run(run_level(via, c, args.seconds, args.tokens, client=args.client, stagger_s=stagger))
+                g = uvloop.run(run_level(via, c, args.seconds, args.tokens, **kw))
                 cpu1 = process_cpu_s(gw.pid)
-                row = {"arrivals": arrivals, "concurrency": c, "direct": d, "gateway": g,
+                row = {"arrivals": arrivals, "concurrency": c, "route": route, "direct": d, "gateway": g,
                        "added_ttft_ms": {k: g["ttft_ms"][k] - d["ttft_ms"][k] for k in ("p50", "p90", "p99", "mean")},
                        "gateway_cpu_ms_per_request": (cpu1 - cpu0) * 1000 / max(1, g["requests"])}
                 report["levels"].append(row)
-                print(f"{arrivals:6s} c={c:4d} n={g['requests']:5d}  direct p50 {d['ttft_ms']['p50']:7.2f} p99 "
+                print(f"{arrivals:6s} {route:9s} c={c:4d} n={g['requests']:5d}  direct p50 {d['ttft_ms']['p50']:7.2f} p99 "
                       f"{d['ttft_ms']['p99']:7.2f} ms | gateway p50 {g['ttft_ms']['p50']:7.2f} p99 {g['ttft_ms']['p99']:7.2f} ms | "
                       f"added p50 {row['added_ttft_ms']['p50']:6.2f} p99 {row['added_ttft_ms']['p99']:6.2f} ms | "
                       f"gw {g['rps']:7.1f} req/s, {row['gateway_cpu_ms_per_request']:.3f} CPU-ms/req, errors {d['errors']}/{g['errors']}"
