@@ -365,7 +365,7 @@ def hot_path_us(n: int = 20_000, replicas: int = 4) -> dict[str, float]:
 
     from gateway.auth import Identity, TenantLimiter
     from gateway.config import config_from_dict
-    from gateway.context import RequestContext
+    from gateway.context import ParsedRequest, RequestContext
     from gateway.flow import FlowControl
     from gateway.index import KVIndex
     from gateway.load import LoadTracker
@@ -384,9 +384,10 @@ def hot_path_us(n: int = 20_000, replicas: int = 4) -> dict[str, float]:
         routing = rs.decide(RequestView(prompt_tokens=100, block_size=16, keys=tuple(range(6))),
                             {r: True for r in mem.ids()}, get_policy("cache_aware"), _random.Random(0))
         ident = Identity("tenant")
+        req = ParsedRequest("chat", MODEL, True, False, 16, messages=[{"role": "user", "content": "hi"}])
         t0 = time.perf_counter()
         for _ in range(n):
-            ctx = RequestContext("x", "/v1/chat/completions", "chat", {}, 0.0, identity=ident, routing=routing)
+            ctx = RequestContext("x", "/v1/chat/completions", "chat", {}, 0.0, identity=ident, routing=routing, request=req)
             await fc.hold(ctx, None)
             fc.finished(ctx)
         return (time.perf_counter() - t0) / n * 1e6

@@ -441,3 +441,13 @@ def test_a_gateway_alone_on_the_board_exchanges_its_shares_at_the_quiet_period()
     assert period(fc, 0.1, 0.02) == 0.1
     fc.board_lost()  # the board away: its retries are the loop's business; not "alone"
     assert period(fc, 0.1, 0.02) == 0.1
+
+
+def test_the_benchmarks_hot_path_runs_the_stage_as_the_gateway_does():
+    """`python -m loadtests.bench_flow --hot-path-only` drives the admission stage with a request as
+    the pipeline hands it (a parsed request, a decision); it broke once when the stage began to read
+    the request's sequences, unseen until the benchmark was run."""
+    from loadtests.bench_flow import hot_path_us
+
+    r = hot_path_us(n=200, replicas=2)
+    assert r["on_us"] > 0 and r["off_us"] > 0 and r["added_us"] == round(r["on_us"] - r["off_us"], 2)
