@@ -450,4 +450,4 @@ def test_the_benchmarks_hot_path_runs_the_stage_as_the_gateway_does():
     from loadtests.bench_flow import hot_path_us
 
     r = hot_path_us(n=200, replicas=2)
-    assert r["on_us"] > 0 and r["off_us"] > 0 and r["added_us"] == round(r["on_us"] - r["off_us"], 2)
+    assert r["on_us"] > 0 and r["off_us"] > 0 and abs(r["added_us"] - (r["on_us"] - r["off_us"])) < 0.02
