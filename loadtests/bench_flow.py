@@ -19,7 +19,7 @@ sent after the warm-up (its first request is cold in every scenario; with the de
 ~45 quiet requests the p99 is about the slowest one: `--seconds 30` or more for a steady-state
 p99), its five slowest requests (when, where, cached tokens, how many of its own requests were open
 on that replica when each was sent) and its errors, the noisy tenant's
-completed and refused (429) requests, total throughput (requests completed per second while
+completed and refused (429) requests, total throughput (requests, and engine sequences, completed per second while
 arrivals run, after a warm-up), the hit ratio (engine-reported cached / prompt tokens of
 completed requests started after the warm-up) and the sims' slowdown (wall seconds per modelled
 second of their steps: above ~1.05 the machine, not the pool, was the bottleneck), the gateways'
@@ -218,7 +218,7 @@ async def _send(urls: list[str], reqs: list[BenchRequest], timeout_s: float):
     return samples, max(w for _, w in results)
 
 
-def _summary(samples, seconds: float, warmup_s: float) -> dict:
+def _summary(samples, seconds: float, warmup_s: float, noisy_n: int = 1) -> dict:
     ok = [s for s in samples if s.ok]
     quiet = [s for s in ok if s.tag == "quiet"]
     done_in_window = [s for s in ok if warmup_s <= s.start_s + s.e2e_s <= seconds]
@@ -243,6 +243,8 @@ def _summary(samples, seconds: float, warmup_s: float) -> dict:
         "noisy_429": sum(1 for s in samples if s.tag == "noisy" and s.status == 429),
         "noisy_other_errors": sum(1 for s in samples if s.tag == "noisy" and not s.ok and s.status != 429),
         "throughput_rps": round(len(done_in_window) / max(1e-9, seconds - warmup_s), 2),
+        # engine sequences completed per second (a noisy request of --noisy-n N is N of them)
+        "throughput_seqs": round(sum(noisy_n if s.tag == "noisy" else 1 for s in done_in_window) / max(1e-9, seconds - warmup_s), 2),
         "hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
         "error_examples": sorted({s.error[:120] for s in samples if not s.ok and s.status != 429})[:3],
     }
@@ -295,12 +297,12 @@ def _scenario(name: str, n_gw: int, flow: bool, reqs, ctx, args, *, headroom: in
            "light_spill_s": light_spill_s if flow else None,
            "wall_s": round(wall, 1), "gateway_cpu_s": round(gw_cpu_s, 2),
            "gateway_cpu_ms_per_request": round(1000 * gw_cpu_s / max(1, sum(1 for s in samples if s.ok)), 2),
-           "sim_slowdown": slowdown, **_summary(samples, args.seconds, args.warmup_s), "quiet_flow": held}
+           "sim_slowdown": slowdown, **_summary(samples, args.seconds, args.warmup_s, args.noisy_n), "quiet_flow": held}
     label = (f"on, headroom {headroom}" + (f", spill {light_spill_s:g}" if light_spill_s else "")) if flow else "off"
     print(f"{n_gw} gw  flow {label:22s}  {name:5s}  quiet TTFT p50 {row['quiet_ttft_ms']['p50']:8.1f} p99 "
           f"{row['quiet_ttft_ms']['p99']:8.1f} ms (after warm-up p50 {row['quiet_ttft_ms_warm']['p50']:.1f} p99 "
           f"{row['quiet_ttft_ms_warm']['p99']:.1f}; errors {row['quiet_errors']})  noisy ok {row['noisy_ok']:4d} 429 "
-          f"{row['noisy_429']:4d}  {row['throughput_rps']:6.2f} req/s  hit {row['hit_ratio']:.3f}  sim x{slowdown}  "
+          f"{row['noisy_429']:4d}  {row['throughput_rps']:6.2f} req/s ({row['throughput_seqs']:.2f} sequences/s)  hit {row['hit_ratio']:.3f}  sim x{slowdown}  "
           f"gateways {row['gateway_cpu_ms_per_request']:.2f} CPU-ms/request  "
           f"({row['wall_s']} s){'  ' + str(row['error_examples']) if row['error_examples'] else ''}",
           flush=True)
@@ -404,7 +406,7 @@ def _verdicts(rows: list[dict]) -> list[dict]:
         alone, on, off = get[("on", headroom, spill, "alone")], get[("on", headroom, spill, "noisy")], get[("off", None, 0.0, "noisy")]
         ratio = on["quiet_ttft_ms"]["p99"] / alone["quiet_ttft_ms"]["p99"]
         ratio_warm = on["quiet_ttft_ms_warm"]["p99"] / alone["quiet_ttft_ms_warm"]["p99"]
-        tput = on["throughput_rps"] / off["throughput_rps"] if off["throughput_rps"] else float("nan")
+        tput = on["throughput_seqs"] / off["throughput_seqs"] if off["throughput_seqs"] else float("nan")
         out.append({"gateways": n_gw, "headroom_reqs": headroom, "light_spill_s": spill, "quiet_p99_vs_alone": round(ratio, 2),
                     "quiet_p99_vs_alone_after_warmup": round(ratio_warm, 2),
                     "quiet_p99_vs_alone_flow_off": round(off["quiet_ttft_ms"]["p99"] / get[("off", None, 0.0, "alone")]["quiet_ttft_ms"]["p99"], 1),
