@@ -44,8 +44,10 @@ Rules:
   freshest index and load), so a held request goes where its prefix is now, not where it was.
 - A request counts as the engine sequences it makes (a completions batch's prompts x `n`): in its
   grant, its tenant's share (lightness) and its cost in the fair queue, so `n` does not multiply a
-  tenant's share; room is asked for its first sequence only (asking for all would hold the queue
-  behind it until that many slots free on one replica).
+  tenant's share. While headroom is kept for a light tenant, a grant needs room for all its
+  sequences (up to the slots under the headroom), else those beyond the first would wait in the
+  engine's queue ahead of the light tenant's next request; otherwise room for its first (asking
+  for all would idle slots until that many free on one replica, with nobody to protect).
 - Bounds, answered in OpenAI's error shape: a tenant with `max_queue_reqs_per_tenant` requests
   held (over all gateways) gets 429 `queue_full`; a request held `max_queue_wait_s` gets 429
   `queue_timeout`, both with `Retry-After` (the time the tenant's held requests take to drain at
@@ -335,9 +337,9 @@ class FlowControl:
             return 0.0
         return spill if any(u != tenant and not light(u) for u in self._granted) else 0.0
 
-    def _room(self, v, reserve: int = 0, *, free_slot: bool = False) -> bool:
-        """Room for one more request on `v` (gateway.admission); `free_slot`: a sequence slot free
-        now, nothing to wait for in the engine."""
+    def _room(self, v, reserve: int = 0, *, free_slot: bool = False, need: int = 1) -> bool:
+        """Room for one more request of `need` sequences on `v` (gateway.admission); `free_slot`: a
+        sequence slot free now, nothing to wait for in the engine."""
         rid = v.replica_id
         ld = self.routing.load.get(rid)
         own_inflight = ld.inflight_reqs + self._pending.get(rid, 0)
@@ -350,7 +352,7 @@ class FlowControl:
         delta = 0
         if rep is not None:
             delta = self.grants.since(rid, rep.ts) + self.finishes.since(rid, rep.ts - REPORT_SLACK_S)
-        occ = occupancy_reqs(rep, delta, own_active=ld.active_reqs, own_inflight=own_inflight, others_open=ld.others_open)
+        occ = occupancy_reqs(rep, delta, own_active=ld.active_reqs, own_inflight=own_inflight, others_open=ld.others_open) + need - 1
         f = self.cfg
         if reserve or free_slot:  # headroom for light tenants, or a free slot: none waiting in the engine
             return has_room(v, occ, slots=self.slots - reserve, engine_queue_reqs=0, max_queue_penalty_s=f.max_queue_penalty_s)
@@ -392,8 +394,9 @@ class FlowControl:
         first = views.get(ranked[0].replica_id)
         rid = ranked[0].replica_id
         moved: list = []
-        if first is None or not self._room(first, reserve):
-            roomy = [c for c in ranked[1:] if c.replica_id in views and self._room(views[c.replica_id], reserve)]
+        need = self._need(t.seqs, reserve)
+        if first is None or not self._room(first, reserve, need=need):
+            roomy = [c for c in ranked[1:] if c.replica_id in views and self._room(views[c.replica_id], reserve, need=need)]
             if not roomy:
                 return False
             moved = [c for c in roomy if matched_blocks(views[c.replica_id]) >= matched_blocks(first)]
@@ -418,10 +421,14 @@ class FlowControl:
         self._count_grant(t, ranked[0].replica_id)
         return True
 
-    def _pool_has_room(self, reserve: int = 0) -> bool:
+    def _need(self, seqs: int, reserve: int) -> int:
+        """Sequences a grant needs room for (module rules: all of them while headroom is kept)."""
+        return min(seqs, self.slots - reserve) if reserve else 1
+
+    def _pool_has_room(self, reserve: int = 0, need: int = 1) -> bool:
         now = self.membership.clock()
         available = {st.replica_id: st.available(now) for st in self.membership.all()}
-        return any(self._room(v, reserve) for v in self.routing.views(list(available), (), available) if v.healthy)
+        return any(self._room(v, reserve, need=need) for v in self.routing.views(list(available), (), available) if v.healthy)
 
     # ------------------------------------------------------------------ releases
     def _kick(self) -> None:
@@ -433,8 +440,9 @@ class FlowControl:
         """Release held requests while a replica has room (each re-decided: late binding)."""
         self._kicked = False
         while len(self.queue):
-            reserve = self._reserve_for(self.queue.peek().tenant)
-            if not self._pool_has_room(reserve):
+            head = self.queue.peek()
+            reserve = self._reserve_for(head.tenant)
+            if not self._pool_has_room(reserve, self._need(head.payload.ticket.seqs, reserve)):
                 break
             e = self.queue.pop()
             w: _Waiter = e.payload

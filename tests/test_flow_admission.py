@@ -175,10 +175,10 @@ def _grant_on(first_room: bool, others: dict, first_matched: int = 40, *, free: 
     ranked = tuple(Candidate(r, -i, {}) for i, r in enumerate(room))
     ctx = SimpleNamespace(routing=Routing(RequestView(prompt_tokens=0, block_size=16), views, Decision("p", ranked), 0.0))
 
-    def _room(v, reserve=0, *, free_slot=False):
+    def _room(v, reserve=0, *, free_slot=False, need=1):
         return v.replica_id in free if free_slot else room[v.replica_id]
 
-    fake = SimpleNamespace(_room=_room, _count_grant=lambda t, rid: setattr(t, "replica", rid))
+    fake = SimpleNamespace(_room=_room, _need=lambda seqs, reserve: 1, _count_grant=lambda t, rid: setattr(t, "replica", rid))
     t = Ticket(None, 0.0)
     ok = FlowControl._grant(fake, ctx, t, spill_s=spill_s)
     return ok, t.replica, [c.replica_id for c in ctx.routing.decision.ranked]
@@ -451,3 +451,15 @@ def test_the_benchmarks_hot_path_runs_the_stage_as_the_gateway_does():
 
     r = hot_path_us(n=200, replicas=2)
     assert r["on_us"] > 0 and r["off_us"] > 0 and abs(r["added_us"] - (r["on_us"] - r["off_us"])) < 0.02
+
+
+def test_a_request_of_several_sequences_needs_room_for_all_while_headroom_is_kept():
+    """`n` > 1 (or a batch): while a light tenant's headroom is kept, a grant needs room for every
+    sequence under the headroom (else the rest wait in the engine ahead of the light tenant's next
+    request); otherwise room for its first (nobody to protect: no slot idles waiting for more)."""
+    fc = _flow_control(1, engine_queue_reqs=0)  # 4 slots
+    assert fc._need(4, 0) == 1 and fc._need(4, 1) == 3 and fc._need(2, 1) == 2 and fc._need(1, 1) == 1
+    v = ReplicaView("r0", healthy=True)
+    fc.routing.load.dispatch("r0", 10)  # one request open there: 3 slots free, 2 under the headroom
+    assert fc._room(v, 1, need=2) and not fc._room(v, 1, need=3)
+    assert fc._room(v, 0, need=fc._need(4, 0))  # no headroom: its first sequence fits
