@@ -699,11 +699,12 @@ def _accuracy_lines(text: str) -> list[str]:
                                                               "warmroute_gateway_engine_cached_tokens"))]
 
 
-async def test_n_choices_are_predicted_as_the_engine_reports_them(tok):
-    """`n` = 4 through the gateway to simulated replicas that run it as vLLM does (child requests):
-    what each answer reports cached (the last child's whole: every full block, even cold; the first
-    child's streamed) is what the gateway predicted, so the index accuracy stays 1.0; and while
-    they run, the replica's in-flight count holds all four sequences."""
+async def test_n_choices_and_batches_are_predicted_as_the_engine_reports_them(tok):
+    """`n` = 4 and completions batches through the gateway to simulated replicas that run them as
+    vLLM does (child requests): what each answer reports cached (`n`: the last child's whole, every
+    full block even cold, the first child's streamed; a batch: its last prompt's) is what the
+    gateway predicted, so the index accuracy stays 1.0; and while `n` = 4 runs, the replica's
+    in-flight count holds all four sequences."""
     from replica_agent.feed import open_feed
 
     feed = open_feed("memory://e2e-n")
@@ -724,7 +725,25 @@ async def test_n_choices_are_predicted_as_the_engine_reports_them(tok):
                     usage = (json.loads([ln for ln in text.splitlines() if ln.startswith("data: {")][-1][6:]) if stream
                              else json.loads(text))["usage"]
                     assert usage["prompt_tokens_details"]["cached_tokens"] == (0 if stream else (usage["prompt_tokens"] - 1) // 16 * 16)
+                served = {rid}
+                # completions batches answered whole report their last prompt's cached tokens
+                a = "batch a: " + LONG_DOC
+
+                async def complete(prompt) -> tuple[dict, str]:
+                    async with s.post(g.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}) as r:
+                        assert r.status == 200, await r.text()
+                        return (await r.json())["usage"], r.headers["X-Warmroute-Replica"]
+
+                ua, home = await complete(a)
+                await _until(lambda: g.gateway.index.stats().entries_by_replica.get(home, 0) >= ua["prompt_tokens"] // 16)
+                cached = []
+                for prompt in ([a, "batch b: " + LONG_DOC.replace("routing", "placement")], ["batch c: " + LONG_DOC[:400], a]):
+                    u, r_id = await complete(prompt)
+                    served.add(r_id)
+                    cached.append(u["prompt_tokens_details"]["cached_tokens"])
+                assert cached[0] == 0 and (cached[1] > 0) == (r_id == home), (cached, r_id, home)
                 metrics = await _metrics_text(s, g)
-            assert f'warmroute_gateway_index_accuracy_ratio{{replica="{rid}"}} 1.0' in metrics, _accuracy_lines(metrics)
+            for r_id in served | {home}:
+                assert f'warmroute_gateway_index_accuracy_ratio{{replica="{r_id}"}} 1.0' in metrics, _accuracy_lines(metrics)
         finally:
             await g.close()

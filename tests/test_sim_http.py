@@ -407,3 +407,27 @@ async def test_n_choices_run_as_child_requests_reported_as_vllm_does(sim) -> Non
             assert usage["prompt_tokens_details"]["cached_tokens"] == (0 if stream else full), (stream, usage)
         async with http.post(sim.url + "/v1/completions", json={"model": "sim-model", "prompt": "x", "n": 0}) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "n"
+
+
+async def test_a_completions_batch_runs_a_request_per_prompt_reported_as_vllm_does(sim) -> None:
+    """A batch [a, b] x n: a choice per prompt and choice (index prompt x n + choice); usage counts
+    each prompt once, and a whole answer reports its last prompt's cached tokens, as real vLLM
+    0.32 does: [warm a, cold b] reports b's 0, [cold c, warm a] a's every full block."""
+    a, b, c = ("batch a " + LONG_DOC, "batch b " + LONG_DOC.replace("fact", "note"), "batch c, other text " + LONG_DOC[:2000])
+    async with aiohttp.ClientSession() as http:
+        async def complete(prompt, n=1) -> dict:
+            body = {"model": "sim-model", "prompt": prompt, "max_tokens": 2, "n": n}
+            async with http.post(sim.url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                return await r.json()
+
+        first = (await complete(a))["usage"]
+        warm_a = (first["prompt_tokens"] - 1) // 16 * 16
+        both = await complete([a, b], n=2)
+        assert [ch["index"] for ch in both["choices"]] == [0, 1, 2, 3]
+        u = both["usage"]
+        single_b = (await complete(b))["usage"]["prompt_tokens"]
+        assert u["prompt_tokens"] == first["prompt_tokens"] + single_b and u["completion_tokens"] == 8
+        assert u["prompt_tokens_details"]["cached_tokens"] == (single_b - 1) // 16 * 16  # b's 2nd child found its 1st's
+        last = (await complete([c, a]))["usage"]
+        assert last["prompt_tokens_details"]["cached_tokens"] == warm_a

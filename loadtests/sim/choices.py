@@ -1,9 +1,11 @@
-"""`n` > 1 choices on the simulated replica, as vLLM 0.32 runs them: n child engine requests on the
-one prompt (ids `{i}_{parent id}`), added together, so the first computes the prompt and the
-others find its blocks. The answer carries n choices (`index` i); its usage counts the prompt once
-and every child's output, and reports the cached tokens of the last child when answered whole and
-of the first when streamed (what real vLLM reported: tests/real_vllm/test_vllm_e2e.py). A client
-that goes away aborts every child. The one-choice answer is the server's own (server.py).
+"""`n` > 1 choices and completions batches on the simulated replica, as vLLM 0.32 runs them: a
+child engine request per prompt and choice (ids `{k}_{parent id}`), all added together, so a
+prompt's first child computes it and the others find its blocks (a later prompt also finds an
+earlier one's). The answer carries a choice per child (`index` k = prompt x n + choice); its usage
+counts each prompt once and every child's output, and reports the cached tokens of the last
+child when answered whole and of the child whose first token came first when streamed (what real
+vLLM reported: tests/real_vllm/test_vllm_e2e.py). A client that goes away aborts every child.
+The one-choice answer is the server's own (server.py).
 """
 from __future__ import annotations
 
@@ -23,15 +25,16 @@ __all__ = ["add_children", "answer_choices"]
 _json = msgspec.json.Encoder()
 
 
-def add_children(server: "SimServer", first: SimRequest, st: "_Stream", n: int) -> list[tuple[SimRequest, "_Stream"]]:
-    """`first` (already queued) and n - 1 children of it, queued now; all wake one event."""
+def add_children(server: "SimServer", first: SimRequest, st: "_Stream", p) -> list[tuple[SimRequest, "_Stream"]]:
+    """`first` (already queued: the first prompt's first choice) and the other children of the
+    request `p` (openai_requests.ParsedRequest), queued now; all wake one event."""
     from loadtests.sim.server import _Stream
 
     kids = [(first, st)]
-    for i in range(1, n):
+    for k, ids in enumerate([ids for ids in _prompts(p) for _ in range(p.n)][1:], start=1):
         kst = _Stream(st.t_arrival)
         kst.event = st.event
-        req = SimRequest(f"{i}_{first.request_id}", list(first.prompt_token_ids), first.max_tokens, cache_salt=first.cache_salt,
+        req = SimRequest(f"{k}_{first.request_id}", list(ids), first.max_tokens, cache_salt=first.cache_salt,
                          report_full_hits=first.report_full_hits, arrival_s=first.arrival_s, priority=first.priority,
                          user=kst, lora=first.lora)
         server.engine.add_request(req)
@@ -40,10 +43,16 @@ def add_children(server: "SimServer", first: SimRequest, st: "_Stream", n: int) 
     return kids
 
 
-def _usage(server: "SimServer", kids: list, chat: bool, stream: bool) -> dict:
-    u = server._usage(kids[0 if stream else -1][0], chat)
+def _prompts(p) -> list[list[int]]:
+    return [p.prompt_ids, *(p.more_prompts or ())]
+
+
+def _usage(server: "SimServer", p, kids: list, chat: bool, stream: bool) -> dict:
+    reporter = min(kids, key=lambda k: k[1].t_first or float("inf")) if stream else kids[-1]
+    u = server._usage(reporter[0], chat)
+    prompt = sum(len(ids) for ids in _prompts(p))
     out = sum(r.num_output_tokens for r, _ in kids)
-    return {**u, "completion_tokens": out, "total_tokens": u["prompt_tokens"] + out}
+    return {**u, "prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
 
 
 async def answer_choices(server: "SimServer", request: web.Request, chat: bool, p, kids: list) -> web.StreamResponse:
@@ -65,7 +74,7 @@ async def answer_choices(server: "SimServer", request: web.Request, chat: bool, 
                 choices = [{"index": i, "text": server._text(0, st.n_delivered), "logprobs": None, "finish_reason": "length",
                             "stop_reason": None} for i, (_, st) in enumerate(kids)]
             return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                                      "model": model, "choices": choices, "usage": _usage(server, kids, chat, False)})
+                                      "model": model, "choices": choices, "usage": _usage(server, p, kids, chat, False)})
         return await _stream(server, request, chat, p, kids, (rid, created, model))
     finally:
         for req, st in kids:
@@ -107,7 +116,7 @@ async def _stream(server: "SimServer", request: web.Request, chat: bool, p, kids
                 sent[i] = n_out
             if all(st.done for _, st in kids):
                 fin = {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                       "usage": _usage(server, kids, chat, True)}
+                       "usage": _usage(server, p, kids, chat, True)}
                 return await end_stream(resp, parts, fin if p.include_usage else None)
             if parts:
                 await resp.write(b"".join(parts))

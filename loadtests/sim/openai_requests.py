@@ -40,6 +40,7 @@ class ParsedRequest:
     report_full: bool
     priority: int = 0
     n: int = 1  # choices: vLLM runs n child requests on the prompt (loadtests/sim/choices.py)
+    more_prompts: list | None = None  # a completions batch's other prompts (token ids), each as many more requests
 
 
 def check_type(body: dict, key: str, types: tuple, what: str) -> Any:
@@ -170,9 +171,7 @@ class RequestReader:
             return tok.encode(prompt, add_special)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
-        if isinstance(prompt, list) and len(prompt) > 1:
-            raise BadRequest("the simulator serves one prompt per request; send a batch as separate requests", "prompt")
-        raise BadRequest("'prompt' must be a string, a list of token ids, or a list with one of those", "prompt")
+        raise BadRequest("'prompt' must be a string, a list of token ids, or a list of those", "prompt")
 
     async def parse(self, body: dict, chat: bool) -> ParsedRequest:
         for key, types, what in (
@@ -208,7 +207,12 @@ class RequestReader:
         if so and not stream:
             raise BadRequest("Stream options can only be defined when `stream=True`.", "stream_options")
         xargs = body.get("vllm_xargs") or {}
-        ids = await self.prompt_ids(body, chat, add_special_default=not chat)
+        prompt = body.get("prompt")
+        if not chat and isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(x, (str, list)) for x in prompt):
+            batch = [await self.prompt_ids({**body, "prompt": x}, chat, add_special_default=True) for x in prompt]
+        else:
+            batch = [await self.prompt_ids(body, chat, add_special_default=not chat)]
+        ids = max(batch, key=len)  # the context check's
         n_prompt = len(ids)
         if n_prompt == 0:
             raise BadRequest("The prompt cannot be empty.", "prompt")
@@ -224,6 +228,6 @@ class RequestReader:
                 "max_tokens" if n_prompt < mml else where,
             )
         return ParsedRequest(
-            ids, max_tokens, stream, bool(so.get("include_usage")), bool(so.get("continuous_usage_stats")), salt,
-            xargs.get("kv_cache_report_mode") == "full", priority, n or 1,
+            batch[0], max_tokens, stream, bool(so.get("include_usage")), bool(so.get("continuous_usage_stats")), salt,
+            xargs.get("kv_cache_report_mode") == "full", priority, n or 1, batch[1:] or None,
         )

@@ -11,7 +11,7 @@ modelled time), then publish the step's KV events and wake the streams whose req
 `lateness_s = t_end - deadline` measures how far the real clock fell behind the model (timer
 slack, a CPU-saturated process); `/sim/stats` and `/metrics` expose it.
 
-Routes: POST /v1/completions, /v1/chat/completions (`n` choices: choices.py), /v1/responses (stream or not; responses.py), /tokenize, /detokenize,
+Routes: POST /v1/completions, /v1/chat/completions (`n` choices and batches: choices.py), /v1/responses (stream or not; responses.py), /tokenize, /detokenize,
 /v1/completions/render, /v1/chat/completions/render, /reset_prefix_cache; GET /health,
 /v1/models, /metrics, /kv_event_sources, /version; admin POST /sim/fault, GET /sim/stats, GET
 /sim/trace (per-request and per-step timelines, when started with `trace`). Anything
@@ -403,8 +403,8 @@ class SimServer:
         body = await self._body(request)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         p, req, st = await self._admit(request, body, chat, rid)
-        if p.n > 1:
-            return await choices.answer_choices(self, request, chat, p, choices.add_children(self, req, st, p.n))
+        if p.n > 1 or p.more_prompts:
+            return await choices.answer_choices(self, request, chat, p, choices.add_children(self, req, st, p))
         return await self.stream_answer(request, chat, p, req, st)
 
     async def _admit(self, request: web.Request, body: dict, chat: bool, rid: str) -> tuple[Any, SimRequest, "_Stream"]:
