@@ -20,6 +20,8 @@ from gateway.server import start_gateway
 from loadtests.sim.scheduler import TimeModel
 from loadtests.sim.server import SimConfig, start_sim_server
 from tests.conftest import serve_app, serve_chat, sims_with_agents
+from tests.fault_harness import metrics_text
+from tests.flow_helpers import until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -639,7 +641,7 @@ async def test_a_chat_with_images_is_routed_by_the_text_before_them(tok):
         g = await start_gateway(_cfg([f"r{i}={s.url}" for i, s in enumerate(sims_)], model={"tokenize_check_s": 0.001}),
                                 feed=feed, tokenizer=tok)
         try:
-            await _until(lambda: all(g.gateway.index.is_live(f"r{i}") for i in range(2)))
+            await until(lambda: all(g.gateway.index.is_live(f"r{i}") for i in range(2)), timeout_s=5.0)
             async with aiohttp.ClientSession() as s:
                 async def ask(content):
                     body = {"model": MODEL, "max_tokens": 2, "messages": [
@@ -647,15 +649,16 @@ async def test_a_chat_with_images_is_routed_by_the_text_before_them(tok):
                     async with s.post(g.url + "/v1/chat/completions", json=body) as r:
                         assert r.status == 200, await r.text()
                         out = (await r.json())["usage"], r.headers["X-Warmroute-Replica"]
-                    await _until(lambda: not g.gateway.tokenize_checker._tasks)  # its tokenizer check done
+                    await until(lambda: not g.gateway.tokenize_checker._tasks, timeout_s=5.0)  # its tokenizer check done
                     return out
 
                 u0, home = await ask("a text question first")
-                await _until(lambda: g.gateway.index.stats().entries_by_replica.get(home, 0) >= u0["prompt_tokens"] // 16)
+                await until(lambda: g.gateway.index.stats().entries_by_replica.get(home, 0) >= u0["prompt_tokens"] // 16,
+                            timeout_s=5.0)
                 # the tokens before the user's content: what an image request shares with the first
                 rendered = tok.render_chat([{"role": "system", "content": system}, {"role": "user", "content": "\u2603"}])
                 shared = len(tok.encode_prompt(rendered[:rendered.index("\u2603")], add_special_tokens=False))
-                before = _accuracy_lines(await _metrics_text(s, g))
+                before = _accuracy_lines(await metrics_text(s, g.admin_url))
                 assert len(before) == 4, before  # predicted and engine-reported: _total and _created
                 for i in range(3):
                     image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,IMAGE{i}"}}
@@ -670,28 +673,15 @@ async def test_a_chat_with_images_is_routed_by_the_text_before_them(tok):
                     assert r.status == 200, await r.text()
                     assert r.headers["X-Warmroute-Replica"] == home
                     assert (await r.json())["usage"]["input_tokens_details"]["cached_tokens"] == shared // 16 * 16
-                assert _accuracy_lines(await _metrics_text(s, g)) == before
+                assert _accuracy_lines(await metrics_text(s, g.admin_url)) == before
                 # each was checked against the replica's /tokenize (the engine's ids, its placeholders in,
                 # begin with the gateway's): the text request, the three images and the Responses one, all matching
-                await _until(lambda: not g.gateway.tokenize_checker._tasks)
-                lines = [ln for ln in (await _metrics_text(s, g)).splitlines()
+                await until(lambda: not g.gateway.tokenize_checker._tasks, timeout_s=5.0)
+                lines = [ln for ln in (await metrics_text(s, g.admin_url)).splitlines()
                          if ln.startswith(f'warmroute_gateway_tokenize_checks_total{{replica="{home}"')]
                 assert lines == [f'warmroute_gateway_tokenize_checks_total{{replica="{home}",result="match"}} 5.0'], lines
         finally:
             await g.close()
-
-
-async def _until(cond, timeout_s: float = 5.0) -> None:
-    for _ in range(int(timeout_s / 0.05)):
-        if cond():
-            return
-        await asyncio.sleep(0.05)
-    assert cond()
-
-
-async def _metrics_text(s, g) -> str:
-    async with s.get(g.admin_url + "/metrics") as r:
-        return await r.text()
 
 
 def _accuracy_lines(text: str) -> list[str]:
@@ -711,13 +701,15 @@ async def test_n_choices_and_batches_are_predicted_as_the_engine_reports_them(to
     async with sims_with_agents(2, feed, MODEL) as sims_:
         g = await start_gateway(_cfg([f"r{i}={s.url}" for i, s in enumerate(sims_)]), feed=feed, tokenizer=tok)
         try:
-            await _until(lambda: all(g.gateway.index.is_live(f"r{i}") for i in range(2)))
+            await until(lambda: all(g.gateway.index.is_live(f"r{i}") for i in range(2)), timeout_s=5.0)
             async with aiohttp.ClientSession() as s:
                 for stream in (False, True, False):
                     body = {"model": MODEL, "prompt": f"four choices, stream={stream}: " + LONG_DOC, "max_tokens": 40, "n": 4,
                             "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
                     task = asyncio.create_task(s.post(g.url + "/v1/completions", json=body))
-                    await _until(lambda: sum(ld.inflight_reqs + ld.active_reqs for ld in g.gateway.routing.load.snapshot().values()) == 4)
+                    loads = g.gateway.routing.load
+                    await until(lambda: sum(ld.inflight_reqs + ld.active_reqs for ld in loads.snapshot().values()) == 4,
+                                timeout_s=5.0)
                     async with await task as r:
                         assert r.status == 200
                         text = await r.text()
@@ -735,14 +727,15 @@ async def test_n_choices_and_batches_are_predicted_as_the_engine_reports_them(to
                         return (await r.json())["usage"], r.headers["X-Warmroute-Replica"]
 
                 ua, home = await complete(a)
-                await _until(lambda: g.gateway.index.stats().entries_by_replica.get(home, 0) >= ua["prompt_tokens"] // 16)
+                await until(lambda: g.gateway.index.stats().entries_by_replica.get(home, 0) >= ua["prompt_tokens"] // 16,
+                            timeout_s=5.0)
                 cached = []
                 for prompt in ([a, "batch b: " + LONG_DOC.replace("routing", "placement")], ["batch c: " + LONG_DOC[:400], a]):
                     u, r_id = await complete(prompt)
                     served.add(r_id)
                     cached.append(u["prompt_tokens_details"]["cached_tokens"])
                 assert cached[0] == 0 and (cached[1] > 0) == (r_id == home), (cached, r_id, home)
-                metrics = await _metrics_text(s, g)
+                metrics = await metrics_text(s, g.admin_url)
             for r_id in served | {home}:
                 assert f'warmroute_gateway_index_accuracy_ratio{{replica="{r_id}"}} 1.0' in metrics, _accuracy_lines(metrics)
         finally:
