@@ -19,7 +19,7 @@ import functools
 import inspect
 import json
 import logging
-from typing import Any
+from typing import Any, Collection
 
 import jinja2.meta
 import jinja2.nodes as jn
@@ -27,7 +27,7 @@ import jinja2.nodes as jn
 from gateway.token_errors import TokenizationError, as_text
 
 __all__ = ["detect_content_format", "to_conversation", "template_variables", "hf_base_params", "template_kwargs",
-           "has_media", "MEDIA_MARK", "MEDIA_PART_TYPES", "TEXT_PART_KEYS"]
+           "has_media", "has_part", "MEDIA_MARK", "MEDIA_PART_TYPES", "TEXT_PART_KEYS"]
 
 log = logging.getLogger("warmroute.gateway.tokenization")
 
@@ -39,15 +39,20 @@ MEDIA_PART_TYPES = frozenset({"image_url", "input_image", "image_embeds", "image
 MEDIA_MARK = "\ue000warmroute-media\ue000"  # where a media item's placeholder goes (private-use characters)
 
 
-def has_media(messages: Any) -> bool:
-    """Does any message carry a media content part (module header)?"""
+def has_part(messages: Any, types: Collection[str]) -> bool:
+    """Does any message carry a content part of one of `types`?"""
     if not isinstance(messages, list):
         return False
     for m in messages:
         c = m.get("content") if isinstance(m, dict) else None
-        if isinstance(c, list) and any(isinstance(p, dict) and p.get("type") in MEDIA_PART_TYPES for p in c):
+        if isinstance(c, list) and any(isinstance(p, dict) and p.get("type") in types for p in c):
             return True
     return False
+
+
+def has_media(messages: Any) -> bool:
+    """Does any message carry a media content part (module header)?"""
+    return has_part(messages, MEDIA_PART_TYPES)
 
 
 def _is_access(node: Any, names: set[str], key: str | None = None) -> bool:

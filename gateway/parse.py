@@ -18,7 +18,7 @@ from typing import Collection
 
 import msgspec
 
-from gateway.chat_messages import template_kwargs
+from gateway.chat_messages import has_part, template_kwargs
 from gateway.context import CHAT, COMPLETIONS, RESPONSES, ParsedRequest
 from gateway.errors import ApiError
 from gateway.responses_api import parse_responses
@@ -157,9 +157,8 @@ def _parse_chat(payload: dict, common: dict) -> ParsedRequest:
     tools = payload.get("tools")
     if payload.get("tool_choice") == "none" and not (ctk or {}).get("include_tools_with_tool_choice_none"):
         tools = None  # vLLM drops tools from the template when tool_choice is "none" (its default)
-    embeds = any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "prompt_embeds"
-                                                            for p in m["content"]) for m in messages)
-    return ParsedRequest(messages=messages, add_generation_prompt=agp, continue_final_message=cfm, embeds=embeds,
+    return ParsedRequest(messages=messages, add_generation_prompt=agp, continue_final_message=cfm,
+                         embeds=has_part(messages, ("prompt_embeds",)),
                          chat_template_kwargs=template_kwargs(ctk, documents=payload.get("documents"),
                                                               reasoning_effort=payload.get("reasoning_effort")),
                          tools=tools, **common)

@@ -72,9 +72,9 @@ def compare(ours: Sequence[int], theirs: Any, *, prefix: bool = False) -> Verdic
 
 def tokenize_body(req: ParsedRequest, payload: dict, model: str | None) -> dict | None:
     """vLLM's `/tokenize` body for the request's (first) prompt; None when there is no text to check
-    (or its prompt was truncated: `/tokenize` does not truncate). `model`: the served name the
-    request went out with (None: not known, left out)."""
-    if req.truncate is not None:
+    (or its prompt was truncated: `/tokenize` does not truncate; or given as embeddings). `model`:
+    the served name the request went out with (None: not known, left out)."""
+    if req.truncate is not None or req.embeds:
         return None
     ast = payload.get("add_special_tokens")
     ast = ast if isinstance(ast, bool) else None
@@ -177,7 +177,7 @@ class TokenizeChecker:
         if not self.drift.due(replica_id, now):  # the common case: one dict lookup per request
             return
         body = tokenize_body(req, payload, model)
-        if body is None or req.embeds or not self.drift.take(replica_id, now):
+        if body is None or not self.drift.take(replica_id, now):
             return
         task = asyncio.create_task(self._check(replica_id, base_url, body, list(ours), prefix), name="tokenize-check")
         self._tasks.add(task)

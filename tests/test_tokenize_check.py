@@ -83,6 +83,8 @@ def test_tokenize_body_completions():
     assert tokenize_body(req, {"add_special_tokens": "yes"}, MODEL)["add_special_tokens"] is True  # not a bool: default
     ids = ParsedRequest(COMPLETIONS, MODEL, False, False, 16, prompts=[[1, 2, 3]])
     assert tokenize_body(ids, {"prompt": [1, 2, 3]}, MODEL) is None  # token ids: nothing to check
+    embeds = ParsedRequest(COMPLETIONS, MODEL, False, False, 16, prompts=["text too"], embeds=True)
+    assert tokenize_body(embeds, {"prompt": "text too", "prompt_embeds": "AAAA"}, MODEL) is None  # embeddings: nor these
 
 
 def test_drift_check_sampling():
