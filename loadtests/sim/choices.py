@@ -64,9 +64,11 @@ async def answer_choices(server: "SimServer", request: web.Request, chat: bool, 
             while not all(st.done for _, st in kids):
                 await event.wait()
                 event.clear()
-                if any(st.aborted for _, st in kids):
-                    return web.json_response({"error": {"message": "request aborted", "type": "InternalServerError",
-                                                        "param": None, "code": 500}}, status=500)
+                aborted = next((st.aborted for _, st in kids if st.aborted), None)
+                if aborted:
+                    from loadtests.sim.server import aborted_response
+
+                    return aborted_response(aborted)
             if chat:
                 choices = [{"index": i, "message": {"role": "assistant", "content": server._text(0, st.n_delivered)},
                             "logprobs": None, "finish_reason": "length", "stop_reason": None} for i, (_, st) in enumerate(kids)]
@@ -83,7 +85,7 @@ async def answer_choices(server: "SimServer", request: web.Request, chat: bool, 
 
 
 async def _stream(server: "SimServer", request: web.Request, chat: bool, p, kids: list, head: tuple) -> web.StreamResponse:
-    from loadtests.sim.server import end_stream
+    from loadtests.sim.server import aborted_event, end_stream
 
     rid, created, model = head
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -98,9 +100,9 @@ async def _stream(server: "SimServer", request: web.Request, chat: bool, p, kids
         while True:
             await event.wait()
             event.clear()
-            if any(st.aborted for _, st in kids):
-                err = {"error": {"message": "request aborted", "type": "InternalServerError", "param": None, "code": 500}}
-                await resp.write(b"data: " + _json.encode(err) + b"\n\n")
+            aborted = next((st.aborted for _, st in kids if st.aborted), None)
+            if aborted:
+                await resp.write(aborted_event(aborted))
                 return resp
             parts: list[bytes] = []
             for i, (req, st) in enumerate(kids):

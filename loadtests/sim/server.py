@@ -66,6 +66,17 @@ def _error_response(message: str, status: int = 400, err_type: str = "BadRequest
     return web.Response(body=_json.encode(body), status=status, content_type="application/json")
 
 
+def aborted_event(reason: str) -> bytes:
+    """The error event vLLM ends a stream with when its engine dropped the request (crash, restart)."""
+    err = {"error": {"message": f"request aborted: {reason}", "type": "InternalServerError", "param": None, "code": 500}}
+    return b"data: " + _json.encode(err) + b"\n\n"
+
+
+def aborted_response(reason: str) -> web.Response:
+    """The same, for a whole answer."""
+    return _error_response(f"request aborted: {reason}", 500, "InternalServerError")
+
+
 async def end_stream(resp: web.StreamResponse, parts: list[bytes], usage_chunk: dict | None) -> web.StreamResponse:
     """Write a stream's last events (`parts`, the usage chunk when asked for, [DONE]) and end it."""
     if usage_chunk is not None:
@@ -438,7 +449,7 @@ class SimServer:
                     await st.event.wait()
                     st.event.clear()
                     if st.aborted:
-                        return _error_response(f"request aborted: {st.aborted}", 500, "InternalServerError")
+                        return aborted_response(st.aborted)
                 text = self._text(0, st.n_delivered)
                 if chat:
                     choice = {
@@ -465,8 +476,7 @@ class SimServer:
                 st.event.clear()
                 if st.aborted:
                     # the engine died mid-stream: vLLM ends the stream with an error event
-                    err = {"error": {"message": f"request aborted: {st.aborted}", "type": "InternalServerError", "param": None, "code": 500}}
-                    await resp.write(b"data: " + _json.encode(err) + b"\n\n")
+                    await resp.write(aborted_event(st.aborted))
                     return resp
                 n_out = st.n_delivered
                 parts: list[bytes] = []
