@@ -270,6 +270,26 @@ def test_the_gateway_renders_chats_with_the_deployed_engines_chat_flags():
     assert model(["--chat-template", "/templates/tool_chat.jinja"], own)["chat_template"] == inline
 
 
+def test_attach_notes_give_the_engines_the_chat_flags_config_model_states():
+    """Attach mode: the chart does not run the engines, so its notes print the chat-rendering
+    flags config.model gives the gateway, for the engines to run with; with none set, they say
+    where to put the engines' own."""
+    attach = ci_values("attach")
+    notes = render(attach).notes
+    assert "give the gateway the same in config.model" in notes and "--interleave-mm-strings\n" not in notes
+    model = {"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+             "chat_template_content_format": "openai", "default_chat_template_kwargs": {"enable_thinking": False},
+             "interleave_mm_strings": True}
+    notes = render(deep_merge(attach, {"config": {"model": model}})).notes
+    assert "give the gateway the same" not in notes
+    for flag in ("--chat-template <the template config.model.chat_template has>",
+                 "--chat-template-content-format openai",
+                 "--default-chat-template-kwargs '{\"enable_thinking\":false}'", "--interleave-mm-strings"):
+        assert flag in notes, flag
+    notes = render(deep_merge(attach, {"config": {"model": {"interleave_mm_strings": True}}})).notes
+    assert "--interleave-mm-strings" in notes and "--chat-template" not in notes
+
+
 def test_engines_store_responses_exactly_when_the_gateway_serves_them():
     """config.responses.store: the deployed engines get VLLM_ENABLE_RESPONSES_API_STORE=1 (vLLM
     stores nothing without it), attach mode's notes ask for it, and nothing changes otherwise."""
