@@ -7,10 +7,10 @@ gateway.tokenization renders and encodes the result.
 Media (images, audio, video): vLLM's processor turns each item into placeholder tokens whose count
 only it knows, and its prefix cache keys a block that holds any of them with the item's hash; the
 blocks before the first item are keyed as plain text. So a media part becomes MEDIA_MARK where
-vLLM puts its placeholder (a "string" template: first in its message's content, before the text,
-as vLLM does without --interleave-mm-strings, else in the part's place among the texts; an
-"openai" one: in the part's place, for the template to render in order), and
-gateway.tokenization keeps the text before the first mark.
+vLLM puts its placeholder (a "string" template: first in its message's content, one a line
+before the text, as vLLM does without --interleave-mm-strings, else in the part's place among
+the texts; an "openai" one: in the part's place, for the template to render in order), and
+gateway.tokenization keys the text before the first mark (and counts the text after it).
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def _parse_content(content: Any, role: str, fmt: str, index: int, interleave: bo
             f"messages[{index}].content must be a string, a list of content parts or null, got {type(content).__name__}"
         )
     texts: list[str] = []
-    media = False
+    media = 0
     for j, part in enumerate(parts):
         if isinstance(part, str):
             texts.append(part)
@@ -123,7 +123,7 @@ def _parse_content(content: Any, role: str, fmt: str, index: int, interleave: bo
         if ptype is None:
             raise TokenizationError(f"messages[{index}].content[{j}] has no 'type'")
         if ptype in MEDIA_PART_TYPES:  # module header: its placeholder's place
-            media = True
+            media += 1
             if fmt == "openai" or interleave:
                 texts.append(MEDIA_MARK)
             continue
@@ -138,7 +138,7 @@ def _parse_content(content: Any, role: str, fmt: str, index: int, interleave: bo
         texts.append(as_text(text, f"messages[{index}].content[{j}].{TEXT_PART_KEYS[ptype]}"))
     if fmt == "openai":
         return [{"type": "text", "text": t} for t in texts]
-    return "\n".join([MEDIA_MARK, *texts] if media and not interleave else texts)
+    return "\n".join([MEDIA_MARK] * media + texts if not interleave else texts)  # vLLM: one placeholder a line each
 
 
 def to_conversation(messages: Any, content_format: str, *, interleave: bool = False) -> list[dict[str, Any]]:

@@ -65,6 +65,14 @@ class Prompt:
     last_ids: list | None = None  # a completions batch's last prompt (its usage reports that one's cached tokens)
     last_shared: int = 0  # leading tokens the last prompt shares with an earlier one of its batch
     cut: bool = False  # media parts: the ids end before the first item's placeholder; the engine's prompt is longer
+    after_cut: int = 0  # cut: the text tokens after the first item (total_tokens adds them and the items' estimate)
+    media_items: int = 0  # cut: the media items the engine's processor puts in
+
+    @property
+    def routed_tokens(self) -> int:
+        """The routed prompt's tokens as the engine will count them (a cut one: at least one
+        placeholder past its ids, so its last full block can be found)."""
+        return max(self.total_tokens, len(self.first_ids) + 1) if self.cut else len(self.first_ids)
 
 
 @dataclass(frozen=True, slots=True)

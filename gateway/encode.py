@@ -14,7 +14,10 @@ context length check (gateway.parse) runs on the result. A chat with media parts
 video) is tokenized up to its first item (`Prompt.cut`: the rest is the engine's processor's), so
 the engine checks its length, and with `truncate_prompt_tokens` (which may cut that text away) it
 is left unkeyed, as is a prompt given as embeddings (`prompt_embeds`), every block of which the
-engine keys with their hash.
+engine keys with their hash. Such a chat's tokens, for the load it brings (`Prompt.total_tokens`),
+are its ids, the text tokens after its first item and an estimate of the items' own tokens
+(`MediaTokens`: the engine's processor decides them, by an image's size and the model's patches,
+so the gateway learns them from the engines' answers instead of computing them).
 """
 from __future__ import annotations
 
@@ -26,13 +29,41 @@ from gateway.errors import ApiError
 from gateway.parse import chat_chars, check_context_length
 from gateway.tokenization import TokenizationError, TokenizerService
 
-__all__ = ["tokenize"]
+__all__ = ["MediaTokens", "tokenize"]
 
 _ERROR_PARAM = {CHAT: "messages", RESPONSES: "input"}  # the field a tokenization error names (else "prompt")
 
 
+class MediaTokens:
+    """Tokens one media item takes in the engine's prompt: a moving mean, over answered chats with
+    media, of (the engine's prompt tokens - the gateway's text tokens) / items; the first answer
+    replaces the prior. It weighs load only, never a prediction."""
+
+    PRIOR = 576  # LLaVA-1.5's image (Qwen2-VL's 448 x 448 is 256, a megapixel ~1,300), until an answer says
+    ALPHA = 0.1
+
+    __slots__ = ("per_item", "answers")
+
+    def __init__(self) -> None:
+        self.per_item = float(self.PRIOR)
+        self.answers = 0  # answers learned from
+
+    def estimate(self, items: int) -> int:
+        return round(items * self.per_item)
+
+    def observe(self, prompt: Prompt | None, engine_prompt_tokens: int | None) -> None:
+        if prompt is None or not prompt.media_items or engine_prompt_tokens is None:
+            return
+        per = (engine_prompt_tokens - len(prompt.first_ids) - prompt.after_cut) / prompt.media_items
+        if per < 0:  # the engine counted another prompt (a template that drops text): no sample
+            return
+        self.per_item = per if not self.answers else self.per_item + self.ALPHA * (per - self.per_item)
+        self.answers += 1
+
+
 async def tokenize(tok: TokenizerService, req: ParsedRequest, *, inline_max_chars: int,
-                   max_model_len: int | None) -> Prompt:
+                   max_model_len: int | None, media: MediaTokens | None = None) -> Prompt:
+    """`media`: the items' tokens for a chat with media parts (None: none counted)."""
     t0 = time.perf_counter()
     if req.embeds:
         return Prompt([], 0, 0.0, cut=True)
@@ -40,6 +71,10 @@ async def tokenize(tok: TokenizerService, req: ParsedRequest, *, inline_max_char
     try:
         if cut and req.truncate is not None:
             prompts = [[]]
+        elif cut:
+            ids, after, items = await tok.encode_chat_cut(req.messages, inline_max_chars=inline_max_chars, **_chat_kw(req))
+            total = len(ids) + after + (media.estimate(items) if media is not None else 0)
+            return Prompt(ids, total, time.perf_counter() - t0, cut=True, after_cut=after, media_items=items)
         elif req.messages is not None:  # chat, and the Responses API rendered as one
             prompts = [await _chat(tok, req, inline_max_chars)]
         else:
@@ -90,9 +125,14 @@ def _common_prefix(a: list, b: list, step: int = 64) -> int:
     return i
 
 
+def _chat_kw(req: ParsedRequest) -> dict:
+    return dict(add_generation_prompt=req.add_generation_prompt, chat_template_kwargs=req.chat_template_kwargs,
+                tools=req.tools, continue_final_message=req.continue_final_message,
+                add_special_tokens=req.add_special_tokens)
+
+
 async def _chat(tok: TokenizerService, req: ParsedRequest, inline_max_chars: int) -> list[int]:
-    kw = dict(add_generation_prompt=req.add_generation_prompt, chat_template_kwargs=req.chat_template_kwargs,
-              tools=req.tools, continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens)
+    kw = _chat_kw(req)
     if chat_chars(req.messages) <= inline_max_chars and not req.tools:
         return tok.encode_chat(req.messages, **kw)
     return await tok.encode_chat_auto(req.messages, inline_max_chars=inline_max_chars, **kw)

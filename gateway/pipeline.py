@@ -42,7 +42,7 @@ from gateway.background_holds import BackgroundHolds
 from gateway.config import GatewayConfig
 from gateway.context import RESPONSES, Outcome, RequestContext, Try
 from gateway.dispatch import Dispatcher
-from gateway.encode import tokenize
+from gateway.encode import MediaTokens, tokenize
 from gateway.errors import ApiError, sse_error_event
 from gateway.flow import FlowControl
 from gateway.http_front import FrontRequest, FrontResponse, send_error
@@ -87,6 +87,7 @@ class Pipeline:
         self.salter = salter
         self.model = model
         self.tokenizer = tokenizer
+        self.media_tokens = MediaTokens()  # a media item's tokens, learned from the answers (gateway.encode)
         self.routing = routing
         self.membership = membership
         self.policy = policy
@@ -258,7 +259,7 @@ class Pipeline:
             only = await self._follow(ctx, only)
         self.routing.freshen()  # the index reads the engines' latest events while we tokenize
         ctx.prompt = await tokenize(self.tokenizer, ctx.request, inline_max_chars=self.cfg.model.inline_tokenize_max_chars,
-                                    max_model_len=self.model.max_model_len)
+                                    max_model_len=self.model.max_model_len, media=self.media_tokens)
         ctx.salt = self.salter.salt_for(ident.tenant_id, ident.user_id)
         ctx.lora = self.model.lora_of(ctx.request.model)
         serving = self.model.replicas_for(ctx.lora)  # an adapter some replicas load: only those
@@ -268,8 +269,7 @@ class Pipeline:
         ctx.keys = self.model.keychain.request_keys(ctx.prompt.first_ids, salt=ctx.salt, lora=ctx.lora)
         if ctx.prompt.last_ids is not None:
             ctx.last_keys = self.model.keychain.request_keys(ctx.prompt.last_ids, salt=ctx.salt, lora=ctx.lora)
-        # a prompt cut before its media goes on past its ids (at least one placeholder): its last full block can be found
-        rv = RequestView(prompt_tokens=len(ctx.prompt.first_ids) + ctx.prompt.cut, block_size=self.model.block_size,
+        rv = RequestView(prompt_tokens=ctx.prompt.routed_tokens, block_size=self.model.block_size,
                          # an engine that reads no cached blocks for it: no replica holds any (routed by load)
                          keys=tuple(ctx.keys) if ctx.request.reads_cache else (), max_output_tokens=ctx.request.max_tokens,
                          tenant_hash=ident.tenant_hash if ident.identified else "", request_id=ctx.request_id,
@@ -304,6 +304,7 @@ class Pipeline:
     def learn(self, ctx: RequestContext, outcome: Outcome) -> None:
         """Learn stage: rates, the policy's hook, metrics and span attributes of one answer."""
         lesson = learn(outcome, self.routing.calibrator, self.policy)
+        self.media_tokens.observe(ctx.prompt, lesson.prompt_tokens)
         agreement = self.metrics.record_lesson(lesson)
         ident = ctx.identity
         if ident is not None and ident.identified:

@@ -331,7 +331,10 @@ class TokenizerService:
             raise TokenizationError("these chat_template_kwargs change tokenization; no plain text rendering")
         return text
 
-    def _render(self, messages, add_generation_prompt, continue_final_message, chat_template_kwargs, tools):
+    def _render(self, messages, add_generation_prompt, continue_final_message, chat_template_kwargs, tools, *,
+                whole: bool = False):
+        """(text, None), or (None, ids) when transformers must tokenize; with media parts the text
+        before the first item's placeholder, or `whole`: all of it, each item a MEDIA_MARK."""
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TokenizationError("chat_template_kwargs must be an object")
         if tools is not None and not isinstance(tools, list):
@@ -380,7 +383,7 @@ class TokenizerService:
             raise TokenizationError(f"chat template error: {e}") from None
         if not isinstance(text, str):
             raise TokenizationError("chat template did not render to text")
-        if media:  # the text before the first media item's placeholder (gateway.chat_messages)
+        if media and not whole:  # the text before the first media item's placeholder (gateway.chat_messages)
             text = text.partition(MEDIA_MARK)[0]
         return text, None
 
@@ -464,6 +467,24 @@ class TokenizerService:
         if ids is not None:
             return ids
         return await self._encode_text_auto(text, add_special_tokens, inline_max_chars)
+
+    async def encode_chat_cut(self, messages: list[dict], *, inline_max_chars: int, add_generation_prompt: bool = True,
+                              chat_template_kwargs: dict | None = None, tools: list | None = None,
+                              continue_final_message: bool = False,
+                              add_special_tokens: bool = False) -> tuple[list[int], int, int]:
+        """A chat with media parts as `encode_chat` keys it, and what the engine's prompt has past
+        that: (the ids before the first item's placeholder, the text tokens after it, the items).
+        The engine's prompt is about those plus each item's own tokens (gateway.encode)."""
+        self._check_open()
+        text, ids = self._render(messages, add_generation_prompt, continue_final_message, chat_template_kwargs, tools,
+                                 whole=True)
+        if text is None:  # kwargs that make transformers tokenize (refused there with media parts)
+            return ids, 0, 0
+        items = text.count(MEDIA_MARK)
+        head, _, rest = text.partition(MEDIA_MARK)
+        ids = await self._encode_text_auto(head, add_special_tokens, inline_max_chars)
+        after = await self._encode_text_auto(rest.replace(MEDIA_MARK, ""), False, inline_max_chars) if rest else []
+        return ids, len(after), items
 
     def warm_up(self) -> None:
         """Render and encode one short chat (and plain text) now, so the first request does not pay

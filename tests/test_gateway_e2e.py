@@ -632,14 +632,26 @@ async def test_a_chat_with_images_is_routed_by_the_text_before_them(tok):
     message, as vLLM places and keys it): the gateway keys the text before a request's first image,
     so a question about a new image with a system prompt one replica holds goes there and finds
     that prompt cached; it predicts nothing for it (the rest is the engine's processor's), so the
-    index accuracy counts no image request. Before, the gateway refused every image with 400."""
+    index accuracy counts no image request. Before, the gateway refused every image with 400. The
+    tokens it routes on (the decision span's `warmroute.prompt_tokens`, the load it brings) are its
+    ids, the text after the image and what the answers said an image takes: a question about an
+    image counts the engine's prompt to a token or two (the sims' placeholders name a digest of each
+    image, of varying length), where the ids and one token, as before, fall short by the text and
+    the image."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
     from replica_agent.feed import open_feed
 
     feed = open_feed("memory://e2e-media")
     system = "system prompt of the image desk: " + LONG_DOC
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
     async with sims_with_agents(2, feed, MODEL, multimodal=True) as sims_:
         g = await start_gateway(_cfg([f"r{i}={s.url}" for i, s in enumerate(sims_)], model={"tokenize_check_s": 0.001}),
-                                feed=feed, tokenizer=tok)
+                                feed=feed, tokenizer=tok, tracer_provider=provider)
         try:
             await until(lambda: all(g.gateway.index.is_live(f"r{i}") for i in range(2)), timeout_s=5.0)
             async with aiohttp.ClientSession() as s:
@@ -665,6 +677,11 @@ async def test_a_chat_with_images_is_routed_by_the_text_before_them(tok):
                     u, rid = await ask([{"type": "text", "text": "what is in it?"}, image])
                     assert rid == home, (i, rid, home)
                     assert u["prompt_tokens_details"]["cached_tokens"] == shared // 16 * 16 > 0, (u, shared)
+                exporter.clear()
+                u, _ = await ask([{"type": "text", "text": "and what colour is it?"}, image])  # the last image again
+                routed = [sp for sp in exporter.get_finished_spans() if sp.name == "warmroute.route"]
+                assert len(routed) == 1 and abs(routed[0].attributes["warmroute.prompt_tokens"] - u["prompt_tokens"]) <= 2, u
+                assert u["prompt_tokens"] - (shared + 1) > 20, (u, shared)  # what it routed on before
                 # the Responses API's input_image the same way
                 body = {"model": MODEL, "max_output_tokens": 2, "instructions": system, "store": False,
                         "input": [{"role": "user", "content": [{"type": "input_text", "text": "and this one?"},
@@ -675,11 +692,11 @@ async def test_a_chat_with_images_is_routed_by_the_text_before_them(tok):
                     assert (await r.json())["usage"]["input_tokens_details"]["cached_tokens"] == shared // 16 * 16
                 assert _accuracy_lines(await metrics_text(s, g.admin_url)) == before
                 # each was checked against the replica's /tokenize (the engine's ids, its placeholders in,
-                # begin with the gateway's): the text request, the three images and the Responses one, all matching
+                # begin with the gateway's): the text request, the four images and the Responses one, all matching
                 await until(lambda: not g.gateway.tokenize_checker._tasks, timeout_s=5.0)
                 lines = [ln for ln in (await metrics_text(s, g.admin_url)).splitlines()
                          if ln.startswith(f'warmroute_gateway_tokenize_checks_total{{replica="{home}"')]
-                assert lines == [f'warmroute_gateway_tokenize_checks_total{{replica="{home}",result="match"}} 5.0'], lines
+                assert lines == [f'warmroute_gateway_tokenize_checks_total{{replica="{home}",result="match"}} 6.0'], lines
         finally:
             await g.close()
 

@@ -63,3 +63,28 @@ def test_what_the_engine_finds_before_an_image_is_what_the_gateway_keys(services
     assert again["cached_tokens"] == (len(again["prompt_token_ids"]) - 1) // BS * BS
     text = _case(template, "text only")  # a text prompt shares the blocks before the image
     assert text["cached_tokens"] == ours("image a, text") // BS * BS
+
+
+@pytest.mark.parametrize("template", ["openai", "string"])
+def test_what_the_gateway_learns_an_image_takes_counts_the_engines_next_prompts(services, template):
+    """gateway.encode's load estimate of a chat with images: its ids, the text after the first item
+    and, per item, what the engine's first answer said an item takes (its prompt's length less the
+    gateway's text): on these same-sized images, every other prompt's length exactly, or within one
+    token where a "string" template puts two placeholders a line each (the gateway's lines merge)."""
+    import asyncio
+
+    from gateway.context import Prompt
+    from gateway.encode import MediaTokens
+
+    media = MediaTokens()
+    cases = [c for c in FIXTURE["cases"] if c["template"] == template and has_media(c["messages"])]
+    assert len(cases) >= 5
+    for i, c in enumerate(cases):
+        ids, after, items = asyncio.run(services[template].encode_chat_cut(c["messages"], inline_max_chars=10_000))
+        assert items == sum(isinstance(p, dict) and p.get("type") == "image_url" for m in c["messages"]
+                            if isinstance(m["content"], list) for p in m["content"]), c["label"]
+        engine = len(c["prompt_token_ids"])
+        if i:  # estimated before this answer is learned from
+            assert abs(len(ids) + after + media.estimate(items) - engine) <= (items > 1 and template == "string"), c["label"]
+        media.observe(Prompt(ids, engine, 0.0, cut=True, after_cut=after, media_items=items), engine)
+    assert media.answers == len(cases)

@@ -421,10 +421,45 @@ def test_a_prompt_cut_at_its_media_is_keyed_as_far_as_it_goes_and_not_length_che
     system = {"role": "system", "content": DOCS[0]}
     media = run({"messages": [system, {"role": "user", "content": [IMAGE, {"type": "text", "text": "what is it?"}]}]})
     text = run({"messages": [system, {"role": "user", "content": "what is it?"}]})
-    assert media.cut and not text.cut and media.total_tokens == len(media.first_ids)
+    assert media.cut and not text.cut
     assert text.first_ids[:len(media.first_ids)] == media.first_ids and len(text.first_ids) > len(media.first_ids)
     assert run({"messages": [system, {"role": "user", "content": [IMAGE]}]}, max_model_len=8).cut  # not refused
     assert run({"messages": [system, {"role": "user", "content": [IMAGE]}], "truncate_prompt_tokens": 5}).first_ids == []
+
+
+def test_a_chat_with_media_counts_the_text_after_its_first_item_and_an_estimate_of_its_items(svc):
+    """gateway.encode: the load a chat with media brings is its ids, the text tokens after its first
+    item (the items' places left out) and, per item, the tokens the engines' answers said an item
+    takes (`MediaTokens`: the first answer's figure, then a moving mean; the prior until then)."""
+    from gateway.encode import MediaTokens, tokenize
+    from gateway.parse import parse_request
+
+    media = MediaTokens()
+
+    def run(content, tokens=media):
+        body = {"messages": [{"role": "system", "content": DOCS[0]}, {"role": "user", "content": content}]}
+        return asyncio.run(tokenize(svc, parse_request("chat", body, "m"), inline_max_chars=1000, max_model_len=None,
+                                    media=tokens))
+
+    def tokens(text):
+        return len(svc.encode_prompt(text, add_special_tokens=False))
+
+    one = run([IMAGE, {"type": "text", "text": "what is it?"}])
+    after = tokens("\nwhat is it?<|im_end|>\n<|im_start|>assistant\n")  # the "string" format: the item first
+    assert (one.after_cut, one.media_items) == (after, 1)
+    assert one.total_tokens == len(one.first_ids) + after + MediaTokens.PRIOR == one.routed_tokens
+    two = run([{"type": "text", "text": "compare"}, IMAGE, IMAGE])
+    assert two.media_items == 2 and two.after_cut == tokens("\ncompare<|im_end|>\n<|im_start|>assistant\n")
+    assert run([IMAGE], tokens=None).total_tokens == len(one.first_ids) + tokens("<|im_end|>\n<|im_start|>assistant\n")
+
+    media.observe(two, len(two.first_ids) + two.after_cut + 2 * 300)  # the engine's usage: 300 an item
+    assert (media.per_item, media.answers) == (300, 1)
+    assert run([IMAGE, IMAGE]).total_tokens - run([IMAGE, IMAGE], tokens=None).total_tokens == 600
+    media.observe(one, len(one.first_ids) + one.after_cut + 400)
+    assert media.per_item == 310 and media.answers == 2
+    for no_sample in ((one, len(one.first_ids)), (one, None), (run("no media"), 9000)):
+        media.observe(*no_sample)  # the engine counted less than the text, no usage, no items
+    assert (media.per_item, media.answers) == (310, 2)
 
 
 def test_a_prompt_given_as_embeddings_is_neither_keyed_nor_refused(svc):
