@@ -11,6 +11,7 @@ vLLM puts its placeholder (a "string" template: first in its message's content, 
 before the text, as vLLM does without --interleave-mm-strings, else in the part's place among
 the texts; an "openai" one: in the part's place, for the template to render in order), and
 gateway.tokenization keys the text before the first mark (and counts the text after it).
+`history_units` describes the messages from the first with media for hashing.history_keys.
 """
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ from typing import Any, Collection
 
 import jinja2.meta
 import jinja2.nodes as jn
+import xxhash
 
 from gateway.token_errors import TokenizationError, as_text
 
 __all__ = ["detect_content_format", "to_conversation", "template_variables", "hf_base_params", "template_kwargs",
-           "has_media", "has_part", "MEDIA_MARK", "MEDIA_PART_TYPES", "TEXT_PART_KEYS"]
+           "has_media", "has_part", "history_units", "MEDIA_MARK", "MEDIA_PART_TYPES", "TEXT_PART_KEYS"]
 
 log = logging.getLogger("warmroute.gateway.tokenization")
 
@@ -53,6 +55,40 @@ def has_part(messages: Any, types: Collection[str]) -> bool:
 def has_media(messages: Any) -> bool:
     """Does any message carry a media content part (module header)?"""
     return has_part(messages, MEDIA_PART_TYPES)
+
+
+HISTORY_ITEM_TOKENS = 576  # a media item's weight in history_units (fixed: a turn's keys must be the next turn's)
+
+
+def history_units(messages: Any) -> tuple[tuple[int, int], ...]:
+    """The messages from the first with a media part on, each as (a digest of the whole message,
+    its tokens at about four characters a token, four for its framing, HISTORY_ITEM_TOKENS an
+    item): a function of the message alone, so a conversation's next turn repeats them."""
+    if not isinstance(messages, list):
+        return ()
+    first = next((i for i, m in enumerate(messages) if has_media([m])), None)
+    if first is None:
+        return ()
+    out = []
+    for m in messages[first:]:
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
+        items = sum(1 for p in parts if isinstance(p, dict) and p.get("type") in MEDIA_PART_TYPES)
+        raw = json.dumps(m, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+        out.append((xxhash.xxh3_64_intdigest(raw.encode("utf-8", "surrogatepass")),
+                    4 + _text_chars(parts) // 4 + HISTORY_ITEM_TOKENS * items))
+    return tuple(out)
+
+
+def _text_chars(parts: list) -> int:
+    n = 0
+    for p in parts:
+        if isinstance(p, str):
+            n += len(p)
+        elif isinstance(p, dict) and isinstance(p.get("type"), str):
+            text = p.get(TEXT_PART_KEYS.get(p["type"], ""))
+            n += len(text) if isinstance(text, str) else 0
+    return n
 
 
 def _is_access(node: Any, names: set[str], key: str | None = None) -> bool:

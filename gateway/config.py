@@ -96,6 +96,9 @@ class FeedConfig:
     stale_after_s: float = 10.0  # a replica whose agent is silent this long is routed by load only
     inflight_poll_s: float = 0.1  # how often other gateways' in-flight counters are read (flow.busy_exchange_s while held)
     speculative_ttl_s: float = 2.0  # TTL of the chosen replica's speculatively inserted keys
+    # a chat with media: the keys standing for its blocks past the first item (hashing.history_keys)
+    # count on the replica it went to for this long, so the conversation's next turn finds it; 0: off
+    media_history_ttl_s: float = 120.0
     inflight_ttl_s: float = 15.0  # a gateway's shared in-flight counters outlive it (killed) by at most this
 
 

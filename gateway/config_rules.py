@@ -112,6 +112,8 @@ def _check_feed(cfg: GatewayConfig) -> None:
     for name in ("stale_after_s", "inflight_poll_s", "speculative_ttl_s", "inflight_ttl_s"):
         if getattr(f, name) <= 0:
             raise _err(f"feed.{name}", "must be > 0")
+    if f.media_history_ttl_s < 0:
+        raise _err("feed.media_history_ttl_s", "must be >= 0 (0: off)")
 
 
 def _check_policy(cfg: GatewayConfig) -> None:

@@ -67,6 +67,7 @@ class Prompt:
     cut: bool = False  # media parts: the ids end before the first item's placeholder; the engine's prompt is longer
     after_cut: int = 0  # cut: the text tokens after the first item (total_tokens adds them and the items' estimate)
     media_items: int = 0  # cut: the media items the engine's processor puts in
+    history: tuple = ()  # cut: the messages from the first with media, (digest, tokens) (gateway.chat_messages.history_units)
 
     @property
     def routed_tokens(self) -> int:
@@ -138,6 +139,7 @@ class RequestContext:
     lora: str | None = None  # the LoRA adapter the request runs, None: the base model (plan; gateway.model)
     only: Collection[str] | None = None  # the replicas it may go to (a subset hint, its adapter's); None: any (plan)
     keys: list = field(default_factory=list)  # block keys of the first prompt (key)
+    history_keys: tuple = ()  # a chat with media: the keys standing for its blocks past the first item (key)
     last_keys: list | None = None  # a completions batch's last prompt's block keys (its usage reports that one)
     routing: Routing | None = None  # the decision (decide)
     body: bytes = b""  # the upstream request body (rewrite)

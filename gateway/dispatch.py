@@ -141,6 +141,7 @@ def start_try(routing: RoutingState, ctx: RequestContext, n: int, cand: Candidat
     uncached = max(0, prompt.total_tokens - predicted)
     flight = routing.dispatched(cand.replica_id, ctx.keys, uncached, req.max_tokens, view, lora=ctx.lora,
                                 seqs=req.sequences)
+    routing.linger(cand.replica_id, ctx.history_keys)  # a chat with media: its blocks past the first item
     ctx.attempt = Try(n, cand, view, reported, uncached, flight)
     ctx.replica = cand.replica_id
     return ctx.attempt

@@ -388,6 +388,10 @@ class KVIndex:
         self._spec_seq += 1
         heapq.heappush(self._spec_heap, (until, self._spec_seq, slot, tuple(keys)))
 
+    def speculative_keys(self) -> int:
+        """Keys with a speculative entry on some replica (expired ones not yet swept included)."""
+        return len(self._spec)
+
     def _drop_spec(self, slot: int, keys: Sequence[int]) -> None:
         bit = self._bit(slot)
         spec = self._spec

@@ -6,7 +6,8 @@
     plan       validate the request (gateway.parse; a Responses follow-up gets its stored history and
                its previous response's replica: gateway.stored_responses), tokenize (gateway.encode), derive the salt
                (gateway.salt), block keys (hashing.keys; a LoRA adapter's carry its name, and only
-               the replicas that have it may be picked: gateway.model), decide (gateway.routing)
+               the replicas that have it may be picked: gateway.model; a chat with media, the keys
+               standing for its blocks past the first item: hashing.history_keys), decide (gateway.routing)
     flow       go on while a replica has room, else wait in the fair queue and decide again at
                release (gateway.flow); then the policy records the placement (`placed`: once per
                request, whatever ranked it before)
@@ -62,6 +63,7 @@ from gateway.telemetry import Metrics
 from gateway.tokenization import TokenizerService
 from gateway.tokenize_check import TokenizeChecker
 from gateway.tracing import NO_SPAN, Tracing
+from hashing.history_keys import history_keys
 from policies.base import Policy, RequestView
 
 __all__ = ["Pipeline", "ROUTES", "outcome_of"]
@@ -269,9 +271,13 @@ class Pipeline:
         ctx.keys = self.model.keychain.request_keys(ctx.prompt.first_ids, salt=ctx.salt, lora=ctx.lora)
         if ctx.prompt.last_ids is not None:
             ctx.last_keys = self.model.keychain.request_keys(ctx.prompt.last_ids, salt=ctx.salt, lora=ctx.lora)
+        if ctx.prompt.history and ctx.request.reads_cache and self.routing.media_history_ttl_s > 0:
+            chain, bs = self.model.keychain, self.model.block_size
+            ctx.history_keys = tuple(history_keys(ctx.keys[-1] if ctx.keys else chain.root, ctx.prompt.first_ids[len(ctx.keys) * bs:],
+                                                  ctx.prompt.history, bs, salt=ctx.salt, lora=ctx.lora))
         rv = RequestView(prompt_tokens=ctx.prompt.routed_tokens, block_size=self.model.block_size,
                          # an engine that reads no cached blocks for it: no replica holds any (routed by load)
-                         keys=tuple(ctx.keys) if ctx.request.reads_cache else (), max_output_tokens=ctx.request.max_tokens,
+                         keys=(*ctx.keys, *ctx.history_keys) if ctx.request.reads_cache else (), max_output_tokens=ctx.request.max_tokens,
                          tenant_hash=ident.tenant_hash if ident.identified else "", request_id=ctx.request_id,
                          lora=ctx.lora)
         self.decide(ctx, rv, only=only)

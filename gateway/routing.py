@@ -70,11 +70,12 @@ class RoutingState:
     """Index, load and rates of the pool's replicas, read at decision time (module header)."""
 
     def __init__(self, index: KVIndex, load: LoadTracker, calibrator: Calibrator, *, speculative_ttl_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 media_history_ttl_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.index = index  # which replica holds which block keys (fed by the replicas' agents)
         self.load = load  # in-flight and routed work per replica (this gateway's and the others')
         self.calibrator = calibrator  # prefill and decode rates per replica
         self.speculative_ttl_s = speculative_ttl_s  # lifetime of a routed request's speculative keys
+        self.media_history_ttl_s = media_history_ttl_s  # lifetime of a chat's keys past its media (linger); 0: none
         self.clock = clock  # monotonic seconds (virtual in the simulator)
         self.health = IndexHealth()  # predicted vs engine-reported cached tokens (fed by the learn stage)
         # called as a request starts planning, before it is tokenized: the index's feed consumer
@@ -142,6 +143,17 @@ class RoutingState:
             if self.share_copies and len(keys) - known >= SHARE_MIN_NEW_BLOCKS:
                 self._shared.append((replica_id, tuple(keys), self.clock() + ttl))
         return flight
+
+    def linger(self, replica_id: str, keys: Sequence[int]) -> None:
+        """A chat with media went to `replica_id`: the keys standing for its blocks past its first
+        item (hashing.history_keys) count there speculatively for `media_history_ttl_s`, here and,
+        when shared, at the other gateways; no event will confirm or remove them. Skipped while
+        speculative keys exceed a quarter of the index's budget (their memory is bounded by it)."""
+        if not keys or self.media_history_ttl_s <= 0 or self.index.speculative_keys() > self.index.max_entries // 4:
+            return
+        self.index.insert_speculative(replica_id, keys, self.media_history_ttl_s)
+        if self.share_copies:
+            self._shared.append((replica_id, tuple(keys), self.clock() + self.media_history_ttl_s))
 
     def take_shared(self) -> list[tuple[str, tuple[int, ...], float]]:
         """The dispatches queued for the other gateways since the last call, unexpired: (replica,

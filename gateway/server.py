@@ -93,7 +93,7 @@ class Gateway:
             LoadTracker(routed_tau_s=getattr(self.policy, "routed_tau_s", ROUTED_TAU_S)),
             Calibrator(prior_prefill_s_per_token=cfg.policy.prior_prefill_s_per_token,
                        prior_decode_step_s=cfg.policy.prior_decode_step_s),
-            speculative_ttl_s=cfg.feed.speculative_ttl_s)
+            speculative_ttl_s=cfg.feed.speculative_ttl_s, media_history_ttl_s=cfg.feed.media_history_ttl_s)
         self.model = ModelInfo(cfg.model.name, cfg.model.aliases, cfg.model.block_size, cfg.model.max_model_len,
                                cfg.model.lora_adapters)
         self.flow = FlowControl(cfg, routing=self.routing, membership=self.membership, limiter=self.limiter,

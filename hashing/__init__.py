@@ -2,6 +2,8 @@
 
 - `hashing.keys`: warmroute's own chained block keys (a contract; layout in hashing/keys.py), computed identically
   by the gateway (from a request's tokens) and by the replica agent (from engine events).
+- `hashing.history_keys`: the gateway's own keys for a chat's blocks past its first media item
+  (which the engine keys by the item's hash): where its conversation's next turn should go.
 - `hashing.vllm_hash`: vLLM's engine-exact prefix-cache hashes (sha256, sha256_cbor), used by the
   simulator to emit the same hashes a real engine would and by checks.
 """

@@ -701,6 +701,56 @@ async def test_a_chat_with_images_is_routed_by_the_text_before_them(tok):
             await g.close()
 
 
+async def test_a_conversation_about_an_image_goes_back_to_the_replica_that_holds_it(tok):
+    """The engine keys the blocks past a chat's first image with the image's hash, which no event
+    gives the gateway; the keys that stand for them (hashing.history_keys) count on the replica a
+    turn went to (feed.media_history_ttl_s), so each conversation's next turn goes back there and
+    finds its image and history cached, where before every replica matched it alike (a system
+    prompt shorter than a block: nothing) and load alone chose."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from replica_agent.feed import open_feed
+
+    feed = open_feed("memory://e2e-media-history")
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    async with sims_with_agents(2, feed, MODEL, multimodal=True) as sims_:
+        g = await start_gateway(_cfg([f"r{i}={s.url}" for i, s in enumerate(sims_)]), feed=feed, tokenizer=tok,
+                                tracer_provider=provider)
+        try:
+            await until(lambda: all(g.gateway.index.is_live(f"r{i}") for i in range(2)), timeout_s=5.0)
+            async with aiohttp.ClientSession() as s:
+                async def ask(messages):
+                    exporter.clear()
+                    body = {"model": MODEL, "max_tokens": 2, "messages": messages}
+                    async with s.post(g.url + "/v1/chat/completions", json=body) as r:
+                        assert r.status == 200, await r.text()
+                        usage, rid = (await r.json())["usage"], r.headers["X-Warmroute-Replica"]
+                    route = next(sp for sp in exporter.get_finished_spans() if sp.name == "warmroute.route")
+                    matched = {e.attributes["warmroute.replica_id"]: e.attributes["warmroute.matched_blocks_gpu"]
+                               for e in route.events if e.name == "warmroute.candidate"}
+                    return usage, rid, matched
+
+                firsts = []
+                for c in range(4):
+                    image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,CONVERSATION{c}"}}
+                    turn = [{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": [{"type": "text", "text": f"conversation {c}: " + LONG_DOC}, image]}]
+                    usage, rid, matched = await ask(turn)
+                    assert set(matched.values()) == {0}, matched  # nothing anywhere yet
+                    firsts.append((turn, rid))
+                for c, (turn, home) in enumerate(firsts):
+                    usage, rid, matched = await ask(turn + [{"role": "assistant", "content": "A picture."},
+                                                            {"role": "user", "content": "What else?"}])
+                    assert rid == home and matched[home] > 0 == sum(m for r, m in matched.items() if r != home), (c, matched)
+                    assert usage["prompt_tokens_details"]["cached_tokens"] > len(LONG_DOC) // 8, (c, usage)  # its image and history
+        finally:
+            await g.close()
+
+
 def _accuracy_lines(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith(("warmroute_gateway_predicted_cached_tokens",
                                                               "warmroute_gateway_engine_cached_tokens"))]
