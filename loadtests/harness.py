@@ -49,6 +49,8 @@ class SystemSpec:
     max_loras: int = 1  # adapters one sim batch may run
     lora_metrics: bool = True  # the sims export their LoRA slots (vllm:lora_requests_info)
     gateways: int = 1  # gateway instances on the same feed (the first is `gateway`; all in `gateways`)
+    media_tokens: int | None = None  # multi-modal sims, each media item this many tokens past its digest (None: text only)
+    media_history_ttl_s: float | None = None  # the gateways' feed.media_history_ttl_s (None: its default)
 
 
 class EmbeddedSystem:
@@ -108,7 +110,8 @@ class EmbeddedSystem:
                             max_num_seqs=spec.max_num_seqs, time=replace(tm), kv_events_endpoint=ev,
                             max_model_len=min(32768, spec.num_blocks * spec.block_size) if spec.num_blocks else 32768,
                             replay_endpoint=rp, engine_label=rid, lora_modules=tuple(spec.lora_modules),
-                            max_loras=spec.max_loras, lora_metrics=spec.lora_metrics)
+                            max_loras=spec.max_loras, lora_metrics=spec.lora_metrics,
+                            multimodal=spec.media_tokens is not None, media_tokens=spec.media_tokens or 0)
             sims[rid] = await start_sim_server(cfg)
             self.sims.append(sims[rid])
         for rid in ids:
@@ -130,6 +133,8 @@ class EmbeddedSystem:
             cfg.policy.prior_prefill_s_per_token = tm.prefill_s_per_token
             cfg.policy.prior_decode_step_s = tm.step_overhead_s
         cfg.salt.secret_file = str(secret_file)
+        if spec.media_history_ttl_s is not None:
+            cfg.feed.media_history_ttl_s = spec.media_history_ttl_s
         if spec.auth:
             cfg.auth.api_keys = {t: ["sha256:" + hashlib.sha256(k.encode()).hexdigest()] for t, k in self.api_keys.items()}
         else:

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--multimodal", action="store_true",
                    help="serve image, audio and video content parts as a multi-modal model: each item a placeholder keyed by "
                         "its content, first in its message (default: off, refused as a text-only model does)")
+    p.add_argument("--media-tokens", type=int, default=0,
+                   help="with --multimodal, the tokens each item's placeholder takes past its digest, as a model's "
+                        "processor expands an image into hundreds (default: 0)")
     t = p.add_argument_group("time model (step = overhead + prefill tokens x per-token + decoding seqs x per-seq, x time scale)")
     t.add_argument("--time-profile", default="gpu", choices=["gpu", "wallclock"],
                    help="gpu: Llama-3-8B on an A100 (8 ms + 0.05 ms/token + 0.25 ms/seq); wallclock: 12 ms + 1 ms/token + 0.1 ms/seq")

@@ -45,6 +45,7 @@ class SimConfig:
     lora_metrics: bool = True  # export vllm:lora_requests_info (False: as an engine whose slots are not visible)
     responses_store: bool = False  # keep answered Responses (vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1: loadtests/sim/responses.py)
     multimodal: bool = False  # serve image / audio / video parts as a multi-modal model (openai_requests.chat_messages)
+    media_tokens: int = 0  # with multimodal: each item's placeholder takes this many tokens more
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -101,4 +102,5 @@ def config_from_args(args: Any) -> SimConfig:
         lora_metrics=not g("no_lora_metrics", False),
         responses_store=bool(g("responses_store", False)),
         multimodal=bool(g("multimodal", False)),
+        media_tokens=g("media_tokens", 0) or 0,
     )

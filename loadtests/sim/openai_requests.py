@@ -75,14 +75,15 @@ _MEDIA_PARTS = frozenset({"image_url", "input_image", "image_embeds", "audio_url
                           "video_url", "video_embeds"})
 
 
-def _placeholder(part: dict) -> str:
+def _placeholder(part: dict, pad: int = 0) -> str:
     """A media item's placeholder text, naming a digest of the item: the blocks that hold it are
-    keyed by the item, as vLLM's multi-modal hash keys them; those before it are plain text."""
+    keyed by the item, as vLLM's multi-modal hash keys them; those before it are plain text.
+    `pad`: as many tokens more (" pad"), as a model's processor expands an image into hundreds."""
     digest = hashlib.sha256(json.dumps(part, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return f"<{part['type']} {digest}>"
+    return f"<{part['type']} {digest}>" + " pad" * pad
 
 
-def chat_messages(body: dict, media: bool = False) -> list[dict]:
+def chat_messages(body: dict, media: bool = False, media_tokens: int = 0) -> list[dict]:
     """The messages as the chat template gets them; `media`: image, audio and video parts are
     served (a multi-modal model), each as its placeholder first in its message's content, where
     vLLM puts them (without --interleave-mm-strings), else refused."""
@@ -100,7 +101,7 @@ def chat_messages(body: dict, media: bool = False) -> list[dict]:
             texts, items = [], []
             for part in content:
                 if media and isinstance(part, dict) and part.get("type") in _MEDIA_PARTS:
-                    items.append(_placeholder(part))
+                    items.append(_placeholder(part, media_tokens))
                     continue
                 if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
                     raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
@@ -133,9 +134,10 @@ class RequestReader:
     """Bodies to token ids and engine requests, with one replica's tokenizer and limits."""
 
     def __init__(self, tokenizer: SimTokenizer, *, max_model_len: int, default_max_tokens: int,
-                 scheduling_policy: str, media: bool = False) -> None:
+                 scheduling_policy: str, media: bool = False, media_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.media = media  # a multi-modal model (chat_messages)
+        self.media_tokens = media_tokens  # its placeholder's tokens past the digest (chat_messages)
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
         self.scheduling_policy = scheduling_policy
@@ -146,7 +148,7 @@ class RequestReader:
     async def prompt_ids(self, body: dict, chat: bool, add_special_default: bool) -> list[int]:
         tok = self.tokenizer
         if chat:
-            msgs = chat_messages(body, self.media)
+            msgs = chat_messages(body, self.media, self.media_tokens)
             agp = check_type(body, "add_generation_prompt", (bool,), "a boolean")
             ast = check_type(body, "add_special_tokens", (bool,), "a boolean")
             ctk = check_type(body, "chat_template_kwargs", (dict,), "an object")

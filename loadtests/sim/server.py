@@ -130,7 +130,8 @@ class SimServer:
             log.warning("max_model_len %d exceeds KV capacity %d tokens; clamping (vLLM would refuse to start)", cfg.max_model_len, capacity_tokens)
         self.max_model_len = min(cfg.max_model_len, capacity_tokens)
         self.requests = RequestReader(tokenizer, max_model_len=self.max_model_len, default_max_tokens=cfg.default_max_tokens,
-                                      scheduling_policy=cfg.scheduling_policy, media=cfg.multimodal)
+                                      scheduling_policy=cfg.scheduling_policy, media=cfg.multimodal,
+                                      media_tokens=cfg.media_tokens)
         self.publisher: KVEventPublisher | None = None
         self.host = "127.0.0.1"
         self.port = 0

@@ -1,0 +1,136 @@
+"""Conversations about images benchmark (not a test): the same pool and the same conversations,
+with the gateway's keys for a chat's blocks past its first image (`feed.media_history_ttl_s`,
+hashing.history_keys) and without them (0: each turn routed by the text before the image alone),
+side by side in one run.
+
+Each conversation sends an image with its first question, then `--turns` - 1 follow-ups, each
+with the whole history (the image, the earlier questions and the answers), a turn sent
+`--think-s` after the previous one's answer; conversations start as Poisson arrivals at
+`--rate`. The sims are multi-modal (an image is a placeholder keyed by its content, as vLLM's
+processor and prefix cache key it) and expand each image into `--image-tokens` tokens, as a
+vision model's processor does. Everything runs embedded in this process (loadtests/harness.py:
+sims on the wall-clock time model, their agents, the gateway, the load), each variant from cold
+caches, `--rounds` times, alternating which goes first. Reported per variant: TTFT and end-to-end
+p50 / p99 of the follow-ups and of every turn, the cached share of the prompt tokens, and how
+many follow-ups went to the replica of their conversation's previous turn.
+
+Run:  python -m loadtests.bench_media [--conversations 48] [--turns 4] [--rate 1.5] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+from loadtests.harness import EmbeddedSystem, SystemSpec
+from loadtests.runner import BenchRequest, percentiles, run_interruptible, run_load
+
+MODEL = "media-bench"
+
+
+def stream(args) -> list[BenchRequest]:
+    """The conversations both variants get (deterministic for `--seed`): one request per turn, each
+    after its previous turn (`after`), tagged "c<conversation>t<turn>"."""
+    rng = random.Random(args.seed)
+    out: list[BenchRequest] = []
+    t = 0.0
+    for c in range(args.conversations):
+        t += rng.expovariate(args.rate)
+        image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{rng.getrandbits(128):032x}"}}
+        history = [{"role": "system", "content": "You describe photographs for a catalogue, briefly."}]
+        prev = -1
+        for k in range(args.turns):
+            words = " ".join(f"w{rng.randrange(100_000)}" for _ in range(args.question_words))
+            question = {"type": "text", "text": f"Question {k}: {words}"}
+            history = history + [{"role": "user", "content": [question, image] if k == 0 else [question]}]
+            out.append(BenchRequest(t + k * args.think_s, "/v1/chat/completions",
+                                    {"model": MODEL, "messages": history, "max_tokens": args.output_tokens,
+                                     "ignore_eos": True}, tag=f"c{c}t{k}", after=prev))
+            prev = len(out) - 1
+            answer = " ".join(f"a{rng.randrange(100_000)}" for _ in range(args.output_tokens // 2))
+            history = history + [{"role": "assistant", "content": answer}]
+    return out
+
+
+async def run_variant(args, ttl_s: float, reqs: list[BenchRequest]) -> dict:
+    spec = SystemSpec(replicas=args.replicas, policy=args.policy, model=MODEL, num_blocks=args.num_blocks,
+                      max_num_seqs=args.max_num_seqs, auth=False, media_tokens=args.image_tokens,
+                      media_history_ttl_s=ttl_s)
+    async with EmbeddedSystem(spec) as system:
+        samples, wall = await run_load(system.urls, reqs, timeout_s=args.timeout)
+    ok = [s for s in samples if s.ok]
+    where = {s.tag: s.replica for s in ok}
+    follow = [s for s in ok if not s.tag.endswith("t0")]
+    back = sum(1 for s in follow if where.get(s.tag.rsplit("t", 1)[0] + f"t{int(s.tag.rsplit('t', 1)[1]) - 1}") == s.replica)
+    prompt, cached = sum(s.prompt_tokens for s in ok), sum(s.cached_tokens for s in ok)
+
+    def ms(xs) -> dict:
+        return {k: round(v * 1e3, 1) for k, v in percentiles(xs).items()}
+
+    return {"media_history_ttl_s": ttl_s, "requests": len(samples), "errors": len(samples) - len(ok),
+            "duration_s": round(wall, 2), "ttft_ms": ms(s.ttft_s for s in ok), "e2e_ms": ms(s.e2e_s for s in ok),
+            "follow_up_ttft_ms": ms(s.ttft_s for s in follow), "follow_up_e2e_ms": ms(s.e2e_s for s in follow),
+            "hit_ratio": round(cached / prompt, 4) if prompt else 0.0, "follow_ups": len(follow),
+            "follow_ups_back_home": back}
+
+
+def _row(r: dict) -> str:
+    f, t = r["follow_up_ttft_ms"], r["ttft_ms"]
+    return (f"| {r['media_history_ttl_s']:g} | {f.get('p50', float('nan')):,.0f} / {f.get('p99', float('nan')):,.0f} | "
+            f"{t.get('p50', float('nan')):,.0f} / {t.get('p99', float('nan')):,.0f} | {r['hit_ratio']:.3f} | "
+            f"{r['follow_ups_back_home']} of {r['follow_ups']} | {r['errors']} |")
+
+
+async def main_async(args) -> dict:
+    reqs = stream(args)
+    variants = (args.ttl_s, 0.0)
+    runs: dict[str, list[dict]] = {str(v): [] for v in variants}
+    for rnd in range(args.rounds):
+        for ttl in (variants if rnd % 2 == 0 else variants[::-1]):
+            print(f"round {rnd}, media_history_ttl_s {ttl:g}: {len(reqs)} requests", file=sys.stderr)
+            r = await run_variant(args, ttl, reqs)
+            runs[str(ttl)].append(r)
+            print(_row(r), file=sys.stderr)
+    print("| media_history_ttl_s | follow-ups' TTFT p50 / p99 ms | every turn's TTFT p50 / p99 ms | hit ratio "
+          "| follow-ups to their previous turn's replica | errors |")
+    print("|---|---|---|---|---|---|")
+    for rs in runs.values():
+        for r in rs:
+            print(_row(r))
+    return {"argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M"), "runs": runs}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtests.bench_media", description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--conversations", type=int, default=48)
+    p.add_argument("--turns", type=int, default=4, help="turns per conversation (the first with the image)")
+    p.add_argument("--rate", type=float, default=1.5, help="conversations started per second (Poisson)")
+    p.add_argument("--think-s", type=float, default=2.0, help="seconds from an answer to the next turn")
+    p.add_argument("--image-tokens", type=int, default=576, help="tokens the sims' processor makes of an image")
+    p.add_argument("--question-words", type=int, default=30, help="words of each question (about 3 tokens each)")
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per replica")
+    p.add_argument("--policy", default="cache_aware")
+    p.add_argument("--ttl-s", type=float, default=120.0, help="feed.media_history_ttl_s of the variant with it")
+    p.add_argument("--rounds", type=int, default=1, help="runs per variant, alternating which goes first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0, help="a client's total timeout per request (s)")
+    p.add_argument("--json", metavar="FILE")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = run_interruptible(main_async(args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
