@@ -205,7 +205,10 @@ class Pipeline:
             await self.flow.hold(ctx, partial(self.decide, only=ctx.only))
         routing = ctx.routing
         self.metrics.decision.observe(routing.decision_s)
-        ctx.span.decision(routing, ctx.flow.span_attrs() if ctx.flow is not None and self.tracing.enabled else None)
+        extra = ctx.flow.span_attrs() if ctx.flow is not None and self.tracing.enabled else None
+        if ctx.history_keys:  # a chat with media: its keys past the first item (hashing.history_keys)
+            extra = {**(extra or {}), "warmroute.history_blocks": len(ctx.history_keys)}
+        ctx.span.decision(routing, extra)
         if not routing.decision.ranked:
             raise ApiError(503, "no replica available", code="no_replica_available", headers={"Retry-After": "1"})
         self.routing.placed(self.policy, routing.request, routing.decision)  # once, as sent (rank may have run twice)

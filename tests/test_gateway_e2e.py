@@ -732,6 +732,7 @@ async def test_a_conversation_about_an_image_goes_back_to_the_replica_that_holds
                     route = next(sp for sp in exporter.get_finished_spans() if sp.name == "warmroute.route")
                     matched = {e.attributes["warmroute.replica_id"]: e.attributes["warmroute.matched_blocks_gpu"]
                                for e in route.events if e.name == "warmroute.candidate"}
+                    assert route.attributes["warmroute.history_blocks"] > len(LONG_DOC) // 64  # its keys past the image
                     return usage, rid, matched
 
                 firsts = []
