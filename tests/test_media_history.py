@@ -87,3 +87,19 @@ def test_the_replica_a_chat_went_to_holds_its_history_keys_for_their_ttl_here_an
     small.linger("a", keys[:26])
     small.linger("b", keys[26:])
     assert small.index.match(keys[:26])["a"].gpu_blocks == 26 and small.index.match(keys[26:]) == {}
+
+
+def test_a_message_digest_reads_all_of_it_and_takes_any_nesting_a_body_may_have():
+    from gateway.chat_messages import _digest
+
+    a = {"role": "user", "content": [IMAGE, {"type": "text", "text": "x"}], "name": "n"}
+    assert _digest(a) == _digest(dict(reversed(list(a.items()))))  # key order does not matter
+    for other in ({**a, "name": "m"}, {**a, "content": [OTHER, {"type": "text", "text": "x"}]},
+                  {**a, "content": [{"type": "text", "text": "x"}, IMAGE]}, {**a, "extra": None},
+                  {"role": "user", "content": [IMAGE, {"type": "text", "text": "x"}], "name": ["n"]}):
+        assert _digest(other) != _digest(a), other
+    assert _digest(["ab", "c"]) != _digest(["a", "bc"]) and _digest([1]) != _digest(["1"])
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    assert isinstance(_digest({**a, "x": deep}), int)
