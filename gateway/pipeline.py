@@ -313,7 +313,9 @@ class Pipeline:
     def learn(self, ctx: RequestContext, outcome: Outcome) -> None:
         """Learn stage: rates, the policy's hook, metrics and span attributes of one answer."""
         lesson = learn(outcome, self.routing.calibrator, self.policy)
-        self.media_tokens.observe(ctx.prompt, lesson.prompt_tokens)
+        if ctx.prompt is not None and ctx.prompt.media_items:
+            self.media_tokens.observe(ctx.prompt, lesson.prompt_tokens)
+            self.metrics.media_item_tokens.set(self.media_tokens.per_item)
         agreement = self.metrics.record_lesson(lesson)
         ident = ctx.identity
         if ident is not None and ident.identified:

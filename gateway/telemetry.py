@@ -109,6 +109,10 @@ class Metrics(LabelCache):
         self.accuracy = Gauge("warmroute_gateway_index_accuracy_ratio",
                               "Moving mean of min(predicted, reported)/max(predicted, reported) cached tokens",
                               ["replica"], registry=r, multiprocess_mode="mostrecent")
+        self.media_item_tokens = Gauge("warmroute_gateway_media_item_tokens",
+                                       "Tokens a media item takes in the engines' prompts as their answers said "
+                                       "(moving mean; the prior until the first answer with media): the load estimate's",
+                                       registry=r, multiprocess_mode="mostrecent")
         self.retries = Counter("warmroute_gateway_retries", "Attempts on a next-ranked replica before the first byte",
                                ["reason"], registry=r)
         self.upstream_errors = Counter("warmroute_gateway_upstream_errors", "Upstream failures",

@@ -682,6 +682,8 @@ async def test_a_chat_with_images_is_routed_by_the_text_before_them(tok):
                 routed = [sp for sp in exporter.get_finished_spans() if sp.name == "warmroute.route"]
                 assert len(routed) == 1 and abs(routed[0].attributes["warmroute.prompt_tokens"] - u["prompt_tokens"]) <= 2, u
                 assert u["prompt_tokens"] - (shared + 1) > 20, (u, shared)  # what it routed on before
+                learned = g.gateway.pipeline.media_tokens.per_item
+                assert 0 < learned < 100 and f"warmroute_gateway_media_item_tokens {learned}" in await metrics_text(s, g.admin_url)
                 # the Responses API's input_image the same way
                 body = {"model": MODEL, "max_output_tokens": 2, "instructions": system, "store": False,
                         "input": [{"role": "user", "content": [{"type": "input_text", "text": "and this one?"},
