@@ -139,7 +139,8 @@ def test_lora_slots_reach_the_gateway(lora_system):
     """The engine's LoRA slots (vllm:lora_requests_info) as the policy weighs them: while a request
     for an adapter runs, the engine's /metrics names it among the running adapters with its
     `--max-loras`, the agent's load record carries that to the gateway's index, and once the
-    request has ended the next records say no adapter runs."""
+    request has ended (the client leaves once both were seen: a stream long enough for a slow
+    /metrics to be polled on a fast engine) the next records say no adapter runs."""
     import threading
 
     from replica_agent.scraper import parse_load
@@ -147,9 +148,9 @@ def test_lora_slots_reach_the_gateway(lora_system):
     system = lora_system
     gw = system.gateway
     rep = system.replicas[0]
-    body = {"model": ADAPTERS[1], "prompt": "Count: " + " ".join(str(i) for i in range(50)), "max_tokens": 600,
+    body = {"model": ADAPTERS[1], "prompt": "Count: " + " ".join(str(i) for i in range(50)), "max_tokens": 3000,
             "temperature": 0, "ignore_eos": True, "stream": True}
-    done = threading.Event()
+    done, seen = threading.Event(), threading.Event()
     statuses: list[int] = []  # an assert in the thread would not fail the test: checked after the join
 
     def stream() -> None:
@@ -158,7 +159,8 @@ def test_lora_slots_reach_the_gateway(lora_system):
                               timeout=180) as r:
                 statuses.append(r.status_code)
                 for _ in r.iter_bytes():
-                    pass
+                    if seen.is_set():
+                        break  # closing the stream aborts the request on the engine
         finally:
             done.set()
 
@@ -179,6 +181,7 @@ def test_lora_slots_reach_the_gateway(lora_system):
                 index = lr
         time.sleep(0.05)
     waited, ended_first = time.monotonic() - started, done.is_set()
+    seen.set()
     t.join(timeout=180)
     assert statuses == [200], statuses
     assert engine is not None, (f"the engine's /metrics never named the running adapter in {polls} polls over "
