@@ -57,7 +57,9 @@ def has_media(messages: Any) -> bool:
     return has_part(messages, MEDIA_PART_TYPES)
 
 
-HISTORY_ITEM_TOKENS = 576  # a media item's weight in history_units (fixed: a turn's keys must be the next turn's)
+# a media item's weight in history_units: fixed (a turn's keys must be the next turn's), at
+# gateway.encode.MediaTokens' prior, not at what it learns
+HISTORY_ITEM_TOKENS = 576
 
 
 def history_units(messages: Any) -> tuple[tuple[int, int], ...]:

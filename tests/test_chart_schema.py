@@ -90,7 +90,8 @@ def test_config_schema_is_derived_from_the_gateway_config():
 
 def test_zero_switches_that_mean_off_pass():
     """0 is "off" for these (gateway/config.py), not a bad period."""
-    render(deep_merge(BASE, {"config": {"flow": {"light_spill_s": 0, "headroom_reqs": 0, "engine_priority": True}}}))
+    render(deep_merge(BASE, {"config": {"flow": {"light_spill_s": 0, "headroom_reqs": 0, "engine_priority": True},
+                                        "feed": {"media_history_ttl_s": 0}}}))
 
 
 def test_every_policy_name_and_its_own_parameters_pass():

@@ -48,6 +48,7 @@ BOUNDS: dict[str, dict[str, Any]] = {
     "proxy.pool_limit": {"minimum": 1},
     "membership.health_timeouts_to_down": {"minimum": 1},
     "feed.index_max_entries": {"minimum": 1},
+    "feed.media_history_ttl_s": {"minimum": 0},
     "server.max_body_bytes": {"minimum": 1024},
     "server.shutdown_grace_s": {"minimum": 0},
     "auth.jwt.leeway_s": {"minimum": 0},
