@@ -67,7 +67,6 @@ class Prompt:
     cut: bool = False  # media parts: the ids end before the first item's placeholder; the engine's prompt is longer
     after_cut: int = 0  # cut: the text tokens after the first item (total_tokens adds them and the items' estimate)
     media_items: int = 0  # cut: the media items the engine's processor puts in
-    history: tuple = ()  # cut: the messages from the first with media, (digest, tokens) (gateway.chat_messages.history_units)
 
     @property
     def routed_tokens(self) -> int:

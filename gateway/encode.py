@@ -17,15 +17,13 @@ is left unkeyed, as is a prompt given as embeddings (`prompt_embeds`), every blo
 engine keys with their hash. Such a chat's tokens, for the load it brings (`Prompt.total_tokens`),
 are its ids, the text tokens after its first item and an estimate of the items' own tokens
 (`MediaTokens`: the engine's processor decides them, by an image's size and the model's patches,
-so the gateway learns them from the engines' answers instead of computing them), and its messages
-from the first with media are described for the keys that stand for their blocks (`Prompt.history`,
-hashing.history_keys).
+so the gateway learns them from the engines' answers instead of computing them).
 """
 from __future__ import annotations
 
 import time
 
-from gateway.chat_messages import has_media, history_units
+from gateway.chat_messages import has_media
 from gateway.context import CHAT, RESPONSES, ParsedRequest, Prompt
 from gateway.errors import ApiError
 from gateway.parse import chat_chars, check_context_length
@@ -53,14 +51,16 @@ class MediaTokens:
     def estimate(self, items: int) -> int:
         return round(items * self.per_item)
 
-    def observe(self, prompt: Prompt | None, engine_prompt_tokens: int | None) -> None:
+    def observe(self, prompt: Prompt | None, engine_prompt_tokens: int | None) -> bool:
+        """Learn from one answer; False when it is no sample (no media, no usage)."""
         if prompt is None or not prompt.media_items or engine_prompt_tokens is None:
-            return
+            return False
         per = (engine_prompt_tokens - len(prompt.first_ids) - prompt.after_cut) / prompt.media_items
         if per < 0:  # the engine counted another prompt (a template that drops text): no sample
-            return
+            return False
         self.per_item = per if not self.answers else self.per_item + self.ALPHA * (per - self.per_item)
         self.answers += 1
+        return True
 
 
 async def tokenize(tok: TokenizerService, req: ParsedRequest, *, inline_max_chars: int,
@@ -76,8 +76,7 @@ async def tokenize(tok: TokenizerService, req: ParsedRequest, *, inline_max_char
         elif cut:
             ids, after, items = await tok.encode_chat_cut(req.messages, inline_max_chars=inline_max_chars, **_chat_kw(req))
             total = len(ids) + after + (media.estimate(items) if media is not None else 0)
-            return Prompt(ids, total, time.perf_counter() - t0, cut=True, after_cut=after, media_items=items,
-                          history=history_units(req.messages))
+            return Prompt(ids, total, time.perf_counter() - t0, cut=True, after_cut=after, media_items=items)
         elif req.messages is not None:  # chat, and the Responses API rendered as one
             prompts = [await _chat(tok, req, inline_max_chars)]
         else:

@@ -40,6 +40,7 @@ from typing import Awaitable, Callable, Collection, Mapping
 from gateway.adapters import AdapterLookup
 from gateway.auth import Authenticator, Identity, TenantLimiter
 from gateway.background_holds import BackgroundHolds
+from gateway.chat_messages import history_units
 from gateway.config import GatewayConfig
 from gateway.context import RESPONSES, Outcome, RequestContext, Try
 from gateway.dispatch import Dispatcher
@@ -274,10 +275,10 @@ class Pipeline:
         ctx.keys = self.model.keychain.request_keys(ctx.prompt.first_ids, salt=ctx.salt, lora=ctx.lora)
         if ctx.prompt.last_ids is not None:
             ctx.last_keys = self.model.keychain.request_keys(ctx.prompt.last_ids, salt=ctx.salt, lora=ctx.lora)
-        if ctx.prompt.history and ctx.request.reads_cache and self.routing.media_history_ttl_s > 0:
+        if ctx.prompt.media_items and ctx.request.reads_cache and self.routing.media_history_ttl_s > 0:
             chain, bs = self.model.keychain, self.model.block_size
             ctx.history_keys = tuple(history_keys(ctx.keys[-1] if ctx.keys else chain.root, ctx.prompt.first_ids[len(ctx.keys) * bs:],
-                                                  ctx.prompt.history, bs, salt=ctx.salt, lora=ctx.lora))
+                                                  history_units(ctx.request.messages), bs, salt=ctx.salt, lora=ctx.lora))
         rv = RequestView(prompt_tokens=ctx.prompt.routed_tokens, block_size=self.model.block_size,
                          # an engine that reads no cached blocks for it: no replica holds any (routed by load)
                          keys=(*ctx.keys, *ctx.history_keys) if ctx.request.reads_cache else (), max_output_tokens=ctx.request.max_tokens,
@@ -313,8 +314,7 @@ class Pipeline:
     def learn(self, ctx: RequestContext, outcome: Outcome) -> None:
         """Learn stage: rates, the policy's hook, metrics and span attributes of one answer."""
         lesson = learn(outcome, self.routing.calibrator, self.policy)
-        if ctx.prompt is not None and ctx.prompt.media_items:
-            self.media_tokens.observe(ctx.prompt, lesson.prompt_tokens)
+        if self.media_tokens.observe(ctx.prompt, lesson.prompt_tokens):
             self.metrics.media_item_tokens.set(self.media_tokens.per_item)
         agreement = self.metrics.record_lesson(lesson)
         ident = ctx.identity
