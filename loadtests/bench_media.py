@@ -25,7 +25,7 @@ import sys
 import time
 
 from loadtests.harness import EmbeddedSystem, SystemSpec
-from loadtests.runner import BenchRequest, percentiles, run_interruptible, run_load
+from loadtests.runner import BenchRequest, run_interruptible, run_load, summarize
 
 MODEL = "media-bench"
 
@@ -60,20 +60,13 @@ async def run_variant(args, ttl_s: float, reqs: list[BenchRequest]) -> dict:
                       media_history_ttl_s=ttl_s)
     async with EmbeddedSystem(spec) as system:
         samples, wall = await run_load(system.urls, reqs, timeout_s=args.timeout)
-    ok = [s for s in samples if s.ok]
-    where = {s.tag: s.replica for s in ok}
-    follow = [s for s in ok if not s.tag.endswith("t0")]
-    back = sum(1 for s in follow if where.get(s.tag.rsplit("t", 1)[0] + f"t{int(s.tag.rsplit('t', 1)[1]) - 1}") == s.replica)
-    prompt, cached = sum(s.prompt_tokens for s in ok), sum(s.cached_tokens for s in ok)
-
-    def ms(xs) -> dict:
-        return {k: round(v * 1e3, 1) for k, v in percentiles(xs).items()}
-
-    return {"media_history_ttl_s": ttl_s, "requests": len(samples), "errors": len(samples) - len(ok),
-            "duration_s": round(wall, 2), "ttft_ms": ms(s.ttft_s for s in ok), "e2e_ms": ms(s.e2e_s for s in ok),
-            "follow_up_ttft_ms": ms(s.ttft_s for s in follow), "follow_up_e2e_ms": ms(s.e2e_s for s in follow),
-            "hit_ratio": round(cached / prompt, 4) if prompt else 0.0, "follow_ups": len(follow),
-            "follow_ups_back_home": back}
+    follow = [i for i, r in enumerate(reqs) if r.after >= 0]  # samples are in request order
+    out = {"media_history_ttl_s": ttl_s, **summarize(samples, wall)}
+    part = summarize([samples[i] for i in follow], wall)
+    out.update(follow_up_ttft_ms=part["ttft_ms"], follow_up_e2e_ms=part["e2e_ms"], follow_ups=len(follow) - part["errors"],
+               follow_ups_back_home=sum(1 for i in follow if samples[i].ok and samples[reqs[i].after].ok
+                                        and samples[i].replica == samples[reqs[i].after].replica))
+    return out
 
 
 def _row(r: dict) -> str:
