@@ -62,22 +62,42 @@ def has_media(messages: Any) -> bool:
 HISTORY_ITEM_TOKENS = 576
 
 
-def history_units(messages: Any) -> tuple[tuple[int, int], ...]:
-    """The messages from the first with a media part on, each as (a digest of the whole message,
-    its tokens at about four characters a token, four for its framing, HISTORY_ITEM_TOKENS an
-    item): a function of the message alone, so a conversation's next turn repeats them."""
+def history_units(messages: Any, *, in_part_order: bool = False) -> tuple[tuple[int, int], ...]:
+    """The chat past its first media item as units of (a digest, estimated tokens): a function of
+    the messages alone, so a conversation's next turn repeats them. The message with the first item
+    gives one unit an item (its part's digest, HISTORY_ITEM_TOKENS), so that a popular image keys
+    alike in every conversation that sends it after the same text, and then its text (the whole
+    message's digest, four characters a token and four for its framing). Items come first, as a
+    "string" template places them; `in_part_order` (an "openai" template, or the engines'
+    --interleave-mm-strings) keeps the parts' order from the first item on, the text before it
+    being the request's own keys. Each later message is one unit (its digest; its text, framing and
+    items)."""
     if not isinstance(messages, list):
         return ()
     first = next((i for i, m in enumerate(messages) if has_media([m])), None)
     if first is None:
         return ()
-    out = []
-    for m in messages[first:]:
-        content = m.get("content") if isinstance(m, dict) else None
-        parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
-        items = sum(1 for p in parts if isinstance(p, dict) and p.get("type") in MEDIA_PART_TYPES)
-        out.append((_digest(m), 4 + _text_chars(parts) // 4 + HISTORY_ITEM_TOKENS * items))
+    parts = _parts(messages[first])
+    at = next(i for i, p in enumerate(parts) if _is_item(p))
+    if in_part_order:
+        out = [(_digest(p), HISTORY_ITEM_TOKENS if _is_item(p) else _text_chars([p]) // 4) for p in parts[at:]]
+        out.append((_digest(messages[first]), 4))
+    else:
+        out = [(_digest(p), HISTORY_ITEM_TOKENS) for p in parts if _is_item(p)]
+        out.append((_digest(messages[first]), 4 + _text_chars(parts) // 4))
+    for m in messages[first + 1:]:
+        ps = _parts(m)
+        out.append((_digest(m), 4 + _text_chars(ps) // 4 + HISTORY_ITEM_TOKENS * sum(map(_is_item, ps))))
     return tuple(out)
+
+
+def _parts(message: Any) -> list:
+    content = message.get("content") if isinstance(message, dict) else None
+    return [content] if isinstance(content, str) else content if isinstance(content, list) else []
+
+
+def _is_item(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES
 
 
 def _digest(value: Any) -> int:

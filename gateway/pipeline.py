@@ -277,8 +277,9 @@ class Pipeline:
             ctx.last_keys = self.model.keychain.request_keys(ctx.prompt.last_ids, salt=ctx.salt, lora=ctx.lora)
         if ctx.prompt.media_items and ctx.request.reads_cache and self.routing.media_history_ttl_s > 0:
             chain, bs = self.model.keychain, self.model.block_size
+            units = history_units(ctx.request.messages, in_part_order=self.tokenizer.media_in_part_order(ctx.request.tools))
             ctx.history_keys = tuple(history_keys(ctx.keys[-1] if ctx.keys else chain.root, ctx.prompt.first_ids[len(ctx.keys) * bs:],
-                                                  history_units(ctx.request.messages), bs, salt=ctx.salt, lora=ctx.lora))
+                                                  units, bs, salt=ctx.salt, lora=ctx.lora))
         rv = RequestView(prompt_tokens=ctx.prompt.routed_tokens, block_size=self.model.block_size,
                          # an engine that reads no cached blocks for it: no replica holds any (routed by load)
                          keys=(*ctx.keys, *ctx.history_keys) if ctx.request.reads_cache else (), max_output_tokens=ctx.request.max_tokens,

@@ -486,6 +486,18 @@ class TokenizerService:
         after = await self._encode_text_auto(rest.replace(MEDIA_MARK, ""), False, inline_max_chars) if rest else []
         return ids, len(after), items
 
+    def media_in_part_order(self, tools: list | None = None) -> bool:
+        """Does the engine place a chat's media items in their parts' order (an "openai" template,
+        or --interleave-mm-strings), rather than first in their message (gateway.chat_messages)?"""
+        if self._interleave or self._content_format == "openai":
+            return True
+        if self._content_format == "string":
+            return False
+        try:
+            return detect_content_format(self._hf.get_chat_template(None, tools)) == "openai"
+        except Exception:  # no template: the request fails in encoding; vLLM's fallback is "string"
+            return False
+
     def warm_up(self) -> None:
         """Render and encode one short chat (and plain text) now, so the first request does not pay
         for compiling the chat template and reading it for its variables (~5-20 ms once, off the

@@ -8,16 +8,18 @@ whichever replica holds the system prompt, its image and history prefilled again
 does know is where it sent each turn. These keys stand for those blocks:
 
     k_0 = xxh3_64( TAG || parent_le64 || tail_tokens_le32 || extras_0 )
-    k_j = xxh3_64( k_{j-1}_le64 || digest_le64 )  for each estimated block of each unit
+    D_u = xxh3_64( D_{u-1}_le64 || digest_u_le64 ),  D_{-1} = 0
+    k_j = xxh3_64( k_{j-1}_le64 || D_u_le64 )  for each estimated block whose end falls in unit u
 
 where `parent` is the request's last full-block key (hashing.keys; the model's root when it has
 none), `tail_tokens` the ids of its partial block before the item, `extras_0` hashing.keys' salt
-and adapter extras, and the units the messages from the first with media, each as (its digest, its
-estimated tokens) (gateway.chat_messages.history_units): a unit's blocks are those whose end falls
-in it. A conversation's next turn repeats its messages, so its keys begin with the last turn's
-run, which the replica that served it holds as speculative entries (gateway.routing.linger); a
-different image or text diverges from there. The TAG keeps them apart from every engine-derived key,
-and the salt apart between tenants.
+and adapter extras, and the units what follows the item, each as (a digest, estimated tokens)
+(gateway.chat_messages.history_units: its items, its text, each later message). D_u runs over
+every unit so far, so a unit too short to end a block still tells the keys after it apart. A
+conversation's next turn repeats its messages, so its keys begin with the last turn's run, which
+the replica that served it holds as speculative entries (gateway.routing.linger), and a popular
+image after the same text keys alike in every conversation; a different image or text diverges
+from there. The TAG keeps them apart from every engine-derived key, and the salt between tenants.
 """
 from __future__ import annotations
 
@@ -41,9 +43,11 @@ def history_keys(parent: int, tail_ids: Sequence[int], units: Sequence[tuple[int
     p = _xxh3(_TAG + parent.to_bytes(8, "little") + tokens_to_bytes(tail_ids) + block_extras(salt, lora)[0])
     out: list[BlockKey] = []
     done = len(tail_ids)  # tokens of the first block already before the item
+    acc = 0
     for digest, tokens in units:
         end = done + max(0, tokens)
-        d = digest.to_bytes(8, "little")
+        acc = _xxh3(acc.to_bytes(8, "little") + digest.to_bytes(8, "little"))
+        d = acc.to_bytes(8, "little")
         for _ in range(done // block_size, end // block_size):
             p = _xxh3(p.to_bytes(8, "little") + d)
             out.append(BlockKey(p))

@@ -6,15 +6,17 @@ side by side in one run.
 Each conversation sends an image with its first question, then `--turns` - 1 follow-ups, each
 with the whole history (the image, the earlier questions and the answers), a turn sent
 `--think-s` after the previous one's answer; conversations start as Poisson arrivals at
-`--rate`. The sims are multi-modal (an image is a placeholder keyed by its content, as vLLM's
+`--rate`. With `--images K` the conversations share K images, the first K times as likely as the
+K-th (a catalogue's popular pictures), each asked about with a question of its own. The sims are multi-modal (an image is a placeholder keyed by its content, as vLLM's
 processor and prefix cache key it) and expand each image into `--image-tokens` tokens, as a
 vision model's processor does. Everything runs embedded in this process (loadtests/harness.py:
 sims on the wall-clock time model, their agents, the gateway, the load), each variant from cold
 caches, `--rounds` times, alternating which goes first. Reported per variant: TTFT and end-to-end
-p50 / p99 of the follow-ups and of every turn, the cached share of the prompt tokens, and how
-many follow-ups went to the replica of their conversation's previous turn.
+p50 / p99 of the follow-ups, of the first turns and of every turn, the cached share of the prompt
+tokens (all turns, and the first turns'), and how many follow-ups went to the replica of their
+conversation's previous turn.
 
-Run:  python -m loadtests.bench_media [--conversations 48] [--turns 4] [--rate 1.5] [--json FILE]
+Run:  python -m loadtests.bench_media [--conversations 48] [--turns 4] [--rate 1.5] [--images K] [--json FILE]
 """
 from __future__ import annotations
 
@@ -36,9 +38,10 @@ def stream(args) -> list[BenchRequest]:
     rng = random.Random(args.seed)
     out: list[BenchRequest] = []
     t = 0.0
+    shared = [_image(rng) for _ in range(args.images)]
     for c in range(args.conversations):
         t += rng.expovariate(args.rate)
-        image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{rng.getrandbits(128):032x}"}}
+        image = rng.choices(shared, weights=[1 / (i + 1) for i in range(len(shared))])[0] if shared else _image(rng)
         history = [{"role": "system", "content": "You describe photographs for a catalogue, briefly."}]
         prev = -1
         for k in range(args.turns):
@@ -54,6 +57,10 @@ def stream(args) -> list[BenchRequest]:
     return out
 
 
+def _image(rng: random.Random) -> dict:
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{rng.getrandbits(128):032x}"}}
+
+
 async def run_variant(args, ttl_s: float, reqs: list[BenchRequest]) -> dict:
     spec = SystemSpec(replicas=args.replicas, policy=args.policy, model=MODEL, num_blocks=args.num_blocks,
                       max_num_seqs=args.max_num_seqs, auth=False, media_tokens=args.image_tokens,
@@ -63,16 +70,19 @@ async def run_variant(args, ttl_s: float, reqs: list[BenchRequest]) -> dict:
     follow = [i for i, r in enumerate(reqs) if r.after >= 0]  # samples are in request order
     out = {"media_history_ttl_s": ttl_s, **summarize(samples, wall)}
     part = summarize([samples[i] for i in follow], wall)
-    out.update(follow_up_ttft_ms=part["ttft_ms"], follow_up_e2e_ms=part["e2e_ms"], follow_ups=len(follow) - part["errors"],
+    first = summarize([s for s, r in zip(samples, reqs) if r.after < 0], wall)
+    out.update(first_turn_ttft_ms=first["ttft_ms"], first_turn_hit_ratio=first["hit_ratio"],
+               follow_up_ttft_ms=part["ttft_ms"], follow_up_e2e_ms=part["e2e_ms"], follow_ups=len(follow) - part["errors"],
                follow_ups_back_home=sum(1 for i in follow if samples[i].ok and samples[reqs[i].after].ok
                                         and samples[i].replica == samples[reqs[i].after].replica))
     return out
 
 
 def _row(r: dict) -> str:
-    f, t = r["follow_up_ttft_ms"], r["ttft_ms"]
-    return (f"| {r['media_history_ttl_s']:g} | {f.get('p50', float('nan')):,.0f} / {f.get('p99', float('nan')):,.0f} | "
-            f"{t.get('p50', float('nan')):,.0f} / {t.get('p99', float('nan')):,.0f} | {r['hit_ratio']:.3f} | "
+    def pair(ms: dict) -> str:
+        return f"{ms.get('p50', float('nan')):,.0f} / {ms.get('p99', float('nan')):,.0f}"
+    return (f"| {r['media_history_ttl_s']:g} | {pair(r['follow_up_ttft_ms'])} | {pair(r['first_turn_ttft_ms'])} | "
+            f"{pair(r['ttft_ms'])} | {r['hit_ratio']:.3f} ({r['first_turn_hit_ratio']:.3f}) | "
             f"{r['follow_ups_back_home']} of {r['follow_ups']} | {r['errors']} |")
 
 
@@ -86,9 +96,9 @@ async def main_async(args) -> dict:
             r = await run_variant(args, ttl, reqs)
             runs[str(ttl)].append(r)
             print(_row(r), file=sys.stderr)
-    print("| media_history_ttl_s | follow-ups' TTFT p50 / p99 ms | every turn's TTFT p50 / p99 ms | hit ratio "
-          "| follow-ups to their previous turn's replica | errors |")
-    print("|---|---|---|---|---|---|")
+    print("| media_history_ttl_s | follow-ups' TTFT p50 / p99 ms | first turns' TTFT p50 / p99 ms "
+          "| every turn's TTFT p50 / p99 ms | hit ratio (first turns') | follow-ups to their previous turn's replica | errors |")
+    print("|---|---|---|---|---|---|---|")
     for rs in runs.values():
         for r in rs:
             print(_row(r))
@@ -102,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=4, help="turns per conversation (the first with the image)")
     p.add_argument("--rate", type=float, default=1.5, help="conversations started per second (Poisson)")
     p.add_argument("--think-s", type=float, default=2.0, help="seconds from an answer to the next turn")
+    p.add_argument("--images", type=int, default=0,
+                   help="images the conversations share, the i-th with weight 1/i (default 0: one of its own each)")
     p.add_argument("--image-tokens", type=int, default=576, help="tokens the sims' processor makes of an image")
     p.add_argument("--question-words", type=int, default=30, help="words of each question (about 3 tokens each)")
     p.add_argument("--output-tokens", type=int, default=32)

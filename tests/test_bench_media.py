@@ -28,3 +28,18 @@ def test_the_sims_expand_an_image_into_the_tokens_asked():
                                                       {"type": "image_url", "image_url": {"url": "data:x"}}]}]}
     plain, padded = chat_messages(body, media=True)[0]["content"], chat_messages(body, media=True, media_tokens=5)[0]["content"]
     assert padded == plain.replace("\nwhat?", " pad pad pad pad pad\nwhat?") and plain.startswith("<image_url ")
+
+
+def test_with_shared_images_the_conversations_ask_about_a_few_popular_ones():
+    args = parse_args(["--conversations", "40", "--turns", "2", "--images", "3"])
+    reqs = stream(args)
+
+    def image(r):
+        return next(p["image_url"]["url"] for m in r.body["messages"] if isinstance(m["content"], list)
+                    for p in m["content"] if p["type"] == "image_url")
+    firsts = [image(r) for r in reqs if r.after < 0]
+    counts = sorted((firsts.count(u) for u in set(firsts)), reverse=True)
+    assert len(counts) == 3 and counts[0] > counts[-1], counts  # the first the most asked about
+    assert all(image(r) == image(reqs[r.after]) for r in reqs if r.after >= 0)  # a follow-up keeps its image
+    questions = [r.body["messages"][-1]["content"][0]["text"] for r in reqs if r.after < 0]
+    assert len(set(questions)) == len(questions)  # each conversation asks its own

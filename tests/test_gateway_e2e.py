@@ -726,14 +726,7 @@ async def test_a_conversation_about_an_image_goes_back_to_the_replica_that_holds
             await until(lambda: all(g.gateway.index.is_live(f"r{i}") for i in range(2)), timeout_s=5.0)
             async with aiohttp.ClientSession() as s:
                 async def ask(messages):
-                    exporter.clear()
-                    body = {"model": MODEL, "max_tokens": 2, "messages": messages}
-                    async with s.post(g.url + "/v1/chat/completions", json=body) as r:
-                        assert r.status == 200, await r.text()
-                        usage, rid = (await r.json())["usage"], r.headers["X-Warmroute-Replica"]
-                    route = next(sp for sp in exporter.get_finished_spans() if sp.name == "warmroute.route")
-                    matched = {e.attributes["warmroute.replica_id"]: e.attributes["warmroute.matched_blocks_gpu"]
-                               for e in route.events if e.name == "warmroute.candidate"}
+                    usage, rid, matched, route = await _chat_routed(s, g.url, exporter, messages)
                     assert route.attributes["warmroute.history_blocks"] > len(LONG_DOC) // 64  # its keys past the image
                     return usage, rid, matched
 
@@ -752,6 +745,59 @@ async def test_a_conversation_about_an_image_goes_back_to_the_replica_that_holds
                     assert usage["prompt_tokens_details"]["cached_tokens"] > len(LONG_DOC) // 8, (c, usage)  # its image and history
         finally:
             await g.close()
+
+
+async def test_a_popular_image_draws_a_new_conversation_to_the_replica_that_holds_it(tok):
+    """The engine keys an image's blocks by the image and the text before it, so a new conversation
+    that sends an image another one sent after the same text finds those blocks cached where that
+    one went; the gateway's keys for a chat's first item stand for them alike in every conversation
+    (hashing.history_keys), so it goes there. Before, a chat's first message with media was one
+    unit, its question in every key: nothing matched, and load chose."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from replica_agent.feed import open_feed
+
+    feed = open_feed("memory://e2e-media-popular")
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    async with sims_with_agents(2, feed, MODEL, multimodal=True, media_tokens=320) as sims_:
+        g = await start_gateway(_cfg([f"r{i}={s.url}" for i, s in enumerate(sims_)]), feed=feed, tokenizer=tok,
+                                tracer_provider=provider)
+        try:
+            await until(lambda: all(g.gateway.index.is_live(f"r{i}") for i in range(2)), timeout_s=5.0)
+            async with aiohttp.ClientSession() as s:
+                async def ask(question, image):
+                    usage, rid, matched, _ = await _chat_routed(s, g.url, exporter, [
+                        {"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": [{"type": "text", "text": question}, image]}])
+                    return usage, rid, matched
+
+                for i in range(4):
+                    image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,POPULAR{i}"}}
+                    usage, home, matched = await ask(f"who took photograph {i}?", image)
+                    assert set(matched.values()) == {0}, matched  # its first sender: nothing anywhere yet
+                    assert usage["prompt_tokens_details"]["cached_tokens"] < 64, usage
+                    usage, rid, matched = await ask(f"another user asks where photograph {i} was taken, and when", image)
+                    assert rid == home and matched[home] > 0 == sum(m for r, m in matched.items() if r != home), (i, matched)
+                    assert usage["prompt_tokens_details"]["cached_tokens"] >= 320, (i, usage)  # the image's blocks
+        finally:
+            await g.close()
+
+
+async def _chat_routed(session, url: str, exporter, messages: list) -> tuple[dict, str, dict, object]:
+    """A 2-token chat through the gateway: its usage, the replica that served it, each candidate's
+    matched GPU blocks from its decision span, and that span."""
+    exporter.clear()
+    body = {"model": MODEL, "max_tokens": 2, "messages": messages}
+    async with session.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        usage, rid = (await r.json())["usage"], r.headers["X-Warmroute-Replica"]
+    route = next(sp for sp in exporter.get_finished_spans() if sp.name == "warmroute.route")
+    return usage, rid, {e.attributes["warmroute.replica_id"]: e.attributes["warmroute.matched_blocks_gpu"]
+                        for e in route.events if e.name == "warmroute.candidate"}, route
 
 
 def _accuracy_lines(text: str) -> list[str]:

@@ -28,14 +28,15 @@ def _turns(image=IMAGE):
 def test_a_conversations_next_turn_begins_with_the_last_turns_units_and_keys():
     one, two = _turns()
     u1, u2 = history_units(one), history_units(two)
-    assert len(u1) == 1 and len(u2) == 3 and u2[:1] == u1  # from the first message with media on
-    assert u1[0][1] == 4 + len("what is this? " * 10) // 4 + HISTORY_ITEM_TOKENS
-    assert u2[1][1] == 4 + len("A red square on white. " * 8) // 4
+    # from the first item on: the item, then its message's text (a "string" template's order)
+    assert len(u1) == 2 and len(u2) == 4 and u2[:2] == u1
+    assert u1[0][1] == HISTORY_ITEM_TOKENS and u1[1][1] == 4 + len("what is this? " * 10) // 4
+    assert u2[2][1] == 4 + len("A red square on white. " * 8) // 4
     chain = KeyChain("m", 16)
     parent, tail = chain.request_keys(list(range(40)))[-1], [1, 2, 3, 4, 5, 6, 7, 8]  # 2 full blocks, 8 ids left
     k1 = history_keys(parent, tail, u1, 16, salt="s")
     k2 = history_keys(parent, tail, u2, 16, salt="s")
-    assert len(k1) == (8 + u1[0][1]) // 16 and len(k2) == (8 + sum(t for _, t in u2)) // 16
+    assert len(k1) == (8 + sum(t for _, t in u1)) // 16 and len(k2) == (8 + sum(t for _, t in u2)) // 16
     assert k2[:len(k1)] == k1 and len(set(k2)) == len(k2)
     # another image, tenant, adapter, text before the item or parent: nothing in common
     other = history_keys(parent, tail, history_units(_turns(OTHER)[1]), 16, salt="s")
@@ -45,11 +46,50 @@ def test_a_conversations_next_turn_begins_with_the_last_turns_units_and_keys():
     assert not set(k2) & set(chain.request_keys(list(range(40)) + list(range(4000))))  # never a text chain's
 
 
+def test_a_popular_image_keys_alike_in_every_conversation_until_its_text():
+    """Two conversations sending one image after the same text share the keys of the blocks the
+    image fills (the engine keys those with the image's hash, so both find them cached where one
+    was), and part where their questions do."""
+    ask = [{"role": "user", "content": [{"type": "text", "text": "what is this? " * 8}, IMAGE]}]
+    other = [{"role": "user", "content": [{"type": "text", "text": "how old is it? " * 8}, IMAGE]}]
+    tail = [1, 2, 3]
+    ka = history_keys(7, tail, history_units([SYSTEM, *ask]), 16)
+    kb = history_keys(7, tail, history_units([SYSTEM, *other]), 16)
+    image_blocks = (len(tail) + HISTORY_ITEM_TOKENS) // 16  # the blocks that end within the image
+    assert ka[:image_blocks] == kb[:image_blocks] and not set(ka[image_blocks:]) & set(kb)
+    assert len(ka) > image_blocks  # the question's own block
+    # a unit too short to end a block still tells the keys after it apart
+    short_a = [{"role": "user", "content": [IMAGE, {"type": "text", "text": "a"}]}, {"role": "assistant", "content": "x" * 400}]
+    short_b = [{"role": "user", "content": [IMAGE, {"type": "text", "text": "b"}]}, {"role": "assistant", "content": "x" * 400}]
+    ua, ub = history_units(short_a), history_units(short_b)
+    assert (len(tail) + HISTORY_ITEM_TOKENS) // 16 == (len(tail) + HISTORY_ITEM_TOKENS + ua[1][1]) // 16  # ends no block
+    ka, kb = history_keys(7, tail, ua, 16), history_keys(7, tail, ub, 16)
+    assert ka[:image_blocks] == kb[:image_blocks] and not set(ka[image_blocks:]) & set(kb[image_blocks:])
+
+
+def test_in_part_order_the_units_follow_the_parts_from_the_first_item():
+    """An "openai" template (or the engines' --interleave-mm-strings) renders a message's parts in
+    their order, the text before the first item among the request's own keys; a "string" one puts
+    every item first in its message."""
+    text = lambda t: {"type": "text", "text": t}  # noqa: E731
+    msg = {"role": "user", "content": [text("before " * 8), IMAGE, text("between " * 20), OTHER, text("after")]}
+    ordered = history_units([msg], in_part_order=True)
+    assert [t for _, t in ordered] == [HISTORY_ITEM_TOKENS, len("between " * 20) // 4, HISTORY_ITEM_TOKENS,
+                                       len("after") // 4, 4]
+    first_string = history_units([msg])
+    assert [t for _, t in first_string] == [HISTORY_ITEM_TOKENS, HISTORY_ITEM_TOKENS,
+                                            4 + len("before " * 8 + "between " * 20 + "after") // 4]
+    # the same image after other text between: in order its second item keys apart
+    msg2 = {**msg, "content": [text("before " * 8), IMAGE, text("elsewhere " * 20), OTHER, text("after")]}
+    ka, kb = (history_keys(7, [], history_units([m], in_part_order=True), 16) for m in (msg, msg2))
+    assert ka[:HISTORY_ITEM_TOKENS // 16] == kb[:HISTORY_ITEM_TOKENS // 16] and ka[-1] != kb[-1]
+
+
 def test_a_chat_without_media_has_no_units():
     assert history_units([SYSTEM, {"role": "user", "content": "hello"}]) == ()
     assert history_units("not a list") == ()
-    assert history_units([{"role": "user", "content": [{"type": "text"}, IMAGE, "tail", 3]}])[0][1] == \
-        4 + len("tail") // 4 + HISTORY_ITEM_TOKENS  # parts without text count nothing
+    assert history_units([{"role": "user", "content": [{"type": "text"}, IMAGE, "tail", 3]}])[1][1] == \
+        4 + len("tail") // 4  # parts without text count nothing
     with pytest.raises(ValueError):
         history_keys(0, [], ((1, 16),), 0)
 

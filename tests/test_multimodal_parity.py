@@ -23,10 +23,13 @@ BS = FIXTURE["block_size"]
 
 
 @pytest.fixture(scope="module")
-def services(tmp_path_factory):
-    out = {}
-    for template in ("openai", "string"):
-        out[template] = TokenizerService(build_tokenizer(tmp_path_factory.mktemp(template), template))
+def tokenizers(tmp_path_factory):
+    return {template: build_tokenizer(tmp_path_factory.mktemp(template), template) for template in ("openai", "string")}
+
+
+@pytest.fixture(scope="module")
+def services(tokenizers):
+    out = {template: TokenizerService(tok) for template, tok in tokenizers.items()}
     yield out
     for s in out.values():
         s.close()
@@ -88,3 +91,28 @@ def test_what_the_gateway_learns_an_image_takes_counts_the_engines_next_prompts(
             assert abs(len(ids) + after + media.estimate(items) - engine) <= (items > 1 and template == "string"), c["label"]
         media.observe(Prompt(ids, engine, 0.0, cut=True, after_cut=after, media_items=items), engine)
     assert media.answers == len(cases)
+
+
+@pytest.mark.parametrize("template", ["openai", "string"])
+def test_the_engine_places_a_messages_items_as_the_gateways_history_units_take_them(services, template):
+    """gateway.chat_messages.history_units takes a message's items first for a "string" template
+    (vLLM's placeholders lead the message) and in their parts' order for an "openai" one
+    (`TokenizerService.media_in_part_order`): in the engine's ids, text sent before an image comes
+    after the image's placeholders with the first and before them with the second."""
+    svc = services[template]
+    assert svc.media_in_part_order() is (template == "openai")
+    c = _case(template, "text, image a")
+    ids = c["prompt_token_ids"]
+    text = next(p["text"] for p in c["messages"][-1]["content"] if p["type"] == "text").strip()
+    words = svc.encode_prompt(" " + text.split()[-1], False)  # the text's last word, as it follows a space
+    at = next(i for i in range(len(ids)) if ids[i:i + len(words)] == words)
+    first_pad = ids.index(IMAGE_PAD)
+    last_pad = len(ids) - 1 - ids[::-1].index(IMAGE_PAD)
+    assert (at < first_pad) if template == "openai" else (at > last_pad), (at, first_pad, last_pad)
+
+
+def test_the_content_format_set_or_interleaving_decides_the_order(tokenizers):
+    tok = tokenizers["string"]
+    for fmt, interleave, in_order in (("openai", False, True), ("string", True, True)):  # set, on a "string" template
+        with TokenizerService(tok, backend="hf", chat_template_content_format=fmt, interleave_mm_strings=interleave) as svc:
+            assert svc.media_in_part_order() is in_order, (fmt, interleave)
