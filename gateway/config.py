@@ -449,13 +449,13 @@ _FLAG_SWITCHES = (("load_only", "feed", "load_only", True), ("no_auth", "auth", 
 
 def apply_args(cfg: GatewayConfig, args: Any) -> GatewayConfig:
     """Flags of `warmroute gateway` over a config; re-validates."""
-    for dest, section, field in _FLAG_FIELDS:
+    for dest, section, name in _FLAG_FIELDS:
         value = getattr(args, dest, None)
         if value is not None:
-            setattr(getattr(cfg, section), field, value)
-    for dest, section, field, value in _FLAG_SWITCHES:
+            setattr(getattr(cfg, section), name, value)
+    for dest, section, name, value in _FLAG_SWITCHES:
         if getattr(args, dest, False):
-            setattr(getattr(cfg, section), field, value)
+            setattr(getattr(cfg, section), name, value)
     replicas = getattr(args, "replica", None)
     if replicas:
         cfg.membership.replicas = [ReplicaSpec(**parse_replica_arg(r)) for r in replicas]
