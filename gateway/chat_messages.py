@@ -11,7 +11,8 @@ vLLM puts its placeholder (a "string" template: first in its message's content, 
 before the text, as vLLM does without --interleave-mm-strings, else in the part's place among
 the texts; an "openai" one: in the part's place, for the template to render in order), and
 gateway.tokenization keys the text before the first mark (and counts the text after it).
-`history_units` describes the messages from the first with media for hashing.history_keys.
+`history_units` describes a chat past its first media item (each item of that message, its text,
+then each later message) for hashing.history_keys.
 """
 from __future__ import annotations
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.chat_messages import HISTORY_ITEM_TOKENS, history_units
 from gateway.index import KVIndex
@@ -143,3 +145,27 @@ def test_a_message_digest_reads_all_of_it_and_takes_any_nesting_a_body_may_have(
     for _ in range(5000):
         deep = [deep]
     assert isinstance(_digest({**a, "x": deep}), int)
+
+
+_TEXT = {"type": "text", "text": "x"}
+_part = st.one_of(st.text(max_size=60), st.builds(lambda t: {"type": "text", "text": t}, st.text(max_size=300)),
+                  st.sampled_from([IMAGE, OTHER, {"type": "input_image", "image_url": "u"}, {"type": "audio_url"}]),
+                  st.dictionaries(st.sampled_from(["type", "text", "x"]), st.one_of(st.none(), st.integers(), st.text(max_size=5))),
+                  st.integers())
+_message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"])},
+                                 optional={"content": st.one_of(st.none(), st.text(max_size=200), st.lists(_part, max_size=5)),
+                                           "name": st.text(max_size=3)})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_message, max_size=6), st.lists(_message, min_size=1, max_size=4), st.booleans(),
+       st.lists(st.integers(0, 1000), max_size=15))
+def test_any_chat_a_later_turn_extends_keeps_its_units_and_keys(before, later, in_order, tail):
+    """Whatever the messages, units and keys are a function of them, and a conversation that goes
+    on (messages appended) begins with the same units and keys: its next turn matches its last."""
+    chat = before + [{"role": "user", "content": [_TEXT, IMAGE]}]
+    units, more = history_units(chat, in_part_order=in_order), history_units(chat + later, in_part_order=in_order)
+    assert units and more[:len(units)] == units and units == history_units(list(chat), in_part_order=in_order)
+    assert all(isinstance(d, int) and t >= 0 for d, t in more)
+    keys, longer = history_keys(3, tail, units, 16), history_keys(3, tail, more, 16)
+    assert longer[:len(keys)] == keys and len(set(longer)) == len(longer)
