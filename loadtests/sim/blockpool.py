@@ -22,7 +22,7 @@ and activation headroom) holds 327,680 tokens = 20,480 blocks of 16.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 __all__ = [

@@ -15,24 +15,23 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import web
 
+from loadtests.sim.framing import Stream, aborted_event, aborted_response, end_stream
 from loadtests.sim.scheduler import SimRequest
 
 if TYPE_CHECKING:
-    from loadtests.sim.server import SimServer, _Stream
+    from loadtests.sim.server import SimServer
 
 __all__ = ["add_children", "answer_choices"]
 
 _json = msgspec.json.Encoder()
 
 
-def add_children(server: "SimServer", first: SimRequest, st: "_Stream", p) -> list[tuple[SimRequest, "_Stream"]]:
+def add_children(server: "SimServer", first: SimRequest, st: Stream, p) -> list[tuple[SimRequest, Stream]]:
     """`first` (already queued: the first prompt's first choice) and the other children of the
     request `p` (openai_requests.ParsedRequest), queued now; all wake one event."""
-    from loadtests.sim.server import _Stream
-
     kids = [(first, st)]
     for k, ids in enumerate([ids for ids in _prompts(p) for _ in range(p.n)][1:], start=1):
-        kst = _Stream(st.t_arrival)
+        kst = Stream(st.t_arrival)
         kst.event = st.event
         req = SimRequest(f"{k}_{first.request_id}", list(ids), first.max_tokens, cache_salt=first.cache_salt,
                          report_full_hits=first.report_full_hits, arrival_s=first.arrival_s, priority=first.priority,
@@ -66,7 +65,6 @@ async def answer_choices(server: "SimServer", request: web.Request, chat: bool, 
                 event.clear()
                 aborted = next((st.aborted for _, st in kids if st.aborted), None)
                 if aborted:
-                    from loadtests.sim.server import aborted_response
 
                     return aborted_response(aborted)
             if chat:
@@ -85,7 +83,6 @@ async def answer_choices(server: "SimServer", request: web.Request, chat: bool, 
 
 
 async def _stream(server: "SimServer", request: web.Request, chat: bool, p, kids: list, head: tuple) -> web.StreamResponse:
-    from loadtests.sim.server import aborted_event, end_stream
 
     rid, created, model = head
     obj = "chat.completion.chunk" if chat else "text_completion"

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from hashing import vllm_hash
 from loadtests.sim.blockpool import (

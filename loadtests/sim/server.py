@@ -1,8 +1,8 @@
 """The simulated vLLM replica's HTTP server (aiohttp): vLLM's OpenAI routes around a SimEngine.
 
-What it owns: the routes and vLLM's error responses, SSE framing, the engine loop task,
-KV-event publishing, faults. Beside it: its configuration (config.py), vLLM's request rules and
-tokenization (openai_requests.py), its metrics (metrics.py). The engine core (scheduler.py,
+What it owns: the routes, the engine loop task, KV-event publishing, faults. Beside it: its
+configuration (config.py), vLLM's request rules and tokenization (openai_requests.py), vLLM's
+error bodies and stream endings (framing.py), its metrics (metrics.py). The engine core (scheduler.py,
 blockpool.py) is pure and knows nothing of this file.
 
 Engine loop (one task per server): while there is work, run `engine.step()`, sleep until
@@ -48,6 +48,7 @@ from aiohttp import web
 
 from loadtests.sim import choices, responses
 from loadtests.sim.config import SimConfig, config_from_args
+from loadtests.sim.framing import Stream, aborted_event, aborted_response, end_stream, error_response, json_response
 from loadtests.sim.kv_events import KVEventPublisher
 from loadtests.sim.metrics import SimMetrics
 from loadtests.sim.openai_requests import BadRequest, RequestReader, check_type, read_json_body
@@ -59,53 +60,6 @@ __all__ = ["SimConfig", "SimServer", "RunningSim", "start_sim_server", "main_fro
 log = logging.getLogger("warmroute.sim")
 _json = msgspec.json.Encoder()
 _FILLER_TEXT = " the quick brown fox jumps over the lazy dog"
-
-
-def _error_response(message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
-
-
-def aborted_event(reason: str) -> bytes:
-    """The error event vLLM ends a stream with when its engine dropped the request (crash, restart)."""
-    err = {"error": {"message": f"request aborted: {reason}", "type": "InternalServerError", "param": None, "code": 500}}
-    return b"data: " + _json.encode(err) + b"\n\n"
-
-
-def aborted_response(reason: str) -> web.Response:
-    """The same, for a whole answer."""
-    return _error_response(f"request aborted: {reason}", 500, "InternalServerError")
-
-
-async def end_stream(resp: web.StreamResponse, parts: list[bytes], usage_chunk: dict | None) -> web.StreamResponse:
-    """Write a stream's last events (`parts`, the usage chunk when asked for, [DONE]) and end it."""
-    if usage_chunk is not None:
-        parts.append(b"data: " + _json.encode(usage_chunk) + b"\n\n")
-    parts.append(b"data: [DONE]\n\n")
-    await resp.write(b"".join(parts))
-    await resp.write_eof()
-    return resp
-
-
-def _json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=_json.encode(obj), status=status, content_type="application/json")
-
-
-class _Stream:
-    """Connects an engine request to its HTTP handler."""
-
-    __slots__ = ("event", "done", "aborted", "t_arrival", "t_first", "n_delivered", "t_sched", "trace")
-
-    def __init__(self, t_arrival: float) -> None:
-        self.event = asyncio.Event()
-        # output tokens whose modelled time has come; the engine's own count runs a step ahead
-        self.n_delivered = 0
-        self.done = False  # the engine finished the request
-        self.aborted: str | None = None  # why the engine dropped it (crash, restart)
-        self.t_arrival = t_arrival
-        self.t_first: float | None = None
-        self.t_sched: float | None = None  # start of the first step that scheduled it (traced only)
-        self.trace: dict | None = None  # its timeline record when the server traces (SimConfig.trace)
 
 
 class SimServer:
@@ -247,12 +201,12 @@ class SimServer:
                 self.trace_steps.append((t0, t1, out.num_prefill_tokens, out.num_decode_seqs, engine.num_running, engine.num_waiting))
                 for r in engine.running:  # scheduled in this step for the first time
                     st = r.user  # type: ignore[assignment]
-                    if isinstance(st, _Stream) and st.t_sched is None and r.num_cached_tokens >= 0:
+                    if isinstance(st, Stream) and st.t_sched is None and r.num_cached_tokens >= 0:
                         st.t_sched = t0
             if events and self.publisher is not None:
                 self.publisher.publish(events)
             for r in out.tokens:
-                st: _Stream | None = r.user  # type: ignore[assignment]
+                st: Stream | None = r.user  # type: ignore[assignment]
                 if st is None:
                     continue
                 if st.t_first is None:
@@ -277,7 +231,7 @@ class SimServer:
     def _drop_all(self, reason: str) -> None:
         for r in self.engine.abort_all():
             st = r.user
-            if isinstance(st, _Stream):
+            if isinstance(st, Stream):
                 st.aborted = reason
                 st.event.set()
 
@@ -367,11 +321,11 @@ class SimServer:
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
         if self.crashed and request.path not in ("/health", "/sim/fault", "/sim/stats"):
-            return _error_response("EngineCore encountered an issue (simulated crash).", 500, "InternalServerError")
+            return error_response("EngineCore encountered an issue (simulated crash).", 500, "InternalServerError")
         try:
             return await handler(request)
         except BadRequest as e:
-            return _error_response(e.message, e.status, e.err_type, e.param)
+            return error_response(e.message, e.status, e.err_type, e.param)
         except web.HTTPNotFound:
             return web.Response(body=b'{"detail":"Not Found"}', status=404, content_type="application/json")
         except web.HTTPMethodNotAllowed:
@@ -419,11 +373,11 @@ class SimServer:
             return await choices.answer_choices(self, request, chat, p, choices.add_children(self, req, st, p))
         return await self.stream_answer(request, chat, p, req, st)
 
-    async def _admit(self, request: web.Request, body: dict, chat: bool, rid: str) -> tuple[Any, SimRequest, "_Stream"]:
+    async def _admit(self, request: web.Request, body: dict, chat: bool, rid: str) -> tuple[Any, SimRequest, "Stream"]:
         """Parse a generation body, and queue its request in the engine."""
         p = await self.requests.parse(body, chat)
         self._req_counter += 1
-        st = _Stream(asyncio.get_running_loop().time())
+        st = Stream(asyncio.get_running_loop().time())
         lora = body.get("model") if body.get("model") in self.cfg.lora_modules else None
         req = SimRequest(rid, p.prompt_ids, p.max_tokens, cache_salt=p.cache_salt, report_full_hits=p.report_full, arrival_s=st.t_arrival,
                          priority=p.priority, user=st, lora=lora)
@@ -439,7 +393,7 @@ class SimServer:
         self._notify()
         return p, req, st
 
-    async def stream_answer(self, request: web.Request, chat: bool, p, req: SimRequest, st: "_Stream") -> web.StreamResponse:
+    async def stream_answer(self, request: web.Request, chat: bool, p, req: SimRequest, st: "Stream") -> web.StreamResponse:
         """A chat or completions request's answer, whole or streamed, as the engine delivers its tokens."""
         rid, created, model = req.request_id, int(time.time()), req.lora or self.cfg.model
         resp: web.StreamResponse | None = None
@@ -466,7 +420,7 @@ class SimServer:
                     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None, "prompt_logprobs": None}
                     obj = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice],
                            "usage": self._usage(req, chat), "kv_transfer_params": None}
-                return _json_response(obj)
+                return json_response(obj)
 
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
             await resp.prepare(request)
@@ -525,7 +479,7 @@ class SimServer:
         body = await self._body(request)
         ids = await self._tokens_for(body)
         rts = check_type(body, "return_token_strs", (bool,), "a boolean")
-        return _json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+        return json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                                "token_strs": self.tokenizer.token_strs(ids) if rts else None})
 
     async def h_detokenize(self, request: web.Request) -> web.Response:
@@ -533,15 +487,15 @@ class SimServer:
         toks = body.get("tokens")
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise BadRequest("'tokens' must be a list of token ids", "tokens")
-        return _json_response({"prompt": self.tokenizer.hf.decode(toks)})
+        return json_response({"prompt": self.tokenizer.hf.decode(toks)})
 
     async def h_render_completions(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        return _json_response({"token_ids": await self.requests.prompt_ids(body, chat=False, add_special_default=True)})
+        return json_response({"token_ids": await self.requests.prompt_ids(body, chat=False, add_special_default=True)})
 
     async def h_render_chat(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        return _json_response({"token_ids": await self.requests.prompt_ids(body, chat=True, add_special_default=False)})
+        return json_response({"token_ids": await self.requests.prompt_ids(body, chat=True, add_special_default=False)})
 
     async def h_reset_prefix_cache(self, request: web.Request) -> web.Response:
         self.engine.reset_prefix_cache()
@@ -555,7 +509,7 @@ class SimServer:
         return web.Response(status=503 if self.crashed else 200)
 
     async def h_version(self, request: web.Request) -> web.Response:
-        return _json_response({"version": "0.33.0+warmroute.sim"})
+        return json_response({"version": "0.33.0+warmroute.sim"})
 
     async def h_models(self, request: web.Request) -> web.Response:
         m = self.cfg.model
@@ -567,7 +521,7 @@ class SimServer:
                                     "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                                     "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}]}
 
-        return _json_response({"object": "list", "data": [card(m, None), *(card(a, m) for a in self.cfg.lora_modules)]})
+        return json_response({"object": "list", "data": [card(m, None), *(card(a, m) for a in self.cfg.lora_modules)]})
 
     def kv_event_sources(self) -> list[dict]:
         cfg = self.cfg
@@ -584,7 +538,7 @@ class SimServer:
                  "replay_endpoint": resolve(cfg.replay_endpoint), "topic": cfg.kv_events_topic}]
 
     async def h_kv_event_sources(self, request: web.Request) -> web.Response:
-        return _json_response(self.kv_event_sources())
+        return json_response(self.kv_event_sources())
 
     def stats(self) -> dict:
         eng = self.engine
@@ -606,7 +560,7 @@ class SimServer:
         }
 
     async def h_stats(self, request: web.Request) -> web.Response:
-        return _json_response(self.stats())
+        return json_response(self.stats())
 
     async def h_trace(self, request: web.Request) -> web.Response:
         """The timelines kept since the last `?clear=1` (empty unless SimConfig.trace)."""
@@ -615,7 +569,7 @@ class SimServer:
         if request.query.get("clear") == "1":
             self.trace_requests.clear()
             self.trace_steps.clear()
-        return _json_response(out)
+        return json_response(out)
 
     async def h_fault(self, request: web.Request) -> web.Response:
         raw = await request.read()
@@ -626,7 +580,7 @@ class SimServer:
         if not isinstance(spec, dict):
             raise BadRequest("The request body must be a JSON object")
         try:
-            return _json_response(self.apply_fault(spec))
+            return json_response(self.apply_fault(spec))
         except (TypeError, ValueError) as e:
             raise BadRequest(str(e)) from None
 
