@@ -7,11 +7,12 @@ Each conversation sends an image with its first question, then `--turns` - 1 fol
 with the whole history (the image, the earlier questions and the answers), a turn sent
 `--think-s` after the previous one's answer; conversations start as Poisson arrivals at
 `--rate`. With `--images K` the conversations share K images, the first K times as likely as the
-K-th (a catalogue's popular pictures), each asked about with a question of its own. The sims are multi-modal (an image is a placeholder keyed by its content, as vLLM's
-processor and prefix cache key it) and expand each image into `--image-tokens` tokens, as a
-vision model's processor does. Everything runs embedded in this process (loadtests/harness.py:
-sims on the wall-clock time model, their agents, the gateway, the load), each variant from cold
-caches, `--rounds` times, alternating which goes first. Reported per variant: TTFT and end-to-end
+K-th (a catalogue's popular pictures), each asked about with a question of its own. The sims are
+multi-modal (an image is a placeholder keyed by its content, as vLLM's processor and prefix cache
+key it) and expand each image into `--image-tokens` tokens, as a vision model's processor does.
+Everything runs embedded in this process (loadtests/harness.py: sims on the wall-clock time
+model, their agents, the gateway, the load), each variant from cold caches, `--rounds` times,
+alternating which goes first. Reported per variant: TTFT and end-to-end
 p50 / p99 of the follow-ups, of the first turns and of every turn, the cached share of the prompt
 tokens (all turns, and the first turns'), and how many follow-ups went to the replica of their
 conversation's previous turn.

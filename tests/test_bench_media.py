@@ -39,7 +39,7 @@ def test_with_shared_images_the_conversations_ask_about_a_few_popular_ones():
                     for p in m["content"] if p["type"] == "image_url")
     firsts = [image(r) for r in reqs if r.after < 0]
     counts = sorted((firsts.count(u) for u in set(firsts)), reverse=True)
-    assert len(counts) == 3 and counts[0] > counts[-1], counts  # the first the most asked about
+    assert len(counts) == 3 and counts[0] > counts[-1], counts  # weighted 1/i: some more asked about than others
     assert all(image(r) == image(reqs[r.after]) for r in reqs if r.after >= 0)  # a follow-up keeps its image
     questions = [r.body["messages"][-1]["content"][0]["text"] for r in reqs if r.after < 0]
     assert len(set(questions)) == len(questions)  # each conversation asks its own
