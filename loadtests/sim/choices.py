@@ -65,7 +65,6 @@ async def answer_choices(server: "SimServer", request: web.Request, chat: bool, 
                 event.clear()
                 aborted = next((st.aborted for _, st in kids if st.aborted), None)
                 if aborted:
-
                     return aborted_response(aborted)
             if chat:
                 choices = [{"index": i, "message": {"role": "assistant", "content": server._text(0, st.n_delivered)},
@@ -83,7 +82,6 @@ async def answer_choices(server: "SimServer", request: web.Request, chat: bool, 
 
 
 async def _stream(server: "SimServer", request: web.Request, chat: bool, p, kids: list, head: tuple) -> web.StreamResponse:
-
     rid, created, model = head
     obj = "chat.completion.chunk" if chat else "text_completion"
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
