@@ -357,7 +357,7 @@ class TokenizerService:
             raise TokenizationError(f"no chat template: {e}") from None
         accept = (template_variables(template) | hf_base_params()) - {"chat_template", "tokenize"}
         kwargs = {k: v for k, v in kwargs.items() if k in accept}
-        fmt = self._content_format if self._content_format != "auto" else detect_content_format(template)
+        fmt = self._format_of(template)
         conversation = to_conversation(messages, fmt, interleave=self._interleave)
         tok_kwargs = _TOKENIZER_KWARGS & kwargs.keys()
         media = has_media(messages)
@@ -489,14 +489,18 @@ class TokenizerService:
     def media_in_part_order(self, tools: list | None = None) -> bool:
         """Does the engine place a chat's media items in their parts' order (an "openai" template,
         or --interleave-mm-strings), rather than first in their message (gateway.chat_messages)?"""
-        if self._interleave or self._content_format == "openai":
+        if self._interleave:
             return True
-        if self._content_format == "string":
-            return False
+        if self._content_format != "auto":
+            return self._content_format == "openai"
         try:
-            return detect_content_format(self._hf.get_chat_template(None, tools)) == "openai"
+            return self._format_of(self._hf.get_chat_template(None, tools)) == "openai"
         except Exception:  # no template: the request fails in encoding; vLLM's fallback is "string"
             return False
+
+    def _format_of(self, template: str) -> str:
+        """The content format vLLM renders `template` with: the one set, else detected."""
+        return self._content_format if self._content_format != "auto" else detect_content_format(template)
 
     def warm_up(self) -> None:
         """Render and encode one short chat (and plain text) now, so the first request does not pay
